@@ -1,0 +1,192 @@
+"""Typed schemas of the config tree, registered with Hydra's ConfigStore.
+
+`conf/train.yaml` starts from the `lm_schema` node, so every group file and every override is checked against
+these dataclasses at compose time: `model.n_layr=3` or `trainer.max_steps=abc` fails before anything is built.
+Third-party objects (extra Lightning callbacks) stay plain `_target_` YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from lm.data.config import DataConfig
+from lm.model import ModelConfig
+
+PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
+SCHEDULES = ("wsd", "cosine", "constant")
+
+
+@dataclass
+class RunConfig:
+    """Which run directory this invocation writes: `<root>/<name>/`."""
+
+    name: str = "smoke"
+    """Run name; invocations with the same name continue the same run (phases of one plan share it)."""
+    root: str = "runs"
+    """Folder holding all runs."""
+    resume: bool = True
+    """Continue from `checkpoints/last.ckpt` when the run directory has one; false starts over."""
+    seed: int = 0
+    """Seed of weights initialisation and of the data order."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (end of the decay)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices; norms and biases are never decayed."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: int = 50
+    """Linear warm-up length in optimizer steps."""
+    schedule: str = "wsd"
+    """`wsd` (warmup-stable-decay: flat after warm-up, decayed over the last `decay_fraction`), `cosine` or `constant`."""
+    decay_fraction: float = 0.2
+    """Share of `total_steps` spent decaying under `wsd`."""
+    total_steps: int | None = None
+    """Steps the schedule spans; None uses trainer.max_steps. Set it to the whole plan when phases split a run."""
+    fused: bool | None = None
+    """Fused AdamW kernel; None turns it on exactly when training on CUDA."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"optim.schedule='{self.schedule}' is unknown; use one of {', '.join(SCHEDULES)}"
+            )
+        if not 0.0 <= self.decay_fraction <= 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must lie in [0, 1]")
+        if self.lr <= 0 or self.warmup_steps < 0:
+            raise ValueError("optim.lr must be positive and optim.warmup_steps non-negative")
+
+
+@dataclass
+class TrainerConfig:
+    """The Lightning Trainer's loop settings (precision, callbacks and logger come from their own groups)."""
+
+    accelerator: str = "auto"
+    """`cpu`, `gpu` or `auto`."""
+    devices: Any = "auto"
+    """Devices per node: an int, a list of ids or `auto`."""
+    num_nodes: int = 1
+    """Machines in the job."""
+    strategy: str = "auto"
+    """Lightning strategy (`auto`, `ddp`, `fsdp`, ...)."""
+    max_steps: int = 300
+    """Optimizer steps at which this invocation stops (a resumed run counts from its checkpoint)."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
+    gradient_clip_val: float | None = 1.0
+    """Clip the global gradient norm to this; None disables clipping."""
+    val_every_steps: int = 100
+    """Validate every this many optimizer steps (and at the end of the invocation)."""
+    limit_val_batches: int = 16
+    """Validation micro-batches per evaluation."""
+    log_every_n_steps: int = 10
+    """How often scalars go to the logger."""
+    enable_progress_bar: bool = True
+    """Show the progress bar."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Any other `lightning.Trainer` keyword, passed through unchanged."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of training."""
+
+    mode: str = "auto"
+    """Lightning precision: `bf16-mixed`, `bf16-true`, `16-mixed`, `32-true`, or `auto` (bf16-mixed on GPUs that
+    support it, 16-mixed on older GPUs, 32-true on CPU)."""
+    tf32: bool = True
+    """Let fp32 matmuls use TF32 tensor cores on Ampere and newer (free speed; ignored on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in PRECISIONS:
+            raise ValueError(f"precision.mode='{self.mode}' is unknown; use one of {', '.join(PRECISIONS)}")
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """Recompute block activations in the backward pass to save memory, at ~20-30% more compute."""
+
+    every: int = 0
+    """0 off; 1 checkpoints every block; k checkpoints every k-th block."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError("activation_checkpointing.every must be 0 (off) or a positive block stride")
+
+
+@dataclass
+class KernelsConfig:
+    """How the model's forward and backward are executed."""
+
+    compile: bool | None = None
+    """`torch.compile` the model; None compiles exactly when training on CUDA."""
+    compile_mode: str | None = None
+    """torch.compile mode (`default`, `reduce-overhead`, `max-autotune`); None is the default."""
+
+
+@dataclass
+class CheckpointConfig:
+    """How often checkpoints are written and how many are kept."""
+
+    every_n_steps: int = 100
+    """Write `step-<N>.ckpt` and refresh `last.ckpt` every this many optimizer steps (and at the end)."""
+    keep_last: int = 3
+    """Step checkpoints kept, newest by step number; `last.ckpt` is kept in addition."""
+
+
+@dataclass
+class LoggerConfig:
+    """TensorBoard logging into `<run dir>/tb/`."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+
+
+@dataclass
+class LMConfig:
+    """The root of the config tree (`conf/train.yaml`)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
+
+
+def register_configs() -> None:
+    """Make the schemas visible to Hydra (idempotent)."""
+    ConfigStore.instance().store(name="lm_schema", node=LMConfig)
+
+
+def to_objects(cfg: DictConfig) -> LMConfig:
+    """Resolve the composed config into dataclasses, running every `__post_init__` check.
+
+    Compose-time typing catches unknown keys and wrong types; this catches values that are individually
+    well-typed but wrong together (d_model not divisible by n_head, an unknown precision).
+    """
+    node = OmegaConf.to_object(cfg)  # builds each dataclass, so every __post_init__ check runs here
+    if not isinstance(node, LMConfig):
+        raise TypeError("conf/train.yaml must list `lm_schema` first in its defaults so the tree is typed")
+    return node

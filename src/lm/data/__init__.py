@@ -1,0 +1,23 @@
+"""Data pipeline: corpus -> byte-level BPE -> cached token shards -> step-addressed batches."""
+
+from lm.data.config import DataConfig
+from lm.data.datamodule import LMDataModule
+from lm.data.dataset import StepSampler, TokenWindows
+from lm.data.shards import FORMAT_VERSION, cache_key, dataset_dir, load_manifest, prepare
+from lm.data.stdlib import stdlib_documents
+from lm.data.tokenizer import EOT, load_tokenizer
+
+__all__ = [
+    "EOT",
+    "FORMAT_VERSION",
+    "DataConfig",
+    "LMDataModule",
+    "StepSampler",
+    "TokenWindows",
+    "cache_key",
+    "dataset_dir",
+    "load_manifest",
+    "load_tokenizer",
+    "prepare",
+    "stdlib_documents",
+]

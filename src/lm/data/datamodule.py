@@ -1,0 +1,126 @@
+"""LightningDataModule that prepares the cached dataset and serves step-addressed training batches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+
+from lm.data.config import DataConfig
+from lm.data.dataset import StepSampler, TokenWindows
+from lm.data.shards import load_manifest, prepare
+from lm.data.tokenizer import load_tokenizer
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Batches of (batch_size, seq_len + 1) int64 token windows from a prepared dataset.
+
+    Training order depends only on (seed, trainer.global_step), so a resumed run continues with exactly the
+    batches an uninterrupted run would have seen. Configure the Trainer with `use_distributed_sampler=False`
+    (ranks are split by the sampler) and step-based limits, since the training loader is infinite.
+    """
+
+    def __init__(self, cfg: DataConfig):
+        super().__init__()
+        self.cfg = cfg
+        self._data_dir: Path | None = None
+        self._manifest: dict | None = None
+        self._tokenizer: Tokenizer | None = None
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+
+    def prepare_data(self) -> None:
+        """Tokenize and cache the corpus (Lightning runs this on one process per node)."""
+        prepare(self.cfg)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the prepared dataset; cheap, since `prepare` returns the cached folder."""
+        manifest = self.manifest
+        dtype = manifest["dtype"]
+        self.train_set = TokenWindows(
+            self.data_dir / manifest["splits"]["train"]["file"], self.cfg.seq_len, dtype
+        )
+        self.val_set = TokenWindows(
+            self.data_dir / manifest["splits"]["val"]["file"], self.cfg.seq_len, dtype
+        )
+
+    def _resolve(self) -> None:
+        if self._manifest is not None:
+            return
+        data_dir = prepare(self.cfg)
+        manifest = load_manifest(data_dir)
+        if manifest["vocab_size"] > self.cfg.vocab_size:
+            raise ValueError(
+                f"{data_dir} was tokenized with vocab_size={manifest['vocab_size']} but data.vocab_size="
+                f"{self.cfg.vocab_size}; ids would overflow the embedding: set data.vocab_size="
+                f"{manifest['vocab_size']} or delete {data_dir} and rerun"
+            )
+        self._data_dir, self._manifest = data_dir, manifest
+
+    @property
+    def data_dir(self) -> Path:
+        """Folder of the prepared dataset (tokenizer.json, train.bin, val.bin, manifest.json)."""
+        self._resolve()
+        return self._data_dir
+
+    @property
+    def manifest(self) -> dict:
+        """The validated manifest.json of the prepared dataset."""
+        self._resolve()
+        return self._manifest
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the id space (every id is below it); size the model's embedding from this."""
+        return self.manifest["vocab_size"]
+
+    @property
+    def eot_id(self) -> int:
+        """Id of the end-of-text token that follows every document."""
+        return self.manifest["eot_id"]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The trained tokenizer, for decoding samples or encoding prompts."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.data_dir)
+        return self._tokenizer
+
+    def _loader(self, dataset: TokenWindows, **kwargs) -> DataLoader:
+        workers = self.cfg.num_workers
+        if workers > 0:
+            # Forked workers never tokenize; saying so up front silences the Rust pool's fork warning.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return DataLoader(
+            dataset,
+            num_workers=workers,
+            pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.cfg.persistent_workers and workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Infinite loader whose batches continue from the trainer's current optimizer step."""
+        if self.train_set is None:
+            self.setup("fit")
+        trainer = self.trainer
+        sampler = StepSampler(
+            len(self.train_set),
+            self.cfg.batch_size,
+            seed=self.cfg.seed,
+            start_step=trainer.global_step if trainer else 0,
+            accumulate=trainer.accumulate_grad_batches if trainer else 1,
+            world_size=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        return self._loader(self.train_set, batch_sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        """Every validation window, in order, on every rank."""
+        if self.val_set is None:
+            self.setup("validate")
+        return self._loader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False)

@@ -1,0 +1,73 @@
+"""Byte-level BPE tokenizer (GPT-2 style) trained with Hugging Face `tokenizers`.
+
+Byte-level means every string is representable and decode(encode(text)) == text, so no text is ever lost to
+an unknown token. The single special token marks the end of each document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOT = "<|endoftext|>"
+EOT_ID = 0
+"""Special tokens take the first ids, so the end-of-text id is the same for every vocab_size."""
+N_BYTES = 256
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with at most `vocab_size` ids: end-of-text, the 256 bytes, then merges."""
+    if vocab_size < N_BYTES + 2:
+        raise ValueError(
+            f"data.vocab_size={vocab_size} is too small: a byte-level BPE needs {N_BYTES} byte tokens, "
+            f"the end-of-text token and at least one merge; use data.vocab_size>={N_BYTES + 2}"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.token_to_id(EOT) != EOT_ID:
+        raise RuntimeError(f"{EOT} got id {tok.token_to_id(EOT)}, expected {EOT_ID}; the trainer changed")
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer saved by `prepare` (a `tokenizer.json` file or the dataset folder holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer at {path}; run `prepare` (or the training script) first")
+    return Tokenizer.from_file(str(path))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file: the identity of a saved tokenizer."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sample_texts(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Yield whole texts until `max_bytes` of UTF-8 is reached, passing over those that do not fit."""
+    total, first = 0, None
+    for text in texts:
+        first = text if first is None else first
+        size = len(text.encode("utf-8"))
+        if total + size <= max_bytes:
+            total += size
+            yield text
+    if total == 0 and first:
+        # Every text is larger than the budget: train on a prefix rather than on nothing.
+        yield first[:max_bytes]

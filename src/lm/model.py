@@ -1,0 +1,214 @@
+"""A Llama-style decoder-only transformer, built from one ModelConfig.
+
+RMSNorm pre-normalisation, rotary position embeddings, SwiGLU MLP, causal attention through
+`F.scaled_dot_product_attention` (flash kernel on GPUs), optional grouped-query attention and tied
+embeddings. Shapes: B batch, T time, D model width, H query heads, K key/value heads, E head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the decoder. Saved inside every checkpoint, so a checkpoint rebuilds its own model."""
+
+    vocab_size: int = 4096
+    """Tokenizer vocabulary; the embedding is padded up to a multiple of `vocab_multiple`."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_head: int = 4
+    """Query heads; head dim = d_model / n_head."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention); None means n_head (plain multi-head attention)."""
+    ffn_hidden: int | None = None
+    """SwiGLU hidden width; None uses Llama's rule: 8/3 d_model rounded up to `ffn_multiple`."""
+    ffn_multiple: int = 256
+    """Rounding of the default SwiGLU width (keeps matmuls on tensor-core friendly shapes)."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables cover."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection (saves V x D parameters)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; residual output projections get init_std / sqrt(2 n_layer)."""
+    vocab_multiple: int = 64
+    """Pad the embedding rows to a multiple of this (a free GPU speed-up: aligned matmul shapes)."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "pick n_head so that head_dim = d_model / n_head is a whole number (64 or 128 is typical)"
+            )
+        if self.n_head % self.kv_heads:
+            raise ValueError(
+                f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}; "
+                "grouped-query attention shares each key/value head among n_head / n_kv_head query heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be even for rotary embeddings; change model.n_head"
+            )
+        for name in ("vocab_size", "n_layer", "d_model", "n_head", "max_seq_len", "vocab_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return math.ceil(int(8 * self.d_model / 3) / self.ffn_multiple) * self.ffn_multiple
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 squares lose the small activations.
+        x_f = x.float()
+        x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x_f.type_as(x) * self.weight
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim), in the rotate-half layout used by Llama in HF."""
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    )
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)  # (T, E/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, E)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, E) by position; cos/sin are (T, E)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        y_BHTE = F.scaled_dot_product_attention(
+            q_BHTE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
+        )
+        return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: token ids (B, T) -> logits (B, T, padded V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg)
+        # Not persistent: derived from the config, so checkpoints stay small and never disagree with it.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.checkpoint_every = 0
+        """Activation checkpointing: 0 off, k recomputes every k-th block in the backward pass."""
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(
+            2 * self.cfg.n_layer
+        )  # keeps the residual stream's variance flat in depth
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # RMSNorm gains stay at 1
+            nn.init.normal_(
+                p, mean=0.0, std=residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+            )
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        T = idx_BT.shape[1]
+        if self.cfg.max_seq_len < T:
+            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x_BTD = self.tok_emb(idx_BT)
+        for i, block in enumerate(self.blocks):
+            if self.checkpoint_every and self.training and i % self.checkpoint_every == 0:
+                x_BTD = checkpoint(block, x_BTD, cos, sin, use_reentrant=False)
+            else:
+                x_BTD = block(x_BTD, cos, sin)
+        return self.lm_head(self.norm(x_BTD))
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        """Parameter count. `exclude_embedding` drops the input embedding table, a lookup that does no matmul
+        work (torchtitan's convention for FLOPs per token); a tied table stays, since the output head uses it."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        if exclude_embedding and not self.cfg.tie_embeddings:
+            n -= self.tok_emb.weight.numel()
+        return n

@@ -1,0 +1,118 @@
+"""LMModule: the Lightning wrapper around the decoder (loss, optimizer, schedule, logging)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from lm.config import OptimConfig
+from lm.model import ModelConfig, Transformer
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Learning-rate multiplier as a function of the optimizer step (for `LambdaLR`)."""
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+    decay_start = total_steps - int(optim.decay_fraction * total_steps)
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim.schedule == "constant":
+            return 1.0
+        if optim.schedule == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        # wsd: flat until the last decay_fraction of the run, then linear down to the floor.
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        return 1.0 - (1.0 - floor) * progress
+
+    return multiplier
+
+
+class LMModule(pl.LightningModule):
+    """Next-token prediction with AdamW.
+
+    `model` and `optim` are saved as plain dicts in every checkpoint's hyper-parameters, so
+    `LMModule.load_from_checkpoint(path)` rebuilds the architecture without the config tree.
+    Activation checkpointing and compilation are runtime choices, not hyper-parameters: a run may change them
+    between phases without touching its weights.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig | dict[str, Any],
+        optim: OptimConfig | dict[str, Any],
+        *,
+        total_steps: int | None = None,
+        checkpoint_every: int = 0,
+        compile: bool = False,
+        compile_mode: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
+        self.optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**optim)
+        self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
+        self.total_steps = total_steps or self.optim_cfg.total_steps
+        self.compile_model, self.compile_mode = compile, compile_mode
+        self.model = Transformer(self.model_cfg)
+        self.model.checkpoint_every = checkpoint_every
+
+    def configure_model(self) -> None:
+        # Module.compile() compiles in place: state_dict keys stay free of `_orig_mod.` prefixes, so
+        # checkpoints load the same whether or not the run that wrote them compiled.
+        if self.compile_model and not getattr(self.model, "_compiled_call_impl", None):
+            self.model.compile(mode=self.compile_mode)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        return self.model(idx_BT)
+
+    def loss(self, window_BT1: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over a batch of windows of T+1 tokens."""
+        inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
+        logits_BTV = self.model(inputs)
+        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Called after AMP unscaling and before clipping: this is the true pre-clip norm.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        cfg = self.optim_cfg
+        total_steps = self.total_steps or self.trainer.max_steps
+        if total_steps is None or total_steps < 1:
+            raise ValueError(
+                "the LR schedule needs optim.total_steps or trainer.max_steps to be a positive step count"
+            )
+        # Matrices decay; norm gains (and any bias) do not: decaying a gain towards 0 only fights the loss.
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            fused=fused,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

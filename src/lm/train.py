@@ -1,0 +1,153 @@
+"""main(cfg): compose the objects of one run, train, and leave the run directory behind."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lm.checkpointing import RunCheckpoint, resume_checkpoint
+from lm.config import LMConfig, TrainerConfig, to_objects
+from lm.data import LMDataModule
+from lm.module import LMModule
+
+log = logging.getLogger(__name__)
+
+
+def uses_cuda(trainer: TrainerConfig) -> bool:
+    """Whether this run will train on an NVIDIA GPU."""
+    return trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def resolve_precision(mode: str, cuda: bool) -> str:
+    """`auto` becomes the fastest precision that is numerically safe on the device."""
+    if mode != "auto":
+        return mode
+    if not cuda:
+        return "32-true"
+    return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+
+
+def run_directory(cfg: LMConfig) -> Path:
+    """`<root>/<name>/`; in a multirun, one sub-directory per job named by its swept values (so a rerun
+    of the same sweep resumes each job, and adding a value to the sweep never hands a job another's run)."""
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        hc = HydraConfig.get()
+        excluded = set(hc.job.config.override_dirname.exclude_keys)
+        run_dir = run_dir / job_dirname(list(hc.overrides.task), sys.argv[1:], excluded)
+    return run_dir
+
+
+def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] = frozenset()) -> str:
+    """A job's directory name: its values of the keys the command line sweeps (`optim.lr=0.0003`).
+
+    Falls back to all of the job's overrides when the sweep is not on this process's command line (a
+    launcher that runs jobs elsewhere); a long name keeps a readable prefix and a hash of the whole.
+    """
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        swept = {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
+    except Exception:  # argv is another program's (a remote launcher): name by every override instead
+        swept = set()
+    chosen = [o for o in task_overrides if key(o) in swept] or task_overrides
+    chosen = [o for o in chosen if key(o) not in excluded]
+    name = ",".join(sorted(chosen)).replace("/", "_") or "default"
+    if len(name) > 120:
+        name = f"{name[:80]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    return name
+
+
+def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
+    """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
+    t = cfg.trainer
+    callbacks = [RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint)]
+    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
+    logger = (
+        TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
+        if cfg.logger.tensorboard
+        else False
+    )
+    return pl.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=t.strategy,
+        precision=precision,
+        max_steps=t.max_steps,
+        max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        # Lightning counts validation intervals in micro-batches; ours is in optimizer steps.
+        val_check_interval=t.val_every_steps * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        use_distributed_sampler=False,  # the step-indexed sampler shards by rank itself
+        default_root_dir=run_dir,
+        logger=logger,
+        callbacks=callbacks,
+        **t.extra,
+    )
+
+
+def main(dcfg: DictConfig) -> float | None:
+    """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers)."""
+    cfg = to_objects(dcfg)
+    run_dir = run_directory(cfg)
+    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(dcfg, run_dir / "config.yaml")
+
+    cuda = uses_cuda(cfg.trainer)
+    precision = resolve_precision(cfg.precision.mode, cuda)
+    compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
+    torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
+    log.info(
+        "run %s: %s, precision %s, compile %s, activation checkpointing %s, tf32 %s",
+        run_dir,
+        "cuda" if cuda else "cpu",
+        precision,
+        compile_model,
+        f"every {cfg.activation_checkpointing.every} block(s)"
+        if cfg.activation_checkpointing.every
+        else "off",
+        cfg.precision.tf32,
+    )
+
+    pl.seed_everything(cfg.run.seed, workers=True)
+    datamodule = LMDataModule(cfg.data)
+    module = LMModule(
+        cfg.model,
+        cfg.optim,
+        checkpoint_every=cfg.activation_checkpointing.every,
+        compile=compile_model,
+        compile_mode=cfg.kernels.compile_mode,
+    )
+    trainer = build_trainer(cfg, run_dir, precision)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    val_loss = trainer.callback_metrics.get("val/loss")
+    return float(val_loss) if val_loss is not None else None
+
+
+def write_config(cfg: DictConfig, path: Path) -> None:
+    """The composed config, resolved, written atomically (a crash never leaves half a file)."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(tmp, path)

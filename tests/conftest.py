@@ -1,0 +1,56 @@
+"""Fixtures: the real Hydra config, composed for a CPU, a tiny model and temporary folders."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig
+
+from lm.config import register_configs
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+# A model and corpus small enough that a training step takes milliseconds on one CPU core.
+TINY = [
+    "trainer=cpu",
+    "trainer.enable_progress_bar=false",
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.n_head=4",
+    "data.max_bytes=1500000",
+    "data.tokenizer_sample_bytes=500000",
+    "data.vocab_size=512",
+    "data.seq_len=64",
+    "data.batch_size=8",
+    "data.num_workers=2",
+    "logger=tensorboard",
+    "callbacks={}",
+]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One prepared-data cache for the whole session: the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("lm-cache")
+
+
+@pytest.fixture
+def compose(tmp_path, data_cache):
+    """compose(*overrides) -> the config `python train.py *overrides` would run, with outputs in tmp_path."""
+    register_configs()
+
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose(
+                "train",
+                overrides=[f"run.root={tmp_path / 'runs'}", f"data.cache_dir={data_cache}", *overrides],
+            )
+
+    return _compose
+
+
+@pytest.fixture
+def tiny_cfg(compose):
+    """compose for a tiny CPU run: tiny_cfg('trainer.max_steps=20', ...)."""
+    return lambda *overrides: compose(*TINY, *overrides)

@@ -1,0 +1,237 @@
+"""Data pipeline tests on a small slice of the real stdlib corpus with real tokenizers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import time
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lm.data import (
+    EOT,
+    DataConfig,
+    LMDataModule,
+    StepSampler,
+    TokenWindows,
+    dataset_dir,
+    load_manifest,
+    load_tokenizer,
+    prepare,
+    stdlib_documents,
+)
+from lm.data.stdlib import list_files, select_files
+
+SMALL = dict(max_bytes=1_500_000, vocab_size=512, seq_len=64, tokenizer_sample_bytes=500_000, batch_size=8)
+TINY = dict(max_bytes=200_000, vocab_size=300, seq_len=32, tokenizer_sample_bytes=100_000)
+
+
+@pytest.fixture(scope="session")
+def cfg(tmp_path_factory) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path_factory.mktemp("cache")), num_workers=0, **SMALL)
+
+
+@pytest.fixture(scope="session")
+def data_dir(cfg) -> Path:
+    return prepare(cfg)
+
+
+@pytest.fixture(scope="session")
+def manifest(data_dir) -> dict:
+    return load_manifest(data_dir)
+
+
+def tokens(data_dir: Path, split: str, manifest: dict) -> np.ndarray:
+    return np.fromfile(data_dir / f"{split}.bin", dtype=manifest["dtype"])
+
+
+def test_prepare_is_cached(cfg, data_dir):
+    stamps = {p.name: p.stat().st_mtime_ns for p in data_dir.iterdir()}
+    t0 = time.perf_counter()
+    assert prepare(cfg) == data_dir
+    assert time.perf_counter() - t0 < 1.0
+    assert {p.name: p.stat().st_mtime_ns for p in data_dir.iterdir()} == stamps
+    assert sorted(stamps) == ["manifest.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert not [p for p in data_dir.parent.iterdir() if ".tmp-" in p.name], "temporary folder left behind"
+
+
+def test_interrupted_prepare_is_not_trusted(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path), **TINY)
+    final = dataset_dir(cfg)
+    # What a killed run leaves: a half-written build folder, and (worse) a final folder with no manifest.
+    stale = final.parent / f".{final.name}.tmp-dead"
+    stale.mkdir(parents=True)
+    (stale / "train.bin").write_bytes(b"\0" * 10)
+    (stale / "manifest.json").write_text("{}")
+    final.mkdir()
+    (final / "train.bin").write_bytes(b"\0" * 10)
+
+    assert prepare(cfg) == final
+    manifest = load_manifest(final)
+    assert manifest["splits"]["train"]["tokens"] > 1000
+    assert len(list(tmp_path.iterdir())) == 2, "only the stale folder and the dataset should be there"
+
+
+def test_manifest_matches_files(data_dir, manifest):
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == 512
+    for split in ("train", "val"):
+        info = manifest["splits"][split]
+        assert (data_dir / info["file"]).stat().st_size == info["tokens"] * 2
+        assert info["documents"] == len(manifest["documents"][split]) > 0
+    assert manifest["skipped_files"] == []  # the non-UTF-8 stdlib fixtures are outside this small slice
+
+
+def test_ids_in_range_and_documents_separated(data_dir, manifest):
+    eot = manifest["eot_id"]
+    assert load_tokenizer(data_dir).token_to_id(EOT) == eot
+    for split in ("train", "val"):
+        ids = tokens(data_dir, split, manifest)
+        assert ids.max() < manifest["vocab_size"]
+        assert ids[-1] == eot
+        assert (ids == eot).sum() == manifest["splits"][split]["documents"]
+        assert not np.any((ids[1:] == eot) & (ids[:-1] == eot)), "empty documents should be skipped"
+
+
+def test_tokenizer_round_trips_source_text(data_dir):
+    tok = load_tokenizer(data_dir)
+    docs = stdlib_documents(max_bytes=300_000).documents[:20]
+    texts = [d.text for d in docs] + ["naïve café ✓ 数据 🐍\r\n\ttab  spaces\x00", EOT]
+    tok.encode_special_tokens = True  # as when the shards are written: a literal EOT string is text
+    for text in texts:
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_splits_are_disjoint_and_complete(cfg, data_dir, manifest):
+    names = manifest["documents"]
+    assert not set(names["train"]) & set(names["val"])
+    texts = {d.name: d.text for d in stdlib_documents(cfg.max_bytes).documents}
+    assert sorted(names["train"] + names["val"]) == sorted(texts)
+
+    # Decoding train.bin document by document gives back exactly the training documents, in order.
+    tok = load_tokenizer(data_dir)
+    ids = tokens(data_dir, "train", manifest)
+    bounds = np.flatnonzero(ids == manifest["eot_id"])
+    starts = np.concatenate([[0], bounds[:-1] + 1])
+    decoded = tok.decode_batch([ids[s:e].tolist() for s, e in zip(starts, bounds)])
+    assert decoded == [texts[n] for n in names["train"]]
+    assert not {texts[n] for n in names["val"]} & set(decoded)
+
+
+def test_max_bytes_picks_a_spread_of_whole_files():
+    files = list_files()
+    chosen = select_files(files, 1_000_000)
+    sizes = dict(files)
+    assert sum(sizes[n] for n in chosen) <= 1_000_000
+    assert chosen == sorted(chosen)
+    assert len({n.split("/")[0] for n in chosen if "/" in n}) >= 5, "expected files from many packages"
+
+
+def take(sampler: StepSampler, n: int) -> list[list[int]]:
+    return list(islice(iter(sampler), n))
+
+
+def test_sampler_is_reproducible_per_seed():
+    a = take(StepSampler(100, 8, seed=1), 30)
+    assert a == take(StepSampler(100, 8, seed=1), 30)
+    assert a != take(StepSampler(100, 8, seed=2), 30)
+
+
+def test_sampler_resumes_exactly():
+    accumulate, step = 2, 7
+    full = take(StepSampler(37, 4, seed=3, accumulate=accumulate), 60)
+    resumed = take(StepSampler(37, 4, seed=3, start_step=step, accumulate=accumulate), 60 - step * accumulate)
+    assert resumed == full[step * accumulate :]  # spans several epoch boundaries (37 windows, 4 per batch)
+
+
+def test_ranks_partition_each_epoch():
+    n, batch, world = 48, 4, 2
+    per_rank = n // (batch * world)
+    for epoch in range(2):
+        seen = []
+        for rank in range(world):
+            batches = take(StepSampler(n, batch, seed=0, world_size=world, rank=rank), per_rank * (epoch + 1))
+            seen.append({i for b in batches[per_rank * epoch :] for i in b})
+        assert not seen[0] & seen[1]
+        assert seen[0] | seen[1] == set(range(n))
+
+
+def test_every_window_once_per_epoch(data_dir, manifest, cfg):
+    n = len(TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"]))
+    batch = 7
+    flat = [i for b in take(StepSampler(n, batch, seed=5), 3 * n // batch + 1) for i in b]
+    epochs = [flat[e * n : (e + 1) * n] for e in range(3)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert epochs[0] != epochs[1]
+
+
+def test_token_windows(data_dir, manifest, cfg):
+    ds = TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"])
+    ids = tokens(data_dir, "train", manifest)
+    assert len(ds) == (len(ids) - 1) // cfg.seq_len
+    first, last = ds[0], ds[len(ds) - 1]
+    assert first.dtype == torch.int64 and first.shape == (cfg.seq_len + 1,)
+    assert first.tolist() == ids[: cfg.seq_len + 1].tolist()
+    assert ds[1][0] == first[-1], "consecutive windows share their boundary token"
+    assert last.shape == (cfg.seq_len + 1,)
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+    state = pickle.dumps(ds)
+    assert len(state) < 1000, "the memory map must not be pickled"
+    assert torch.equal(pickle.loads(state)[3], ds[3])
+
+
+def test_token_windows_in_worker_processes(data_dir, manifest, cfg, monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    ds = TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"])
+    ds[0]  # opens the map in the parent, as Lightning's sanity checks may
+    sampler = StepSampler(len(ds), 4, seed=0)
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2)
+    for batch, indices in zip(islice(loader, 6), take(sampler, 6)):
+        assert torch.equal(batch, torch.stack([ds[i] for i in indices]))
+
+
+def test_datamodule_batches(cfg, data_dir, manifest):
+    dm = LMDataModule(cfg)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.data_dir == data_dir
+    assert dm.vocab_size == 512 and dm.eot_id == manifest["eot_id"]
+    assert dm.tokenizer.get_vocab_size() <= dm.vocab_size
+    train = next(iter(dm.train_dataloader()))
+    assert train.shape == (cfg.batch_size, cfg.seq_len + 1) and train.dtype == torch.int64
+    val = list(dm.val_dataloader())
+    assert all(b.dtype == torch.int64 and b.shape[1] == cfg.seq_len + 1 for b in val)
+    assert sum(len(b) for b in val) == len(dm.val_set)
+    assert torch.equal(val[0][0], dm.val_set[0]), "validation is sequential"
+
+
+def test_truncated_bin_is_reported(data_dir, tmp_path):
+    copy = tmp_path / data_dir.name
+    shutil.copytree(data_dir, copy)
+    with open(copy / "train.bin", "r+b") as f:
+        f.truncate(os.path.getsize(copy / "train.bin") - 100)
+    with pytest.raises(ValueError, match=r"train\.bin has .* bytes .* truncated .* delete"):
+        load_manifest(copy)
+
+
+def test_seq_len_longer_than_split(data_dir, manifest):
+    n = manifest["splits"]["val"]["tokens"]
+    with pytest.raises(ValueError, match=rf"val\.bin has {n} tokens.*lower data\.seq_len"):
+        TokenWindows(data_dir / "val.bin", n, manifest["dtype"])
+
+
+def test_config_errors(cfg):
+    with pytest.raises(ValueError, match="data.source 'foo' is unknown"):
+        prepare(dataclasses.replace(cfg, source="foo"))
+    with pytest.raises(ValueError, match="data.val_fraction"):
+        prepare(dataclasses.replace(cfg, val_fraction=0.0))
+    with pytest.raises(ValueError, match="data.vocab_size=100 is too small"):
+        prepare(dataclasses.replace(cfg, vocab_size=100))
