@@ -10,6 +10,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -235,3 +236,64 @@ def test_config_errors(cfg):
         prepare(dataclasses.replace(cfg, val_fraction=0.0))
     with pytest.raises(ValueError, match="data.vocab_size=100 is too small"):
         prepare(dataclasses.replace(cfg, vocab_size=100))
+
+
+class BatchRecorder(pl.LightningModule):
+    """Smallest trainable model that remembers every training batch it was given."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab_size, 8)
+        self.head = torch.nn.Linear(8, vocab_size)
+        self.seen: list[torch.Tensor] = []
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(batch[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch.clone())
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(
+    cfg: DataConfig, max_steps: int, ckpt: Path | None = None, resume: Path | None = None
+) -> BatchRecorder:
+    dm = LMDataModule(cfg)
+    model = BatchRecorder(dm.vocab_size)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=-1,
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        limit_val_batches=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=resume)
+    if ckpt:
+        trainer.save_checkpoint(ckpt)
+    return model
+
+
+def test_lightning_resume_sees_the_same_batches(cfg, data_dir, tmp_path):
+    full = fit(cfg, max_steps=6).seen
+    fit(cfg, max_steps=3, ckpt=tmp_path / "step3.ckpt")
+    resumed = fit(cfg, max_steps=6, resume=tmp_path / "step3.ckpt").seen
+    assert len(full) == 12 and len(resumed) == 6  # 2 micro-batches per optimizer step
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full[6:]))
+
+
+def test_default_cache_dir_resolves_without_hydra(tmp_path, monkeypatch):
+    monkeypatch.setenv("LM_CACHE", str(tmp_path))
+    assert dataset_dir(DataConfig()).parent == tmp_path

@@ -97,12 +97,23 @@ def test_resume_false_starts_over_and_keeps_the_old_run(tiny_cfg, tmp_path):
     assert len(archived) == 1 and torch.load(archived[0], weights_only=False)["global_step"] == 5
 
 
-def test_activation_checkpointing_and_fp16_free_knobs_run(tiny_cfg):
-    main(
-        tiny_cfg(
-            "trainer.max_steps=3", "trainer.val_every_steps=3", "activation_checkpointing=on", "kernels=eager"
-        )
-    )
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        ["+experiment=smoke"],
+        ["activation_checkpointing=on", "kernels=eager", "precision=fp32"],
+        ["precision=bf16", "optim.schedule=cosine"],
+    ],
+)
+def test_cheap_configurations_run_a_few_steps(tiny_cfg, tmp_path, knobs):
+    main(tiny_cfg(*knobs, "trainer.max_steps=3", "trainer.val_every_steps=3"))
+    assert (tmp_path / "runs/smoke/checkpoints/last.ckpt").is_file()
+
+
+def test_fp16_on_a_cpu_is_refused_before_anything_is_written(tiny_cfg, tmp_path):
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        main(tiny_cfg("precision=fp16"))
+    assert not (tmp_path / "runs").exists()
 
 
 def test_extra_callbacks_are_instantiated_from_target_nodes(tiny_cfg, tmp_path):
@@ -157,3 +168,14 @@ def test_job_directory_names_use_the_swept_keys_only():
     assert fallback == "data.cache_dir=_tmp_x,optim.lr=0.0003,trainer=cpu"
     long = job_dirname([f"k{i}=value{i}" for i in range(40)], [])
     assert len(long) <= 91 and long != job_dirname([f"k{i}=value{i}" for i in range(41)], [])
+
+
+@pytest.mark.slow
+def test_compiled_run_matches_eager_and_its_checkpoint_resumes_eagerly(tiny_cfg, tmp_path):
+    common = ["trainer.max_steps=4", "trainer.val_every_steps=4", "data.num_workers=0"]
+    eager = main(tiny_cfg(*common, "kernels=eager", "run.name=eager"))
+    compiled = main(tiny_cfg(*common, "kernels=compile", "run.name=compiled"))
+    assert compiled == pytest.approx(eager, abs=1e-3)
+    ckpt = torch.load(tmp_path / "runs/compiled/checkpoints/last.ckpt", weights_only=False)
+    assert not any("_orig_mod" in k for k in ckpt["state_dict"])  # compiled in place: same keys as eager
+    main(tiny_cfg("trainer.max_steps=6", "trainer.val_every_steps=3", "kernels=eager", "run.name=compiled"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 
 from lm.config import CheckpointConfig
 
@@ -56,6 +57,8 @@ def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
             log.info("resuming from %s", last)
             return last
         return None
+    if rank_zero_only.rank != 0:
+        return None  # rank 0 moves the old run aside; the others only need to start fresh
     produced = [run_dir / name for name in ("checkpoints", "tb", "config.yaml") if (run_dir / name).exists()]
     if produced:
         archive = run_dir / "archive" / time.strftime("%Y-%m-%d_%H-%M-%S")

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lm.checkpointing import RunCheckpoint, resume_checkpoint
@@ -32,6 +33,10 @@ def uses_cuda(trainer: TrainerConfig) -> bool:
 
 def resolve_precision(mode: str, cuda: bool) -> str:
     """`auto` becomes the fastest precision that is numerically safe on the device."""
+    if mode == "16-mixed" and not cuda:
+        raise ValueError(
+            "precision=fp16 (16-mixed) needs a CUDA GPU; on a CPU use precision=auto, bf16 or fp32"
+        )
     if mode != "auto":
         return mode
     if not cuda:
@@ -110,13 +115,14 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
 def main(dcfg: DictConfig) -> float | None:
     """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers)."""
     cfg = to_objects(dcfg)
+    cuda = uses_cuda(cfg.trainer)
+    precision = resolve_precision(cfg.precision.mode, cuda)  # refuses an impossible precision before any I/O
     run_dir = run_directory(cfg)
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(dcfg, run_dir / "config.yaml")
+    if rank_zero_only.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(dcfg, run_dir / "config.yaml")
 
-    cuda = uses_cuda(cfg.trainer)
-    precision = resolve_precision(cfg.precision.mode, cuda)
     compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
     torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
     log.info(

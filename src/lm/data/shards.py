@@ -18,11 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from lm.data import stdlib
 from lm.data.config import DataConfig
 from lm.data.stdlib import Corpus, Document, stable_fraction
-from lm.data.tokenizer import EOT, EOT_ID, file_sha256, sample_texts, train_tokenizer
+from lm.data.tokenizer import EOT, EOT_ID, MIN_VOCAB_SIZE, file_sha256, sample_texts, train_tokenizer
 
 log = logging.getLogger("lm.data")
 
@@ -85,10 +86,26 @@ def is_validation(name: str, val_fraction: float) -> bool:
     return stable_fraction(name, "val") < val_fraction
 
 
+def check_config(cfg: DataConfig) -> None:
+    """Fail fast, before any corpus is read, on values that cannot produce a dataset."""
+    _source(cfg.source)
+    if not 0 < cfg.val_fraction < 1:
+        raise ValueError(
+            f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.02"
+        )
+    if cfg.vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"data.vocab_size={cfg.vocab_size} is too small: a byte-level BPE needs 256 byte tokens, the "
+            f"end-of-text token and at least one merge; use data.vocab_size>={MIN_VOCAB_SIZE}"
+        )
+    if cfg.max_bytes is not None and cfg.max_bytes <= 0:
+        raise ValueError(f"data.max_bytes={cfg.max_bytes} must be positive, or null for the whole corpus")
+    if cfg.tokenizer_sample_bytes <= 0:
+        raise ValueError(f"data.tokenizer_sample_bytes={cfg.tokenizer_sample_bytes} must be positive")
+
+
 def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
     """(train, val) by document, each non-empty and in the input order."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.02")
     if len(docs) < 2:
         raise ValueError(
             f"the corpus has {len(docs)} document(s) but a train/val split needs at least 2; "
@@ -105,13 +122,17 @@ def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list
     return train, val
 
 
-def write_tokens(tokenizer, texts: Sequence[str], path: Path, dtype: np.dtype, vocab_size: int) -> int:
+def write_tokens(
+    tokenizer: Tokenizer, texts: Sequence[str], path: Path, dtype: np.dtype, vocab_size: int
+) -> int:
     """Encode `texts` into `path` as one flat stream, each text followed by end-of-text; returns the count."""
+    # The fast variant skips character offsets, which we never use (about a third less CPU); tokenizers>=0.20.
+    encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    eot = np.array([EOT_ID], dtype=np.int64)
     n_tokens = 0
     with open(path, "wb") as f:
         for start in range(0, len(texts), ENCODE_CHUNK):
-            encodings = tokenizer.encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
-            eot = np.array([EOT_ID], dtype=np.int64)
+            encodings = encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
             ids = np.concatenate([part for e in encodings for part in (np.asarray(e.ids, np.int64), eot)])
             if ids.max() >= vocab_size:
                 raise ValueError(
@@ -192,6 +213,7 @@ def prepare(cfg: DataConfig) -> Path:
     The dataset is built in a temporary sibling folder and renamed into place only when complete, so an
     interrupted run never leaves a folder that a later run trusts, and concurrent runs cannot corrupt it.
     """
+    check_config(cfg)
     key = cache_key(cfg)
     final = dataset_dir(cfg, key)
     if (final / MANIFEST).is_file():

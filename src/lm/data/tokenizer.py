@@ -15,16 +15,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 EOT = "<|endoftext|>"
 EOT_ID = 0
 """Special tokens take the first ids, so the end-of-text id is the same for every vocab_size."""
-N_BYTES = 256
+MIN_VOCAB_SIZE = 256 + 2
+"""The 256 byte tokens, end-of-text and at least one merge."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE with at most `vocab_size` ids: end-of-text, the 256 bytes, then merges."""
-    if vocab_size < N_BYTES + 2:
-        raise ValueError(
-            f"data.vocab_size={vocab_size} is too small: a byte-level BPE needs {N_BYTES} byte tokens, "
-            f"the end-of-text token and at least one merge; use data.vocab_size>={N_BYTES + 2}"
-        )
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"data.vocab_size={vocab_size} is too small; use data.vocab_size>={MIN_VOCAB_SIZE}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
