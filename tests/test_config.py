@@ -111,7 +111,7 @@ def test_cli_config_prints_the_composed_tree(capsys, monkeypatch, data_cache):
 
 
 def test_conf_dir_is_found_from_any_working_directory(tmp_path, monkeypatch):
-    from lm.cli import conf_dir
+    from lm.config import conf_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LM_CONF", raising=False)

@@ -49,7 +49,7 @@ def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
     With `resume=False` an existing run is moved aside into `archive/<time>/` rather than deleted or mixed
-    with the new run's checkpoints: starting over never destroys a user's run.
+    with the new run's checkpoints (or its cost ledger): starting over never destroys a user's run.
     """
     last = run_dir / "checkpoints" / LAST
     if resume:
@@ -59,7 +59,10 @@ def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
         return None
     if rank_zero_only.rank != 0:
         return None  # rank 0 moves the old run aside; the others only need to start fresh
-    produced = [run_dir / name for name in ("checkpoints", "tb", "config.yaml") if (run_dir / name).exists()]
+    # Everything the run produced (checkpoints, tb, cost ledger, phases, report) but the invocation logs.
+    produced = (
+        sorted(p for p in run_dir.iterdir() if p.name not in ("hydra", "archive")) if run_dir.is_dir() else []
+    )
     if produced:
         archive = run_dir / "archive" / time.strftime("%Y-%m-%d_%H-%M-%S")
         archive.mkdir(parents=True, exist_ok=True)

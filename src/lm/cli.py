@@ -9,23 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from lm.config import register_configs, to_objects
-
-
-def conf_dir() -> Path:
-    """The Hydra config folder: $LM_CONF, else ./conf, else the checkout this package was installed from."""
-    candidates = [os.environ.get("LM_CONF"), "conf", Path(__file__).resolve().parents[2] / "conf"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "train.yaml").is_file():
-            return Path(candidate).resolve()
-    raise SystemExit("lm: no conf/train.yaml found; run from the project root or set LM_CONF=/path/to/conf")
+from lm.config import conf_dir, register_configs, to_objects
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -50,6 +39,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(json.dumps({k: manifest[k] for k in ("source", "vocab_size", "splits") if k in manifest}, indent=2))
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from lm.report import write_report
+
+    print(f"wrote {write_report(args.run_dir)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
@@ -65,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
             "overrides", nargs="*", help="Hydra overrides, e.g. +experiment=phase1 data.vocab_size=8192"
         )
         verb.set_defaults(fn=fn)
+    report = verbs.add_parser("report", help="write report.md and plots for a run directory")
+    report.add_argument("run_dir", help="runs/<run.name>")
+    report.set_defaults(fn=cmd_report)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

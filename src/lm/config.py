@@ -7,7 +7,9 @@ Third-party objects (extra Lightning callbacks) stay plain `_target_` YAML.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -17,6 +19,7 @@ from lm.data.config import DataConfig
 from lm.model import ModelConfig
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
+PRICINGS = ("on_demand", "spot")
 SCHEDULES = ("wsd", "cosine", "constant")
 
 
@@ -156,6 +159,86 @@ class LoggerConfig:
 
 
 @dataclass
+class GpuConfig:
+    """One entry of the GPU catalog (`conf/gpu/*.yaml`), or `auto` to pick the entry matching the device."""
+
+    name: str = "auto"
+    """Catalog key (`h100_sxm`, `a100_80gb`, ...) or `auto`."""
+    match: list[str] = field(default_factory=list)
+    """Regular expressions tried against `torch.cuda.get_device_name()` by `gpu=auto`."""
+    peak_bf16_tflops: float | None = None
+    """Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s per GPU; None means unknown: no MFU."""
+    peak_tf32_tflops: float | None = None
+    """Dense TF32 tensor-core peak, TFLOP/s per GPU (the peak for fp32 runs with precision.tf32)."""
+    memory_gb: float | None = None
+    """Device memory, GB."""
+    bandwidth_gbps: float | None = None
+    """Memory bandwidth, GB/s."""
+    price_on_demand: float | None = None
+    """On-demand $/hour per GPU."""
+    price_spot: float | None = None
+    """Spot / interruptible $/hour per GPU; None where no sourced figure exists."""
+    price_date: str = ""
+    """When the prices were recorded."""
+    price_source: str = ""
+    """Where the prices come from."""
+
+
+@dataclass
+class CostConfig:
+    """How the run's money is metered: wall-clock seconds x $/hour x GPUs / 3600."""
+
+    pricing: str = "on_demand"
+    """`on_demand` or `spot`: which catalog price applies."""
+    price_per_hour: float | None = None
+    """$/hour per GPU, overriding the catalog (your actual rate, or a CPU machine's)."""
+
+    def __post_init__(self) -> None:
+        if self.pricing not in PRICINGS:
+            raise ValueError(f"cost.pricing='{self.pricing}' is unknown; use one of {', '.join(PRICINGS)}")
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise ValueError("cost.price_per_hour must be non-negative")
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of a run: it ends at a step or at a token count, and may have a loss goal."""
+
+    name: str = "???"
+    """Shown in phases.csv and the report."""
+    end_step: int | None = None
+    """The phase ends when the optimizer step reaches this."""
+    end_tokens: int | None = None
+    """...or when the tokens trained reach this (whichever is given)."""
+    goal_loss: float | None = None
+    """Validation loss the phase aims to reach; phases.csv says whether it did."""
+
+    def __post_init__(self) -> None:
+        if (self.end_step is None) == (self.end_tokens is None):
+            raise ValueError(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
+
+
+@dataclass
+class PhasesConfig:
+    """The run as a sequence of phases (`conf/phases/*.yaml`), in order."""
+
+    plan: str = ""
+    """Name of the plan."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """Phases in training order; their ends must increase."""
+
+    def __post_init__(self) -> None:
+        ends = [(p.end_step, p.end_tokens) for p in self.phases]
+        for (s0, t0), (s1, t1), p in zip(ends, ends[1:], self.phases[1:]):
+            if (s0 is not None and s1 is not None and s1 <= s0) or (
+                t0 is not None and t1 is not None and t1 <= t0
+            ):
+                raise ValueError(
+                    f"phases: '{p.name}' ends no later than the phase before it; list phases in order"
+                )
+
+
+@dataclass
 class LMConfig:
     """The root of the config tree (`conf/train.yaml`)."""
 
@@ -171,8 +254,22 @@ class LMConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    phases: PhasesConfig = field(default_factory=PhasesConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
+
+
+def conf_dir() -> Path:
+    """The Hydra config folder: $LM_CONF, else ./conf, else the checkout this package was installed from."""
+    candidates = [os.environ.get("LM_CONF"), "conf", Path(__file__).resolve().parents[2] / "conf"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "train.yaml").is_file():
+            return Path(candidate).resolve()
+    raise FileNotFoundError(
+        "no conf/train.yaml found; run from the project root or set LM_CONF=/path/to/conf"
+    )
 
 
 def register_configs() -> None:

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -18,10 +19,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lm import cost
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.phase_tracker import PhaseTracker
 from lm.checkpointing import RunCheckpoint, resume_checkpoint
-from lm.config import LMConfig, TrainerConfig, to_objects
+from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
+from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +84,11 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
     return name
 
 
-def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
+def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[pl.Callback]) -> pl.Trainer:
     """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
     t = cfg.trainer
-    callbacks = [RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint)]
-    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
+    callbacks = [*callbacks, *(hydra.utils.instantiate(node) for node in cfg.callbacks.values())]
+    callbacks.append(RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint))
     logger = (
         TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
         if cfg.logger.tensorboard
@@ -114,9 +120,12 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
 
 def main(dcfg: DictConfig) -> float | None:
     """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers)."""
+    started_at = time.monotonic()
     cfg = to_objects(dcfg)
     cuda = uses_cuda(cfg.trainer)
     precision = resolve_precision(cfg.precision.mode, cuda)  # refuses an impossible precision before any I/O
+    device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
+    price = price_per_hour(device.gpu, cfg.cost)
     run_dir = run_directory(cfg)
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
     if rank_zero_only.rank == 0:
@@ -126,9 +135,10 @@ def main(dcfg: DictConfig) -> float | None:
     compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
     torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
     log.info(
-        "run %s: %s, precision %s, compile %s, activation checkpointing %s, tf32 %s",
+        "run %s on %s (catalog: %s): precision %s, compile %s, activation checkpointing %s, tf32 %s",
         run_dir,
-        "cuda" if cuda else "cpu",
+        device.device_name,
+        device.gpu.name,
         precision,
         compile_model,
         f"every {cfg.activation_checkpointing.every} block(s)"
@@ -146,10 +156,64 @@ def main(dcfg: DictConfig) -> float | None:
         compile=compile_model,
         compile_mode=cfg.kernels.compile_mode,
     )
-    trainer = build_trainer(cfg, run_dir, precision)
+    n_params = module.model.num_parameters()
+    fpt = cost.flops_per_token(
+        cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
+    )
+    peak = cost.peak_flops(device.gpu, precision, cfg.precision.tf32)
+    log.info(
+        "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
+        f"{n_params:,}",
+        fpt,
+        cost.FLOPS_FORMULA,
+        f"{peak / 1e12:g} TFLOP/s peak" if peak else "no catalogued peak: MFU not reported",
+        price,
+        cfg.cost.pricing if cfg.cost.price_per_hour is None else "cost.price_per_hour",
+        device.gpu.price_source or "no source",
+    )
+    hparams = run_hparams(cfg, device, precision, compile_model, n_params, price)
+    meter = CostMeter(
+        tokens_per_device_step=cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches,
+        flops_per_token=fpt,
+        peak_flops=peak,
+        price_per_hour=price,
+        log_every=cfg.trainer.log_every_n_steps,
+        ledger=run_dir / "cost.json",
+        started_at=started_at,
+        about=hparams,
+    )
+    callbacks: list[pl.Callback] = [meter]
+    if cfg.phases.phases:
+        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+    trainer = build_trainer(cfg, run_dir, precision, callbacks)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(hparams)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    if trainer.is_global_zero:
+        report = write_report(run_dir)
+        log.info("report: %s", report)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("report", report.read_text(), global_step=trainer.global_step)
+            experiment.flush()
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def run_hparams(cfg: LMConfig, device, precision: str, compile_model: bool, n_params: int, price) -> dict:
+    """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
+    return {
+        "params": n_params,
+        "gpu": device.gpu.name,
+        "device": device.device_name,
+        "precision": precision,
+        "compile": compile_model,
+        "activation_checkpointing": cfg.activation_checkpointing.every,
+        "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches,
+        "price_per_hour": price if price is not None else "unknown",
+        "pricing": cfg.cost.pricing,
+    }
 
 
 def write_config(cfg: DictConfig, path: Path) -> None:

@@ -1,0 +1,214 @@
+"""PhaseTracker: what each phase of a run cost and bought, as rows of `phases.csv` and TensorBoard text."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lm.callbacks.cost_meter import CostMeter
+from lm.config import PhaseConfig
+from lm.phases import phase_at
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (
+    "phase", "name", "status", "start_step", "end_step", "steps", "tokens", "wall_hours", "start_loss",
+    "end_loss", "loss_drop", "usd", "usd_per_loss_point", "tokens_per_sec", "goal_loss", "goal_met",
+)  # fmt: skip
+
+
+class PhaseTracker(Callback):
+    """Logs `phase/index`; at each phase boundary evaluates the validation loss and closes the phase's row.
+
+    Loss at a boundary is measured on the same validation windows as `val/loss` (the first
+    `eval_batches` batches of the fixed validation split), at exactly the boundary step: a fixed set, so no
+    smoothing is needed and start and end losses of a phase are comparable. The row's money and hours come
+    from the CostMeter, so they include evaluation, checkpoint writes and restarts within the phase.
+    """
+
+    def __init__(self, phases: list[PhaseConfig], meter: CostMeter, out_dir: Path, eval_batches: int) -> None:
+        self.phases = phases
+        self.meter = meter
+        self.csv_path = out_dir / "phases.csv"
+        self.eval_batches = eval_batches
+        self.rows: list[dict[str, Any]] = []
+        self.start: dict[str, Any] | None = None  # progress when the current phase began
+
+    # --- Lightning hooks ---------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.start is None:  # a fresh run (a resumed one restored its phase start from the checkpoint)
+            self.start = self.snapshot(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.meter.state.step or self.start is None:
+            return  # only at optimizer steps, after the meter has counted this one's tokens
+        index = self.index(trainer)
+        pl_module.log("phase/index", float(index), on_step=True, on_epoch=False)
+        if index > self.start["phase"] and self.start["phase"] < len(self.phases):
+            end = self.snapshot(trainer, pl_module)
+            self.rows.append(self.row(self.start, end, status="done"))
+            log.info("phase %d (%s) done: %s", self.start["phase"] + 1, self.rows[-1]["name"], self.rows[-1])
+            self.start = end
+            self.write(trainer, partial=None)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.start is None or self.start["phase"] >= len(self.phases):
+            return
+        if trainer.global_step > self.start["step"]:
+            self.write(
+                trainer, partial=self.row(self.start, self.snapshot(trainer, pl_module), status="partial")
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "start": self.start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rows, self.start = state["rows"], state["start"]
+
+    # --- phase accounting --------------------------------------------------------------------------------
+
+    def index(self, trainer: pl.Trainer) -> int:
+        return phase_at(trainer.global_step, self.meter.state.tokens, self.phases)
+
+    def snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Progress, money and validation loss right now."""
+        self.meter.switch("eval")
+        loss = evaluate(trainer, pl_module, self.eval_batches)
+        self.meter.switch("train")
+        m = self.meter.state
+        return {
+            "phase": self.index(trainer),
+            "step": trainer.global_step,
+            "tokens": m.tokens,
+            "seconds": m.total_seconds,
+            "train_seconds": m.seconds["train"],
+            "loss": loss,
+        }
+
+    def row(self, start: dict[str, Any], end: dict[str, Any], status: str) -> dict[str, Any]:
+        phase = self.phases[start["phase"]]
+        seconds = end["seconds"] - start["seconds"]
+        usd = self.meter.usd(seconds)
+        drop = start["loss"] - end["loss"]
+        train_seconds = end["train_seconds"] - start["train_seconds"]
+        tokens = end["tokens"] - start["tokens"]
+        return {
+            "phase": start["phase"] + 1,
+            "name": phase.name,
+            "status": status,
+            "start_step": start["step"],
+            "end_step": end["step"],
+            "steps": end["step"] - start["step"],
+            "tokens": tokens,
+            "wall_hours": seconds / 3600,
+            "start_loss": start["loss"],
+            "end_loss": end["loss"],
+            "loss_drop": drop,
+            "usd": usd,
+            "usd_per_loss_point": usd / drop if usd is not None and drop > 0 else None,
+            "tokens_per_sec": tokens / train_seconds if train_seconds > 0 else None,
+            "goal_loss": phase.goal_loss,
+            "goal_met": None if phase.goal_loss is None else end["loss"] <= phase.goal_loss,
+        }
+
+    def write(self, trainer: pl.Trainer, partial: dict[str, Any] | None) -> None:
+        """Rewrite phases.csv (atomically) and put the table into TensorBoard's text tab; rank 0 only."""
+        if not trainer.is_global_zero:
+            return
+        rows = self.rows + ([partial] if partial else [])
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.csv_path.with_suffix(f".tmp{os.getpid()}")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.csv_path)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if experiment is not None and hasattr(experiment, "add_text"):
+            experiment.add_text("phases", markdown_table(rows), global_step=trainer.global_step)
+
+
+def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: int) -> float:
+    """Mean loss over the first `max_batches` validation batches, under the run's precision."""
+    datamodule = trainer.datamodule
+    if datamodule.val_set is None:
+        datamodule.setup("validate")
+    windows, batch = datamodule.val_set, datamodule.cfg.batch_size
+    n_batches = max(1, min(max_batches, math.ceil(len(windows) / batch)))
+    was_training = pl_module.training
+    pl_module.eval()
+    losses = []
+    with torch.no_grad(), trainer.precision_plugin.forward_context():
+        for b in range(n_batches):
+            idx = range(b * batch, min((b + 1) * batch, len(windows)))
+            x = torch.stack([windows[i] for i in idx]).to(pl_module.device)
+            losses.append(pl_module.loss(x))
+    pl_module.train(was_training)
+    return float(torch.stack(losses).mean())
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The phase rows as a Markdown table (for TensorBoard text and the report)."""
+    head = ["phase", "steps", "tokens", "hours", "loss", "drop", "$", "$/loss point", "tok/s", "goal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        goal = "" if r["goal_loss"] is None else f"{r['goal_loss']} {'met' if r['goal_met'] else 'missed'}"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['phase']}. {r['name']}" + (" (partial)" if r["status"] == "partial" else ""),
+                    f"{r['start_step']:,}-{r['end_step']:,}",
+                    f"{r['tokens']:,}",
+                    f"{r['wall_hours']:.3f}",
+                    f"{r['start_loss']:.3f} -> {r['end_loss']:.3f}",
+                    f"{r['loss_drop']:.3f}",
+                    fmt_money(r["usd"]),
+                    fmt_money(r["usd_per_loss_point"]),
+                    "" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}",
+                    goal,
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def fmt_money(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}"
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """phases.csv back as typed rows (numbers as numbers, empty cells as None), for the report."""
+    if not path.is_file():
+        return []
+    rows = []
+    for raw in csv.DictReader(io.StringIO(path.read_text())):
+        row: dict[str, Any] = {}
+        for key, value in raw.items():
+            if value == "":
+                row[key] = None
+            elif value in ("True", "False"):
+                row[key] = value == "True"
+            elif key in ("name", "status"):
+                row[key] = value
+            else:
+                number = float(value)
+                row[key] = int(number) if number.is_integer() and key in INT_COLUMNS else number
+        rows.append(row)
+    return rows
+
+
+INT_COLUMNS = ("phase", "start_step", "end_step", "steps", "tokens")

@@ -1,0 +1,140 @@
+"""GPU catalog math: FLOPs per token, MFU, dollars per token, Chinchilla budgets.
+
+FLOPs per token (torchtitan's convention, no causal discount):
+    6 * N + 12 * n_layer * d_model * seq_len
+where N is the parameter count without the input embedding table (a lookup, not a matmul). MFU is
+tokens/s x FLOPs per token / (peak FLOP/s x GPUs), against the dense tensor-core peak of the run's precision.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from lm.config import CostConfig, GpuConfig
+from lm.model import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+CHINCHILLA_TOKENS_PER_PARAM = 20
+FLOPS_FORMULA = "6*N_non_embedding + 12*n_layer*d_model*seq_len FLOPs/token (no causal discount)"
+
+
+def non_embedding_params(cfg: ModelConfig) -> int:
+    """N of the FLOPs formula, counted on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        return Transformer(cfg).num_parameters(exclude_embedding=True)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token; see the module docstring for the formula."""
+    n = non_embedding_params(cfg) if n_params is None else n_params
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+
+
+def chinchilla_tokens(n_params: int) -> int:
+    """The compute-optimal token budget of Hoffmann et al.: ~20 tokens per parameter."""
+    return CHINCHILLA_TOKENS_PER_PARAM * n_params
+
+
+def peak_flops(gpu: GpuConfig, precision: str, tf32: bool) -> float | None:
+    """Dense peak FLOP/s per device for the run's precision, or None when the catalog does not know it."""
+    if precision.startswith(("bf16", "16")):
+        tflops = gpu.peak_bf16_tflops
+    elif tf32:
+        tflops = gpu.peak_tf32_tflops
+    else:
+        tflops = None  # plain fp32 CUDA-core peaks are not catalogued: no MFU rather than a guess
+    return tflops * 1e12 if tflops else None
+
+
+def mfu(tokens_per_sec: float, flops_per_tok: float, peak: float | None, n_devices: int) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None without a known peak."""
+    if not peak:
+        return None
+    return tokens_per_sec * flops_per_tok / (peak * n_devices)
+
+
+def price_per_hour(gpu: GpuConfig, cost: CostConfig) -> float | None:
+    """$/hour per device: the override, else the catalog's price for the chosen pricing.
+
+    None for an uncatalogued GPU (the run is metered in seconds, not dollars, and was warned about); a
+    catalogued GPU without the requested price is an error, since the user asked for a price that is not there.
+    """
+    if cost.price_per_hour is not None:
+        return cost.price_per_hour
+    if gpu.name == "unknown":
+        return None
+    price = gpu.price_spot if cost.pricing == "spot" else gpu.price_on_demand
+    if price is None:
+        raise ValueError(
+            f"the catalog has no {cost.pricing} price for gpu={gpu.name}; set cost.price_per_hour=<$/h per GPU> "
+            f"or cost.pricing={'on_demand' if cost.pricing == 'spot' else 'spot'}"
+        )
+    return price
+
+
+def usd(seconds: float, price: float, n_devices: int) -> float:
+    """Money for `seconds` of wall clock on `n_devices` at `price` $/hour each."""
+    return seconds * price * n_devices / 3600.0
+
+
+def usd_per_billion_tokens(tokens_per_sec: float, price: float, n_devices: int) -> float | None:
+    """$ per 10^9 tokens at a sustained throughput."""
+    if tokens_per_sec <= 0:
+        return None
+    return price * n_devices / 3600.0 / tokens_per_sec * 1e9
+
+
+def load_catalog(conf_dir: Path) -> dict[str, GpuConfig]:
+    """Every catalogued GPU in `conf/gpu/` (all but `auto`), typed."""
+    catalog = {}
+    for path in sorted((conf_dir / "gpu").glob("*.yaml")):
+        if path.stem == "auto":
+            continue
+        node = OmegaConf.merge(OmegaConf.structured(GpuConfig), OmegaConf.load(path))
+        catalog[path.stem] = OmegaConf.to_object(node)
+    return catalog
+
+
+def detect(device_name: str, catalog: dict[str, GpuConfig]) -> GpuConfig | None:
+    """The catalog entry whose `match` patterns fit a CUDA device name, or None."""
+    hits = [g for g in catalog.values() if any(re.search(p, device_name) for p in g.match)]
+    if len(hits) > 1:
+        raise ValueError(f"GPU '{device_name}' matches several catalog entries: {[g.name for g in hits]}")
+    return hits[0] if hits else None
+
+
+@dataclass
+class Device:
+    """The hardware a run is metered against."""
+
+    gpu: GpuConfig
+    """The catalog entry (or an empty `unknown` entry)."""
+    device_name: str
+    """What the device calls itself."""
+
+
+def resolve_gpu(gpu: GpuConfig, device_name: str | None, conf_dir: Path) -> Device:
+    """Turn `gpu=auto` into the catalog entry matching `device_name` (None: a CPU run); an unknown GPU gets
+    an empty entry (no MFU, no price) and a warning."""
+    name = device_name or "cpu"
+    if gpu.name != "auto":
+        return Device(gpu, name)
+    catalog = load_catalog(conf_dir)
+    if device_name is None:
+        return Device(catalog["cpu"], name)
+    found = detect(device_name, catalog)
+    if found is None:
+        log.warning(
+            "GPU '%s' is not in the catalog: no MFU will be reported and $/h must be given with "
+            "cost.price_per_hour; add conf/gpu/<name>.yaml with its dense peaks, prices and a `match` pattern",
+            device_name,
+        )
+        return Device(GpuConfig(name="unknown"), name)
+    return Device(found, name)

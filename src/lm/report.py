@@ -1,0 +1,223 @@
+"""`lm report RUN_DIR`: report.md and PNG plots of what a run cost and what it bought.
+
+Reads only what the run left on disk (TensorBoard events, phases.csv, the cost ledger, config.yaml), so it
+works on a finished run, a running one, or one copied off a dead machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a training box
+import matplotlib.pyplot as plt
+import numpy as np
+from omegaconf import OmegaConf
+
+from lm.callbacks.cost_meter import BUCKETS
+from lm.callbacks.phase_tracker import fmt_money, markdown_table, read_csv
+from lm.cost import FLOPS_FORMULA
+
+log = logging.getLogger(__name__)
+
+
+class Series:
+    """One TensorBoard scalar: steps, values and wall-clock times (seconds since the epoch)."""
+
+    def __init__(self, events: list) -> None:
+        # A resumed run logs some steps twice (work redone after a restart): keep the latest write of each.
+        latest = {e.step: e for e in sorted(events, key=lambda e: e.wall_time)}
+        ordered = [latest[s] for s in sorted(latest)]
+        self.steps = np.array([e.step for e in ordered], dtype=np.int64)
+        self.values = np.array([e.value for e in ordered], dtype=np.float64)
+        self.times = np.array([e.wall_time for e in ordered], dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def at(self, steps: np.ndarray) -> np.ndarray:
+        """Values interpolated at other steps (e.g. dollars at the steps validation ran)."""
+        return np.interp(steps, self.steps, self.values)
+
+
+def load_scalars(tb_dir: Path) -> dict[str, Series]:
+    """Every scalar of a run's TensorBoard events, across all its event files."""
+    if not tb_dir.is_dir():
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: Series(acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write `report.md` and its plots into `run_dir`; returns the report's path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a run directory; pass runs/<run.name>")
+    scalars = load_scalars(run_dir / "tb")
+    rows = read_csv(run_dir / "phases.csv")
+    ledger = json.loads((run_dir / "cost.json").read_text()) if (run_dir / "cost.json").is_file() else None
+    cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+
+    plots = [
+        plot_loss_vs(scalars, "cost/usd", "dollars spent", run_dir / "loss_vs_usd.png", rows),
+        plot_loss_vs(scalars, "train/tokens", "tokens trained", run_dir / "loss_vs_tokens.png", rows),
+        plot_throughput(scalars, run_dir / "throughput.png"),
+        plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
+    ]
+    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None])
+    path = run_dir / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def render(name, cfg, scalars, rows, ledger, plots: list[Path]) -> str:
+    """The report's Markdown."""
+    lines = [f"# Run report: {name}", ""]
+    summary = headline(cfg, scalars, ledger)
+    if summary:
+        lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]
+    if plots and plots[0].name == "loss_vs_usd.png":
+        lines += [f"![validation loss against dollars]({plots[0].name})", ""]
+    lines += ["## Phases", ""]
+    lines += [markdown_table(rows), ""] if rows else ["No phase has finished yet.", ""]
+    if ledger:
+        lines += [
+            "## Where the money went",
+            "",
+            "| time spent on | hours | dollars | share |",
+            "|---|---|---|---|",
+        ]
+        total = sum(ledger["seconds"].values()) or 1.0
+        price, devices = ledger.get("price_per_hour"), ledger.get("devices", 1)
+        for bucket in BUCKETS:
+            seconds = ledger["seconds"].get(bucket, 0.0)
+            money = None if price is None else seconds * price * devices / 3600
+            lines.append(f"| {bucket} | {seconds / 3600:.4g} | {fmt_money(money)} | {seconds / total:.1%} |")
+        lines += ["", "`restart` is a resumed process's start-up plus the work redone after a restart.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots[1:]]
+    lines += ["", f"MFU uses {FLOPS_FORMULA} against the catalog's dense peak for the run's precision.", ""]
+    return "\n".join(lines)
+
+
+def headline(cfg, scalars, ledger) -> dict[str, str]:
+    out: dict[str, str] = {}
+    about = (ledger or {}).get("run", {})
+    if cfg is not None:
+        m = cfg.model
+        out["model"] = (
+            f"{about['params']:,} parameters: " if "params" in about else ""
+        ) + f"{m.n_layer} layers x {m.d_model} wide, vocabulary {m.vocab_size}, context {m.max_seq_len}"
+    if about:
+        out["device"] = f"{about['device']} (catalog entry: {about['gpu']}, {about['pricing']} pricing)"
+        out["precision / compile / activation checkpointing"] = (
+            f"{about['precision']} / {about['compile']} / {about['activation_checkpointing'] or 'off'}"
+        )
+    if "train/tokens" in scalars:
+        out["tokens trained"] = f"{int(scalars['train/tokens'].values[-1]):,}"
+    if "val/loss" in scalars:
+        val = scalars["val/loss"]
+        first, last = (
+            f"{val.values[0]:.3f} (step {val.steps[0] + 1})",
+            f"{val.values[-1]:.3f} (step {val.steps[-1] + 1})",
+        )
+        out["validation loss"] = f"{first} -> {last}"
+    if ledger and ledger.get("usd") is not None:
+        out["dollars"] = (
+            f"{fmt_money(ledger['usd'])} at ${ledger['price_per_hour']}/h x {ledger.get('devices', 1)}"
+        )
+        if ledger.get("tokens"):
+            out["$ per billion tokens (all in)"] = fmt_money(ledger["usd"] / ledger["tokens"] * 1e9)
+    if "perf/tokens_per_sec" in scalars:
+        out["training tokens/s (median)"] = f"{np.median(scalars['perf/tokens_per_sec'].values):,.0f}"
+    out["MFU (median)"] = (
+        f"{np.median(scalars['perf/mfu'].values):.1%}"
+        if "perf/mfu" in scalars
+        else "n/a (no catalogued peak)"
+    )
+    if ledger:
+        out["wall-clock hours (all processes)"] = f"{sum(ledger['seconds'].values()) / 3600:.4g}"
+    return out
+
+
+def plot_loss_vs(
+    scalars: dict[str, Series], x_tag: str, x_label: str, path: Path, rows: list[dict] | None = None
+) -> Path | None:
+    """Validation (and smoothed training) loss against a cumulative quantity logged per step."""
+    if x_tag not in scalars or len(scalars[x_tag]) < 2:
+        return None
+    x = scalars[x_tag]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if "train/loss" in scalars:
+        train = scalars["train/loss"]
+        ax.plot(x.at(train.steps), smooth(train.values), color="0.6", lw=1, label="train (smoothed)")
+    if "val/loss" in scalars:
+        val = scalars["val/loss"]
+        ax.plot(x.at(val.steps), val.values, "o-", color="C0", label="validation")
+    for row in rows or []:  # phase ends, at the x value logged for the phase's last step
+        if row["status"] == "done":
+            ax.axvline(float(x.at(np.array([row["end_step"] - 1]))[0]), color="C3", ls="--", lw=0.8)
+            ax.annotate(
+                row["name"],
+                (float(x.at(np.array([row["end_step"] - 1]))[0]), 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=8,
+            )
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(scalars: dict[str, Series], path: Path) -> Path | None:
+    if "perf/tokens_per_sec" not in scalars or len(scalars["perf/tokens_per_sec"]) < 2:
+        return None
+    tps = scalars["perf/tokens_per_sec"]
+    hours = (tps.times - tps.times[0]) / 3600
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(hours, tps.values, lw=1)
+    ax.set_xlabel("wall-clock hours since the first point (gaps are restarts)")
+    ax.set_ylabel("training tokens/s")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_cost_breakdown(ledger: dict | None, path: Path) -> Path | None:
+    if not ledger:
+        return None
+    seconds = [ledger["seconds"].get(b, 0.0) for b in BUCKETS]
+    price, devices = ledger.get("price_per_hour"), ledger.get("devices", 1)
+    values = [s * price * devices / 3600 for s in seconds] if price else [s / 3600 for s in seconds]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh(list(BUCKETS), values, color=["C7", "C0", "C2", "C1", "C3"])
+    ax.set_xlabel("dollars" if price else "hours")
+    ax.set_title("where the time went")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def smooth(values: np.ndarray) -> np.ndarray:
+    """Trailing mean over ~5% of the points: shows the trend without the lag of a long EMA."""
+    window = max(1, len(values) // 20)
+    cumsum = np.cumsum(np.insert(values, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (cumsum[1:] - cumsum[np.arange(len(values)) + 1 - counts]) / counts
