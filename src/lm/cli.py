@@ -2,6 +2,8 @@
 
 lm config  [overrides...]   print the composed, validated config
 lm prepare [overrides...]   build the tokenizer and token shards the config trains on
+lm tokenizer train [--out tokenizer.json] [overrides...]
+                            train a byte-level BPE on a sample of the configured corpus
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from lm.config import register_configs, to_objects
+from lm.config import LMConfig, register_configs, to_objects
 
 
 def conf_dir() -> Path:
@@ -41,13 +43,48 @@ def cmd_config(args: argparse.Namespace) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True), end="")
 
 
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from lm.data import load_manifest, prepare
+def planned_tokens(cfg: LMConfig) -> int:
+    """Training tokens the composed config plans: max_steps x tokens per optimizer step."""
+    trainer = cfg.trainer
+    devices = trainer.devices if isinstance(trainer.devices, int) else 1  # `auto`: assume one device
+    per_step = cfg.data.batch_size * cfg.data.seq_len * trainer.accumulate_grad_batches * devices
+    return trainer.max_steps * per_step * trainer.num_nodes
 
-    data_dir = prepare(to_objects(compose_config(args.overrides)).data)
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from lm.data import implied_epochs, load_manifest, prepare
+
+    cfg = to_objects(compose_config(args.overrides))
+    data_dir = prepare(cfg.data)
     manifest = load_manifest(data_dir)
     print(f"prepared {data_dir}")
-    print(json.dumps({k: manifest[k] for k in ("source", "vocab_size", "splits") if k in manifest}, indent=2))
+    splits = {s: {k: v for k, v in info.items() if k != "shards"} for s, info in manifest["splits"].items()}
+    print(
+        json.dumps(
+            {"source": manifest["source"], "vocab_size": manifest["vocab_size"], "splits": splits}, indent=2
+        )
+    )
+    if manifest["skipped_count"]:
+        print(f"skipped {manifest['skipped_count']} input(s): see `skipped` in {data_dir / 'manifest.json'}")
+    budget = planned_tokens(cfg)
+    epochs = implied_epochs(manifest, budget)
+    line = f"the plan (trainer.max_steps={cfg.trainer.max_steps}) trains on {budget:,} tokens: {epochs:.2f} epochs"
+    if epochs > 1:
+        line += " of this corpus (more than one: repeated data; bring more text or plan fewer steps)"
+    print(line)
+    print(
+        f"train on it: python train.py data=tokens data.dir={data_dir} data.vocab_size={manifest['vocab_size']}"
+    )
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from lm.data.shards import sample_tokenizer
+
+    cfg = to_objects(compose_config(args.overrides)).data
+    out = Path(args.out)
+    sha = sample_tokenizer(cfg, out)
+    print(f"wrote {out} (vocabulary {cfg.vocab_size}, sha256 {sha})")
+    print(f"use it: lm prepare data.tokenizer={out} ...  and  python train.py data.tokenizer={out} ...")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,10 +102,19 @@ def main(argv: list[str] | None = None) -> None:
             "overrides", nargs="*", help="Hydra overrides, e.g. +experiment=phase1 data.vocab_size=8192"
         )
         verb.set_defaults(fn=fn)
+    tokenizer = verbs.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
+        dest="action", required=True
+    )
+    train = tokenizer.add_parser("train", help="train a byte-level BPE on a sample of the configured corpus")
+    train.add_argument("--out", default="tokenizer.json", help="where to write it (default: tokenizer.json)")
+    train.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. data=text data.paths='corpus/*.txt'"
+    )
+    train.set_defaults(fn=cmd_tokenizer)
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         sys.exit(f"lm {args.verb}: {e}")
 
 
