@@ -162,6 +162,7 @@ def test_interrupted_preparation_resumes_without_redoing_finished_units(tmp_path
     assert resumed["splits"] == complete["splits"]
     kept = [k for k in range(4) if (folder / f"train-{k:05d}.bin").stat().st_mtime_ns == stamps[k]]
     assert kept == [0, 2, 3], "finished units are kept; the damaged one is redone"
+    assert not list(folder.glob(".*.tmp-*")), "half-written files are cleaned up"
 
 
 def test_prepared_folder_refuses_another_corpus(tmp_path, texts, tokenizer_file):

@@ -422,6 +422,8 @@ def prepare(cfg: DataConfig) -> Path:
         write_atomic(out / TOKENIZER, build_tokenizer(cfg, plan, forced).encode("utf-8"))
     tokenizer_json = (out / TOKENIZER).read_bytes().decode("utf-8")
 
+    for stale in out.glob(".*.tmp-*"):  # half-written shards of a killed run; their units are redone
+        stale.unlink()
     records = {u.index: r for u in plan.units if (r := _finished(out, u)) is not None}
     todo = [u for u in plan.units if u.index not in records]
     if records:
