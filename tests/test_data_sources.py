@@ -185,7 +185,7 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
     pytest.importorskip("pyarrow")
     corpus = tmp_path / "c"
     corpus.mkdir()
-    for i, text in enumerate(texts[:12]):
+    for i, text in enumerate(texts[:24]):
         (corpus / f"good{i}.txt").write_text(text)
     (corpus / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)))
     (corpus / "empty.txt").write_text("")
@@ -198,7 +198,10 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
         f.write("{not json\n")
         f.write(json.dumps({"text": "y" * 5000}) + "\n")
         f.write(json.dumps({"text": texts[21]}) + "\n")
-    cfg = text_cfg(tmp_path, str(corpus / "*"), tokenizer=str(tokenizer_file), max_line_chars=4000)
+    # Names hash to a split by their (random) tmp path: a half split makes an empty one vanishingly rare.
+    cfg = text_cfg(
+        tmp_path, str(corpus / "*"), tokenizer=str(tokenizer_file), max_line_chars=4000, val_fraction=0.5
+    )
     manifest = load_manifest(prepare(cfg))
 
     skipped = {Path(s["where"]).name: s["reason"] for s in manifest["skipped"]}
@@ -214,7 +217,7 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
     }
     assert skipped["broken.parquet"].startswith("unreadable parquet")
     assert manifest["skipped_count"] == 8
-    assert sum(manifest["splits"][s]["documents"] for s in ("train", "val")) == 12 + 2
+    assert sum(manifest["splits"][s]["documents"] for s in ("train", "val")) == 24 + 2
 
 
 def test_path_errors(tmp_path, tokenizer_file):
@@ -228,13 +231,17 @@ def test_path_errors(tmp_path, tokenizer_file):
 
 def test_wrong_text_field_is_an_error(tmp_path, texts, tokenizer_file):
     path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"content": t, "id": i}) + "\n" for i, t in enumerate(texts[:5])))
+    path.write_text("".join(json.dumps({"content": t, "id": i}) + "\n" for i, t in enumerate(texts[:40])))
     with pytest.raises(ValueError, match=r"no record has a string field 'text' \(fields seen: content, id\)"):
         prepare(text_cfg(tmp_path, str(path), tokenizer=str(tokenizer_file)))
     manifest = load_manifest(
-        prepare(text_cfg(tmp_path, str(path), tokenizer=str(tokenizer_file), text_field="content"))
+        prepare(
+            text_cfg(
+                tmp_path, str(path), tokenizer=str(tokenizer_file), text_field="content", val_fraction=0.5
+            )
+        )
     )
-    assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == 5
+    assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == 40
 
 
 def test_nothing_usable_is_an_error_not_an_empty_dataset(tmp_path, tokenizer_file):
