@@ -95,7 +95,8 @@ def test_manifest_matches_files(data_dir, manifest):
         assert sum(p.stat().st_size for p in shard_paths(data_dir, manifest, split)) == info["tokens"] * 2
         assert info["tokens"] == sum(s["tokens"] for s in info["shards"])
         assert info["documents"] == len(manifest["documents"][split]) > 0
-    assert manifest["skipped"] == []  # the non-UTF-8 stdlib fixtures are outside this small slice
+    # Only empty __init__.py files: the non-UTF-8 stdlib fixtures are outside this small slice.
+    assert {s["reason"] for s in manifest["skipped"]} <= {"empty"}
 
 
 def test_ids_in_range_and_documents_separated(data_dir, manifest):

@@ -20,8 +20,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,6 +58,7 @@ ENCODE_BYTES = 1 << 20
 MAX_LISTED_DOCUMENTS = 100_000
 """Document names are kept in the manifest (for inspection and tests) only for corpora up to this size."""
 MAX_LISTED_SKIPS = 1000
+MAX_LOGGED_SKIPS = 20
 MANIFEST_CONFIG_KEYS = (
     "source", "paths", "name", "subset", "split", "text_field", "vocab_size", "val_fraction", "max_bytes",
     "tokenizer_sample_bytes", "shard_bytes", "max_line_chars",
@@ -516,13 +519,15 @@ def summary(manifest: dict) -> str:
 
 
 def report_skips(manifest: dict) -> None:
-    """Log every skipped file or record (they are also listed in the manifest)."""
+    """Log skipped inputs: a count per kind of problem, then the first few by name (all are in the manifest)."""
     if not manifest["skipped_count"]:
         return
+    kinds = Counter(re.split(r" at | \(", s["reason"])[0] for s in manifest["skipped"])
     log.warning(
-        "skipped %d input(s); they are listed under `skipped` in the manifest:", manifest["skipped_count"]
-    )
-    for skip in manifest["skipped"][:50]:
+        "skipped %d input(s) (%s); every one is listed under `skipped` in the manifest",
+        manifest["skipped_count"], ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
+    )  # fmt: skip
+    for skip in [s for s in manifest["skipped"] if s["reason"] != "empty"][:MAX_LOGGED_SKIPS]:
         log.warning("  skipped %s: %s", skip["where"], skip["reason"])
 
 

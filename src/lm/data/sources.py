@@ -292,8 +292,10 @@ def read_stdlib_file(name: str, cfg: DataConfig, skips: list[Skip]) -> Iterator[
         # A few test fixtures are deliberately in other encodings.
         skips.append(Skip(name, "invalid UTF-8"))
         return
-    if text:  # empty __init__.py files are the norm here, not worth reporting
+    if text:
         yield Document(name, text)
+    else:  # mostly empty __init__.py files
+        skips.append(Skip(name, "empty"))
 
 
 READERS = {"text": read_text_file, "jsonl": read_jsonl_file, "parquet": read_parquet_file}
