@@ -332,3 +332,46 @@ def test_cli_tokenizer_train_then_prepare(tmp_path, texts, capsys):
     out = capsys.readouterr().out
     assert "trains on 256,000 tokens" in out and "epochs of this corpus (more than one" in out
     assert "python train.py data=tokens data.dir=" in out
+
+
+def test_killed_preparation_resumes(tmp_path, tokenizer_file):
+    """SIGKILL a real `lm prepare` process after its first units, then finish the job in this one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    docs = stdlib_documents(max_bytes=3_000_000).documents
+    for k in range(30):  # 30 units of ~100 KB: seconds of work, so the kill lands mid-way
+        (corpus / f"{k:02d}.txt").write_text("".join(d.text for d in docs[k::30]))
+    out = tmp_path / "out"
+    overrides = [
+        "data=text", f"data.paths={corpus}/*.txt", f"data.dir={out}", f"data.tokenizer={tokenizer_file}",
+        f"data.vocab_size={VOCAB}", "data.num_proc=1", "data.shard_bytes=60000", f"data.cache_dir={tmp_path}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "lm.cli", "prepare", *overrides], env=env)
+    records = out / "progress"
+    deadline = time.monotonic() + 120
+    while not list(records.glob("unit-*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the kill came too late to test anything"
+    before = {p.name: p.stat().st_mtime_ns for p in records.glob("unit-*.json")}
+    shards = {p.name: p.stat().st_mtime_ns for p in out.glob("train-*.bin")}
+
+    lm_main(["prepare", *overrides])
+    after = {p.name: p.stat().st_mtime_ns for p in records.glob("unit-*.json")}
+    assert 1 <= len(before) < len(after) == load_manifest(out)["inputs"]["units"]
+    assert all(after[n] == t for n, t in before.items()), "finished units were redone"
+    recorded = {f"train-{n[5:10]}.bin" for n in before}
+    assert all((out / n).stat().st_mtime_ns == shards[n] for n in recorded)
+    clean = DataConfig(
+        source="text", paths=[f"{corpus}/*.txt"], dir=str(tmp_path / "clean"), tokenizer=str(tokenizer_file),
+        vocab_size=VOCAB, shard_bytes=60_000, cache_dir=str(tmp_path),
+    )  # fmt: skip
+    assert load_manifest(out, verify=True)["splits"] == load_manifest(prepare(clean))["splits"]
