@@ -351,6 +351,7 @@ def test_killed_preparation_resumes(tmp_path, tokenizer_file):
     overrides = [
         "data=text", f"data.paths={corpus}/*.txt", f"data.dir={out}", f"data.tokenizer={tokenizer_file}",
         f"data.vocab_size={VOCAB}", "data.num_proc=1", "data.shard_bytes=60000", f"data.cache_dir={tmp_path}",
+        "data.val_fraction=0.2",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "lm.cli", "prepare", *overrides], env=env)
@@ -372,6 +373,6 @@ def test_killed_preparation_resumes(tmp_path, tokenizer_file):
     assert all((out / n).stat().st_mtime_ns == shards[n] for n in recorded)
     clean = DataConfig(
         source="text", paths=[f"{corpus}/*.txt"], dir=str(tmp_path / "clean"), tokenizer=str(tokenizer_file),
-        vocab_size=VOCAB, shard_bytes=60_000, cache_dir=str(tmp_path),
+        vocab_size=VOCAB, shard_bytes=60_000, cache_dir=str(tmp_path), val_fraction=0.2,
     )  # fmt: skip
     assert load_manifest(out, verify=True)["splits"] == load_manifest(prepare(clean))["splits"]

@@ -285,12 +285,19 @@ def forced_validation(cfg: DataConfig, plan: Plan) -> dict[str, bool]:
 
 
 def _sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
-    """Training documents for the tokenizer: whole units visited in a hash order, validation left out."""
-    skips: list[Skip] = []
+    """Training documents for the tokenizer: whole units visited in a hash order, validation left out.
+
+    Stops once data.tokenizer_sample_bytes have been read, so a 30B-token corpus is not read to sample it.
+    """
+    skips: list[Skip] = []  # reported when the units are tokenized
+    n_bytes = 0
     for unit in sorted(plan.units, key=lambda u: stable_fraction(str(u.files[:1] or u.index), "tokenizer")):
         for doc in sources.read_unit(unit, cfg, skips):
             if not _is_val(doc.name, cfg, forced):
                 yield doc.text
+                n_bytes += len(doc.text)
+                if n_bytes >= cfg.tokenizer_sample_bytes:
+                    return
 
 
 def build_tokenizer(cfg: DataConfig, plan: Plan, forced: dict) -> str:
@@ -366,6 +373,7 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
         bar.update(counters[0].value - bar.n)
         bar.set_postfix_str(f"{counters[1].value / max(time.perf_counter() - t0, 1e-9) / 1e3:,.0f}K tok/s")
 
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         if procs <= 1:
             _init_worker(*args)
@@ -373,8 +381,9 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
                 yield tokenize_unit(unit)
                 update()
             return
-        # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer and
+        # runs it on one thread, since the processes already fill the cores.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         with mp.get_context("fork").Pool(procs, initializer=_init_worker, initargs=args) as pool:
             results = pool.imap_unordered(tokenize_unit, todo)
             while True:
@@ -388,6 +397,10 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
                 update()
                 yield record
     finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
         update()
         bar.close()
         _worker.clear()
