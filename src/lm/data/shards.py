@@ -59,6 +59,8 @@ MAX_LISTED_DOCUMENTS = 100_000
 """Document names are kept in the manifest (for inspection and tests) only for corpora up to this size."""
 MAX_LISTED_SKIPS = 1000
 MAX_LOGGED_SKIPS = 20
+LOG_EVERY_S = 30.0
+"""Without a terminal for the progress bar, progress is logged this often."""
 MANIFEST_CONFIG_KEYS = (
     "source", "paths", "name", "subset", "split", "text_field", "vocab_size", "val_fraction", "max_bytes",
     "tokenizer_sample_bytes", "shard_bytes", "max_line_chars",
@@ -369,9 +371,17 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing ({procs} proc)", disable=None)
     t0 = time.perf_counter()
 
+    last_log = [t0]
+
     def update() -> None:
+        now = time.perf_counter()
+        rate = counters[1].value / max(now - t0, 1e-9)
         bar.update(counters[0].value - bar.n)
-        bar.set_postfix_str(f"{counters[1].value / max(time.perf_counter() - t0, 1e-9) / 1e3:,.0f}K tok/s")
+        bar.set_postfix_str(f"{rate / 1e3:,.0f}K tok/s")
+        if bar.disable and now - last_log[0] > LOG_EVERY_S:  # no terminal (a job's log file): a line instead
+            last_log[0] = now
+            done = f"{counters[0].value / total_bytes:.1%} of " if total_bytes else ""
+            log.info("tokenized %s%.1f MB, %.0fK tokens/s", done, counters[0].value / 1e6, rate / 1e3)
 
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
