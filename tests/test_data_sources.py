@@ -198,6 +198,7 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
         f.write("{not json\n")
         f.write(json.dumps({"text": "y" * 5000}) + "\n")
         f.write(json.dumps({"text": texts[21]}) + "\n")
+        f.write("not json either\n" * 7)
     # Names hash to a split by their (random) tmp path: a half split makes an empty one vanishingly rare.
     cfg = text_cfg(
         tmp_path, str(corpus / "*"), tokenizer=str(tokenizer_file), max_line_chars=4000, val_fraction=0.5
@@ -214,9 +215,14 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
         "records.jsonl:2": "no string field 'text'",
         "records.jsonl:3": "not JSON",
         "records.jsonl:4": "a line longer than data.max_line_chars=4000",
+        # Five bad lines of a kind are named; the rest are counted in one entry.
+        **{f"records.jsonl:{n}": "not JSON" for n in (6, 7, 8, 9)},
+        "records.jsonl": "not JSON (more lines)",
     }
     assert skipped["broken.parquet"].startswith("unreadable parquet")
-    assert manifest["skipped_count"] == 8
+    summed = {"where": str(corpus / "records.jsonl"), "reason": "not JSON (more lines)", "count": 3}
+    assert summed in manifest["skipped"]
+    assert manifest["skipped_count"] == 8 + 7
     assert sum(manifest["splits"][s]["documents"] for s in ("train", "val")) == 24 + 2
 
 

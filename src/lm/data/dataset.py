@@ -53,8 +53,10 @@ class TokenWindows(Dataset):
     def _read(self, start: int, stop: int) -> np.ndarray:
         """stream[start:stop], gathered from as many shards as it spans (usually one)."""
         if self._maps is None:
-            self._maps = [np.memmap(p, dtype=self.dtype, mode="r") if s else None for p, s in
-                          zip(self.paths, np.diff(self.starts))]  # fmt: skip
+            sizes = np.diff(self.starts)  # an empty shard cannot be mapped, and is never read
+            self._maps = [
+                np.memmap(p, self.dtype, mode="r") if n else None for p, n in zip(self.paths, sizes)
+            ]
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts = []
         while start < stop:

@@ -494,7 +494,7 @@ def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokeni
             kinds = sorted({s["reason"] for s in skips})[:5]
             raise ValueError(
                 f"the {split} split is empty: {splits['train']['documents']} train documents, "
-                f"{len(skips)} skipped ({'; '.join(kinds) or 'none'}); "
+                f"{sum(s.get('count', 1) for s in skips)} skipped ({'; '.join(kinds) or 'none'}); "
                 + (
                     "add documents or raise data.val_fraction"
                     if split == "val"
@@ -520,7 +520,7 @@ def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokeni
         "tokenizer_sha256": text_sha256(tokenizer_json),
         "splits": splits,
         "skipped": skips[:MAX_LISTED_SKIPS],
-        "skipped_count": len(skips),
+        "skipped_count": sum(s.get("count", 1) for s in skips),
         "inputs": {
             "units": len(plan.units),
             "files": sum(len(u.files) for u in plan.units),
@@ -545,7 +545,9 @@ def report_skips(manifest: dict) -> None:
     """Log skipped inputs: a count per kind of problem, then the first few by name (all are in the manifest)."""
     if not manifest["skipped_count"]:
         return
-    kinds = Counter(re.split(r" at | \(", s["reason"])[0] for s in manifest["skipped"])
+    kinds = Counter()
+    for skip in manifest["skipped"]:
+        kinds[re.split(r" at | \(", skip["reason"])[0]] += skip.get("count", 1)
     log.warning(
         "skipped %d input(s) (%s); every one is listed under `skipped` in the manifest",
         manifest["skipped_count"], ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),

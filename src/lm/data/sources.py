@@ -36,6 +36,8 @@ class Skip:
 
     where: str
     reason: str
+    count: int = 1
+    """How many records this entry stands for (past the first few bad lines of a file, one entry sums them)."""
 
 
 @dataclass
@@ -245,10 +247,9 @@ def read_jsonl_file(path: str, cfg: DataConfig, skips: list[Skip]) -> Iterator[D
             f"{', '.join(sorted(keys)) or 'none'}); set data.text_field to the field that holds the text"
         )
     for reason, lines in bad.items():
-        shown = ", ".join(map(str, lines[:MAX_REPORTED_RECORDS])) + (", ..." if len(lines) > 5 else "")
         skips.extend(Skip(f"{path}:{n}", reason) for n in lines[:MAX_REPORTED_RECORDS])
         if len(lines) > MAX_REPORTED_RECORDS:
-            skips.append(Skip(path, f"{len(lines) - MAX_REPORTED_RECORDS} more lines: {reason} ({shown})"))
+            skips.append(Skip(path, f"{reason} (more lines)", len(lines) - MAX_REPORTED_RECORDS))
 
 
 def read_parquet_file(path: str, cfg: DataConfig, skips: list[Skip]) -> Iterator[Document]:
