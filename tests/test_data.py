@@ -26,6 +26,7 @@ from lm.data import (
     load_manifest,
     load_tokenizer,
     prepare,
+    shard_paths,
     stdlib_documents,
 )
 from lm.data.stdlib import list_files, select_files
@@ -50,7 +51,8 @@ def manifest(data_dir) -> dict:
 
 
 def tokens(data_dir: Path, split: str, manifest: dict) -> np.ndarray:
-    return np.fromfile(data_dir / f"{split}.bin", dtype=manifest["dtype"])
+    """The split's whole token stream: its shards concatenated in manifest order."""
+    return np.concatenate([np.fromfile(p, manifest["dtype"]) for p in shard_paths(data_dir, manifest, split)])
 
 
 def test_prepare_is_cached(cfg, data_dir):
@@ -59,7 +61,13 @@ def test_prepare_is_cached(cfg, data_dir):
     assert prepare(cfg) == data_dir
     assert time.perf_counter() - t0 < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in data_dir.iterdir()} == stamps
-    assert sorted(stamps) == ["manifest.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert sorted(stamps) == [
+        "manifest.json",
+        "progress",
+        "tokenizer.json",
+        "train-00000.bin",
+        "val-00000.bin",
+    ]
     assert not [p for p in data_dir.parent.iterdir() if ".tmp-" in p.name], "temporary folder left behind"
 
 
@@ -69,10 +77,10 @@ def test_interrupted_prepare_is_not_trusted(tmp_path):
     # What a killed run leaves: a half-written build folder, and (worse) a final folder with no manifest.
     stale = final.parent / f".{final.name}.tmp-dead"
     stale.mkdir(parents=True)
-    (stale / "train.bin").write_bytes(b"\0" * 10)
+    (stale / "train-00000.bin").write_bytes(b"\0" * 10)
     (stale / "manifest.json").write_text("{}")
     final.mkdir()
-    (final / "train.bin").write_bytes(b"\0" * 10)
+    (final / "train-00000.bin").write_bytes(b"\0" * 10)
 
     assert prepare(cfg) == final
     manifest = load_manifest(final)
@@ -84,9 +92,11 @@ def test_manifest_matches_files(data_dir, manifest):
     assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == 512
     for split in ("train", "val"):
         info = manifest["splits"][split]
-        assert (data_dir / info["file"]).stat().st_size == info["tokens"] * 2
+        assert sum(p.stat().st_size for p in shard_paths(data_dir, manifest, split)) == info["tokens"] * 2
+        assert info["tokens"] == sum(s["tokens"] for s in info["shards"])
         assert info["documents"] == len(manifest["documents"][split]) > 0
-    assert manifest["skipped_files"] == []  # the non-UTF-8 stdlib fixtures are outside this small slice
+    # Only empty __init__.py files: the non-UTF-8 stdlib fixtures are outside this small slice.
+    assert {s["reason"] for s in manifest["skipped"]} <= {"empty"}
 
 
 def test_ids_in_range_and_documents_separated(data_dir, manifest):
@@ -164,7 +174,7 @@ def test_ranks_partition_each_epoch():
 
 
 def test_every_window_once_per_epoch(data_dir, manifest, cfg):
-    n = len(TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"]))
+    n = len(TokenWindows(shard_paths(data_dir, manifest, "train"), cfg.seq_len, manifest["dtype"]))
     batch = 7
     flat = [i for b in take(StepSampler(n, batch, seed=5), 3 * n // batch + 1) for i in b]
     epochs = [flat[e * n : (e + 1) * n] for e in range(3)]
@@ -173,7 +183,7 @@ def test_every_window_once_per_epoch(data_dir, manifest, cfg):
 
 
 def test_token_windows(data_dir, manifest, cfg):
-    ds = TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"])
+    ds = TokenWindows(shard_paths(data_dir, manifest, "train"), cfg.seq_len, manifest["dtype"])
     ids = tokens(data_dir, "train", manifest)
     assert len(ds) == (len(ids) - 1) // cfg.seq_len
     first, last = ds[0], ds[len(ds) - 1]
@@ -191,7 +201,7 @@ def test_token_windows(data_dir, manifest, cfg):
 
 def test_token_windows_in_worker_processes(data_dir, manifest, cfg, monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    ds = TokenWindows(data_dir / "train.bin", cfg.seq_len, manifest["dtype"])
+    ds = TokenWindows(shard_paths(data_dir, manifest, "train"), cfg.seq_len, manifest["dtype"])
     ds[0]  # opens the map in the parent, as Lightning's sanity checks may
     sampler = StepSampler(len(ds), 4, seed=0)
     loader = DataLoader(ds, batch_sampler=sampler, num_workers=2)
@@ -217,16 +227,16 @@ def test_datamodule_batches(cfg, data_dir, manifest):
 def test_truncated_bin_is_reported(data_dir, tmp_path):
     copy = tmp_path / data_dir.name
     shutil.copytree(data_dir, copy)
-    with open(copy / "train.bin", "r+b") as f:
-        f.truncate(os.path.getsize(copy / "train.bin") - 100)
-    with pytest.raises(ValueError, match=r"train\.bin has .* bytes .* truncated .* delete"):
+    with open(copy / "train-00000.bin", "r+b") as f:
+        f.truncate(os.path.getsize(copy / "train-00000.bin") - 100)
+    with pytest.raises(ValueError, match=r"train-00000\.bin has .* bytes .* truncated .* delete"):
         load_manifest(copy)
 
 
 def test_seq_len_longer_than_split(data_dir, manifest):
     n = manifest["splits"]["val"]["tokens"]
-    with pytest.raises(ValueError, match=rf"val\.bin has {n} tokens.*lower data\.seq_len"):
-        TokenWindows(data_dir / "val.bin", n, manifest["dtype"])
+    with pytest.raises(ValueError, match=rf"val-00000\.bin has {n} tokens.*lower data\.seq_len"):
+        TokenWindows(shard_paths(data_dir, manifest, "val"), n, manifest["dtype"])
 
 
 def test_config_errors(cfg):

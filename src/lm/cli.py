@@ -2,6 +2,9 @@
 
 lm config  [overrides...]   print the composed, validated config
 lm prepare [overrides...]   build the tokenizer and token shards the config trains on
+lm tokenizer train [--out tokenizer.json] [overrides...]
+                            train a byte-level BPE on a sample of the configured corpus
+lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from lm.config import conf_dir, register_configs, to_objects
+from lm.config import LMConfig, conf_dir, register_configs, to_objects
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -30,13 +34,48 @@ def cmd_config(args: argparse.Namespace) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True), end="")
 
 
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from lm.data import load_manifest, prepare
+def planned_tokens(cfg: LMConfig) -> int:
+    """Training tokens the composed config plans: max_steps x tokens per optimizer step."""
+    trainer = cfg.trainer
+    devices = trainer.devices if isinstance(trainer.devices, int) else 1  # `auto`: assume one device
+    per_step = cfg.data.batch_size * cfg.data.seq_len * trainer.accumulate_grad_batches * devices
+    return trainer.max_steps * per_step * trainer.num_nodes
 
-    data_dir = prepare(to_objects(compose_config(args.overrides)).data)
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from lm.data import implied_epochs, load_manifest, prepare
+
+    cfg = to_objects(compose_config(args.overrides))
+    data_dir = prepare(cfg.data)
     manifest = load_manifest(data_dir)
     print(f"prepared {data_dir}")
-    print(json.dumps({k: manifest[k] for k in ("source", "vocab_size", "splits") if k in manifest}, indent=2))
+    splits = {s: {k: v for k, v in info.items() if k != "shards"} for s, info in manifest["splits"].items()}
+    print(
+        json.dumps(
+            {"source": manifest["source"], "vocab_size": manifest["vocab_size"], "splits": splits}, indent=2
+        )
+    )
+    if manifest["skipped_count"]:
+        print(f"skipped {manifest['skipped_count']} input(s): see `skipped` in {data_dir / 'manifest.json'}")
+    budget = planned_tokens(cfg)
+    epochs = implied_epochs(manifest, budget)
+    line = f"the plan (trainer.max_steps={cfg.trainer.max_steps}) trains on {budget:,} tokens: {epochs:.2f} epochs"
+    if epochs > 1:
+        line += " of this corpus (more than one: repeated data; bring more text or plan fewer steps)"
+    print(line)
+    print(
+        f"train on it: python train.py data=tokens data.dir={data_dir} data.vocab_size={manifest['vocab_size']}"
+    )
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from lm.data.shards import sample_tokenizer
+
+    cfg = to_objects(compose_config(args.overrides)).data
+    out = Path(args.out)
+    sha = sample_tokenizer(cfg, out)
+    print(f"wrote {out} (vocabulary {cfg.vocab_size}, sha256 {sha})")
+    print(f"use it: lm prepare data.tokenizer={out} ...  and  python train.py data.tokenizer={out} ...")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -63,10 +102,19 @@ def main(argv: list[str] | None = None) -> None:
     report = verbs.add_parser("report", help="write report.md and plots for a run directory")
     report.add_argument("run_dir", help="runs/<run.name>")
     report.set_defaults(fn=cmd_report)
+    tokenizer = verbs.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
+        dest="action", required=True
+    )
+    train = tokenizer.add_parser("train", help="train a byte-level BPE on a sample of the configured corpus")
+    train.add_argument("--out", default="tokenizer.json", help="where to write it (default: tokenizer.json)")
+    train.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. data=text data.paths='corpus/*.txt'"
+    )
+    train.set_defaults(fn=cmd_tokenizer)
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         sys.exit(f"lm {args.verb}: {e}")
 
 

@@ -3,7 +3,16 @@
 from lm.data.config import DataConfig
 from lm.data.datamodule import LMDataModule
 from lm.data.dataset import StepSampler, TokenWindows
-from lm.data.shards import FORMAT_VERSION, cache_key, dataset_dir, load_manifest, prepare
+from lm.data.shards import (
+    FORMAT_VERSION,
+    cache_key,
+    check_tokenizer,
+    dataset_dir,
+    implied_epochs,
+    load_manifest,
+    prepare,
+    shard_paths,
+)
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import EOT, load_tokenizer
 
@@ -15,9 +24,12 @@ __all__ = [
     "StepSampler",
     "TokenWindows",
     "cache_key",
+    "check_tokenizer",
     "dataset_dir",
+    "implied_epochs",
     "load_manifest",
     "load_tokenizer",
     "prepare",
+    "shard_paths",
     "stdlib_documents",
 ]

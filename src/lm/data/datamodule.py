@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from torch.utils.data import DataLoader
 
 from lm.data.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows
-from lm.data.shards import load_manifest, prepare
+from lm.data.shards import check_tokenizer, implied_epochs, load_manifest, prepare, shard_paths
 from lm.data.tokenizer import load_tokenizer
+
+log = logging.getLogger("lm.data")
 
 
 class LMDataModule(pl.LightningDataModule):
@@ -39,20 +42,17 @@ class LMDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared dataset; cheap, since `prepare` returns the cached folder."""
-        manifest = self.manifest
+        manifest, folder = self.manifest, self.data_dir
         dtype = manifest["dtype"]
-        self.train_set = TokenWindows(
-            self.data_dir / manifest["splits"]["train"]["file"], self.cfg.seq_len, dtype
-        )
-        self.val_set = TokenWindows(
-            self.data_dir / manifest["splits"]["val"]["file"], self.cfg.seq_len, dtype
-        )
+        self.train_set = TokenWindows(shard_paths(folder, manifest, "train"), self.cfg.seq_len, dtype)
+        self.val_set = TokenWindows(shard_paths(folder, manifest, "val"), self.cfg.seq_len, dtype)
 
     def _resolve(self) -> None:
         if self._manifest is not None:
             return
         data_dir = prepare(self.cfg)
         manifest = load_manifest(data_dir)
+        check_tokenizer(self.cfg, data_dir, manifest)
         if manifest["vocab_size"] > self.cfg.vocab_size:
             raise ValueError(
                 f"{data_dir} was tokenized with vocab_size={manifest['vocab_size']} but data.vocab_size="
@@ -63,7 +63,7 @@ class LMDataModule(pl.LightningDataModule):
 
     @property
     def data_dir(self) -> Path:
-        """Folder of the prepared dataset (tokenizer.json, train.bin, val.bin, manifest.json)."""
+        """Folder of the prepared dataset (tokenizer.json, train-*.bin, val-*.bin, manifest.json)."""
         self._resolve()
         return self._data_dir
 
@@ -108,6 +108,15 @@ class LMDataModule(pl.LightningDataModule):
         if self.train_set is None:
             self.setup("fit")
         trainer = self.trainer
+        if trainer is not None and trainer.max_steps > 0:
+            tokens = trainer.max_steps * trainer.accumulate_grad_batches * trainer.world_size
+            tokens *= self.cfg.batch_size * self.cfg.seq_len
+            epochs = implied_epochs(self.manifest, tokens)
+            if epochs > 1:
+                log.warning(
+                    "trainer.max_steps=%d is %.3g tokens, %.2f epochs of the %d training tokens in %s",
+                    trainer.max_steps, tokens, epochs, self.manifest["splits"]["train"]["tokens"], self.data_dir,
+                )  # fmt: skip
         sampler = StepSampler(
             len(self.train_set),
             self.cfg.batch_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,44 +12,70 @@ from torch.utils.data import Dataset, Sampler
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `seq_len + 1` tokens from a flat .bin token file.
+    """Non-overlapping windows of `seq_len + 1` tokens from one or more .bin token shards read as one stream.
 
-    Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]: inputs are window[:-1] and targets window[1:],
-    so consecutive windows share one boundary token and every token is a target exactly once.
-    The file is memory-mapped on first access, so the dataset pickles to DataLoader workers as a path.
+    Window i is stream[i*seq_len : i*seq_len + seq_len + 1]: inputs are window[:-1] and targets window[1:],
+    so consecutive windows share one boundary token and every token is a target exactly once. The stream is
+    the shards concatenated in the given (manifest) order. A window may straddle two shards: every shard ends
+    with end-of-text, so that crossing is a document boundary like any other and no tokens are wasted.
+    Shards are memory-mapped on first access, so the dataset pickles to DataLoader workers as paths.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: str | np.dtype = "uint16"):
-        self.path = Path(path)
+    def __init__(
+        self, paths: str | Path | Sequence[str | Path], seq_len: int, dtype: str | np.dtype = "uint16"
+    ):
+        self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
         self.seq_len = seq_len
         self.dtype = np.dtype(dtype)
         if seq_len < 1:
             raise ValueError(f"data.seq_len={seq_len} must be at least 1")
-        size = os.path.getsize(self.path)
-        if size % self.dtype.itemsize:
-            raise ValueError(f"{self.path} has {size} bytes, not a whole number of {self.dtype} tokens")
-        self.n_tokens = size // self.dtype.itemsize
+        sizes = []
+        for path in self.paths:
+            size = os.path.getsize(path)
+            if size % self.dtype.itemsize:
+                raise ValueError(f"{path} has {size} bytes, not a whole number of {self.dtype} tokens")
+            sizes.append(size // self.dtype.itemsize)
+        # starts[k] is the stream offset of shard k; starts[-1] the stream length.
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.n_tokens = int(self.starts[-1])
+        name = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} shards"
         if self.n_tokens < seq_len + 1:
             raise ValueError(
-                f"{self.path.name} has {self.n_tokens} tokens, fewer than one window of data.seq_len+1="
+                f"{name} has {self.n_tokens} tokens, fewer than one window of data.seq_len+1="
                 f"{seq_len + 1}; lower data.seq_len or add data (raise data.max_bytes or data.val_fraction)"
             )
-        self._tokens: np.memmap | None = None
+        self.name = name
+        self._maps: list[np.memmap] | None = None
 
     def __len__(self) -> int:
         return (self.n_tokens - 1) // self.seq_len
 
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """stream[start:stop], gathered from as many shards as it spans (usually one)."""
+        if self._maps is None:
+            sizes = np.diff(self.starts)  # an empty shard cannot be mapped, and is never read
+            self._maps = [
+                np.memmap(p, self.dtype, mode="r") if n else None for p, n in zip(self.paths, sizes)
+            ]
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            end = min(stop, int(self.starts[k + 1]))
+            if end > start:
+                base = int(self.starts[k])
+                parts.append(self._maps[k][start - base : end - base])
+            start, k = end, k + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if not 0 <= i < len(self):
-            raise IndexError(f"window {i} is out of range for {len(self)} windows of {self.path.name}")
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+            raise IndexError(f"window {i} is out of range for {len(self)} windows of {self.name}")
         start = i * self.seq_len
-        return torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return torch.from_numpy(self._read(start, start + self.seq_len + 1).astype(np.int64))
 
     def __getstate__(self) -> dict:
-        # Workers re-open the file themselves; pickling the map would copy the whole split.
-        return {**self.__dict__, "_tokens": None}
+        # Workers re-open the files themselves; pickling the maps would copy the whole split.
+        return {**self.__dict__, "_maps": None}
 
 
 class StepSampler(Sampler[list[int]]):

@@ -1,50 +1,70 @@
-"""Turn a corpus into a cached, tokenized dataset folder: tokenizer.json, train.bin, val.bin, manifest.json.
+"""Turn a corpus into a prepared dataset folder: tokenizer.json, token shards and manifest.json.
 
-The .bin files are flat streams of token ids (uint16 when the vocabulary fits, else uint32), each document
-followed by the end-of-text token, so training can memory-map them and read any window without parsing.
+    <dir>/tokenizer.json            the tokenizer that made every shard (its sha256 is in the manifest)
+    <dir>/train-00000.bin ...       flat streams of token ids, each document followed by end-of-text
+    <dir>/val-00000.bin ...         documents held out by a hash of their name
+    <dir>/progress/                 plan.json and one record per finished unit (what a resume trusts)
+    <dir>/manifest.json             written last: its presence means the folder is complete
+
+The corpus is planned into units (groups of whole files, or shards of a stream); worker processes tokenize
+units in parallel, each writing its two shards atomically (temporary file, fsync, rename) and then a
+progress record with their sha256. A rerun after an interruption verifies the recorded shards and
+tokenizes only the units that have none. Training reads the shards of a split as one stream, in unit order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import multiprocessing as mp
 import os
+import re
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm.data import stdlib
+from lm.data import sources
 from lm.data.config import DataConfig
-from lm.data.stdlib import Corpus, Document, stable_fraction
-from lm.data.tokenizer import EOT, EOT_ID, MIN_VOCAB_SIZE, file_sha256, sample_texts, train_tokenizer
+from lm.data.sources import Plan, Skip, Unit, is_validation
+from lm.data.stdlib import stable_fraction
+from lm.data.tokenizer import (
+    MIN_VOCAB_SIZE,
+    file_sha256,
+    load_tokenizer_spec,
+    sample_texts,
+    text_sha256,
+    tokenizer_id,
+    train_tokenizer,
+)
 
 log = logging.getLogger("lm.data")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads."""
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
+PROGRESS = "progress"
 SPLITS = ("train", "val")
-ENCODE_CHUNK = 256
-"""Documents per encode_batch call: enough to keep the Rust threads busy, small enough to bound memory."""
-
-# name -> (cheap fingerprint of the corpus, reader of its documents capped at max_bytes)
-SOURCES: dict[str, tuple[Callable[[], str], Callable[[int | None], Corpus]]] = {
-    "stdlib": (stdlib.fingerprint, stdlib.stdlib_documents),
-}
-
-
-def _source(name: str) -> tuple[Callable[[], str], Callable[[int | None], Corpus]]:
-    if name not in SOURCES:
-        raise ValueError(f"data.source {name!r} is unknown; use one of {sorted(SOURCES)} (e.g. data=stdlib)")
-    return SOURCES[name]
+ENCODE_BYTES = 1 << 20
+"""Text per encode_batch call: enough to amortize the call, small enough to bound a worker's memory."""
+MAX_LISTED_DOCUMENTS = 100_000
+"""Document names are kept in the manifest (for inspection and tests) only for corpora up to this size."""
+MAX_LISTED_SKIPS = 1000
+MAX_LOGGED_SKIPS = 20
+LOG_EVERY_S = 30.0
+"""Without a terminal for the progress bar, progress is logged this often."""
+MANIFEST_CONFIG_KEYS = (
+    "source", "paths", "name", "subset", "split", "text_field", "vocab_size", "val_fraction", "max_bytes",
+    "tokenizer_sample_bytes", "shard_bytes", "max_line_chars",
+)  # fmt: skip
 
 
 def resolve_cache_dir(cache_dir: str) -> Path:
@@ -61,34 +81,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def cache_key(cfg: DataConfig) -> str:
-    """Short hash of everything that determines the prepared dataset's contents."""
-    fingerprint, _ = _source(cfg.source)
-    parts = {
-        "format_version": FORMAT_VERSION,
-        "source": cfg.source,
-        "fingerprint": fingerprint(),
-        "vocab_size": cfg.vocab_size,
-        "val_fraction": cfg.val_fraction,
-        "max_bytes": cfg.max_bytes,
-        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def dataset_dir(cfg: DataConfig, key: str | None = None) -> Path:
-    """Folder where `prepare(cfg)` puts (or finds) the dataset; it exists only once complete."""
-    return resolve_cache_dir(cfg.cache_dir) / f"{cfg.source}-{key or cache_key(cfg)}"
-
-
-def is_validation(name: str, val_fraction: float) -> bool:
-    """Whether document `name` is held out; depends only on the name, so it is stable as the corpus grows."""
-    return stable_fraction(name, "val") < val_fraction
-
-
 def check_config(cfg: DataConfig) -> None:
     """Fail fast, before any corpus is read, on values that cannot produce a dataset."""
-    _source(cfg.source)
     if not 0 < cfg.val_fraction < 1:
         raise ValueError(
             f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.02"
@@ -104,152 +98,491 @@ def check_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.tokenizer_sample_bytes={cfg.tokenizer_sample_bytes} must be positive")
 
 
-def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """(train, val) by document, each non-empty and in the input order."""
-    if len(docs) < 2:
-        raise ValueError(
-            f"the corpus has {len(docs)} document(s) but a train/val split needs at least 2; "
-            "raise data.max_bytes (or set it to null)"
-        )
-    val_names = {d.name for d in docs if is_validation(d.name, val_fraction)}
-    # Tiny corpora may hash every document to one side; move the closest document across.
-    if not val_names:
-        val_names = {min(docs, key=lambda d: stable_fraction(d.name, "val")).name}
-    elif len(val_names) == len(docs):
-        val_names.remove(max(docs, key=lambda d: stable_fraction(d.name, "val")).name)
-    train = [d for d in docs if d.name not in val_names]
-    val = [d for d in docs if d.name in val_names]
-    return train, val
+def _tokenizer_identity(cfg: DataConfig) -> str | None:
+    """What identifies a given tokenizer in the cache key: its file's sha256, or its hub name."""
+    if cfg.tokenizer is None:
+        return None
+    path = Path(cfg.tokenizer).expanduser()
+    path = path / TOKENIZER if path.is_dir() else path
+    return file_sha256(path) if path.is_file() else cfg.tokenizer
 
 
-def write_tokens(
-    tokenizer: Tokenizer, texts: Sequence[str], path: Path, dtype: np.dtype, vocab_size: int
-) -> int:
-    """Encode `texts` into `path` as one flat stream, each text followed by end-of-text; returns the count."""
-    # The fast variant skips character offsets, which we never use (about a third less CPU); tokenizers>=0.20.
-    encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    eot = np.array([EOT_ID], dtype=np.int64)
-    n_tokens = 0
-    with open(path, "wb") as f:
-        for start in range(0, len(texts), ENCODE_CHUNK):
-            encodings = encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
-            ids = np.concatenate([part for e in encodings for part in (np.asarray(e.ids, np.int64), eot)])
-            if ids.max() >= vocab_size:
-                raise ValueError(
-                    f"the tokenizer produced id {ids.max()} >= data.vocab_size={vocab_size} while writing "
-                    f"{path.name}; the tokenizer does not match the config: delete {path.parent} and rerun"
-                )
-            f.write(ids.astype(dtype).tobytes())
-            n_tokens += len(ids)
-    return n_tokens
-
-
-def _build(cfg: DataConfig, out: Path, key: str) -> None:
-    """Write the whole dataset into the (temporary) folder `out`; the manifest is written last."""
-    t0 = time.perf_counter()
-    fingerprint, read = _source(cfg.source)
-    corpus = read(cfg.max_bytes)
-    log.info(
-        "read %d %s documents (%.1f MB); skipped %d files that are not UTF-8 and %d empty ones",
-        len(corpus.documents), cfg.source, corpus.n_bytes / 1e6, len(corpus.skipped), corpus.empty,
-    )  # fmt: skip
-    train_docs, val_docs = split_documents(corpus.documents, cfg.val_fraction)
-
-    # Sample the tokenizer's training text across the whole corpus, never from validation documents.
-    t1 = time.perf_counter()
-    spread = sorted(train_docs, key=lambda d: stable_fraction(d.name, "tokenizer"))
-    tokenizer = train_tokenizer(
-        sample_texts((d.text for d in spread), cfg.tokenizer_sample_bytes), cfg.vocab_size
-    )
-    tokenizer.save(str(out / TOKENIZER))
-    log.info("trained a %d-token BPE in %.1f s", tokenizer.get_vocab_size(), time.perf_counter() - t1)
-
-    # A literal "<|endoftext|>" inside a source file is text, not a document boundary.
-    tokenizer.encode_special_tokens = True
-    dtype = token_dtype(cfg.vocab_size)
-    splits = {}
-    for split, docs in zip(SPLITS, (train_docs, val_docs)):
-        t1 = time.perf_counter()
-        texts = [d.text for d in docs]
-        n_tokens = write_tokens(tokenizer, texts, out / f"{split}.bin", dtype, cfg.vocab_size)
-        n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-        splits[split] = {"file": f"{split}.bin", "documents": len(docs), "tokens": n_tokens, "bytes": n_bytes}
-        log.info(
-            "%s: %d documents, %.1f MB -> %d tokens (%.2f bytes/token) in %.1f s",
-            split, len(docs), n_bytes / 1e6, n_tokens, n_bytes / n_tokens, time.perf_counter() - t1,
-        )  # fmt: skip
-
-    manifest = {
+def cache_key(cfg: DataConfig, plan: Plan | None = None) -> str:
+    """Short hash of everything that determines the prepared dataset's contents."""
+    plan = plan or sources.plan(cfg)
+    parts = {
         "format_version": FORMAT_VERSION,
         "source": cfg.source,
-        "key": key,
-        "fingerprint": fingerprint(),
-        "dtype": dtype.name,
+        "fingerprint": plan.fingerprint,
+        "text_field": cfg.text_field if cfg.source in ("text", "hf") else None,
         "vocab_size": cfg.vocab_size,
-        "tokenizer_vocab_size": tokenizer.get_vocab_size(),
-        "eot_id": EOT_ID,
-        "eot_token": EOT,
-        "tokenizer_sha256": file_sha256(out / TOKENIZER),
-        "splits": splits,
-        "skipped_files": corpus.skipped,
-        "empty_files": corpus.empty,
-        "config": {
-            "source": cfg.source,
-            "vocab_size": cfg.vocab_size,
-            "val_fraction": cfg.val_fraction,
-            "max_bytes": cfg.max_bytes,
-            "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes,
-        },
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "prepare_seconds": round(time.perf_counter() - t0, 2),
-        "documents": {"train": [d.name for d in train_docs], "val": [d.name for d in val_docs]},
+        "val_fraction": cfg.val_fraction,
+        "max_bytes": cfg.max_bytes,
+        "tokenizer": _tokenizer_identity(cfg),
+        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes if cfg.tokenizer is None else None,
+        "eot_token": cfg.eot_token,
+        "shard_bytes": cfg.shard_bytes,
+        "max_line_chars": cfg.max_line_chars,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def dataset_dir(cfg: DataConfig, key: str | None = None) -> Path:
+    """Folder where `prepare(cfg)` puts (or finds) the dataset: data.dir, else one named by the cache key."""
+    if cfg.dir:
+        return Path(cfg.dir).expanduser()
+    return resolve_cache_dir(cfg.cache_dir) / f"{cfg.source}-{key or cache_key(cfg)}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+class ShardWriter:
+    """Appends token arrays to `<name>` through a temporary file; `close()` fsyncs and renames it into place."""
+
+    def __init__(self, folder: Path, name: str, dtype: np.dtype):
+        self.path = folder / name
+        self.tmp = folder / f".{name}.tmp-{os.getpid()}"
+        self.dtype = dtype
+        self.file = open(self.tmp, "wb")  # noqa: SIM115
+        self.sha = hashlib.sha256()
+        self.tokens = self.documents = self.bytes = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        data = ids.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(ids)
+
+    def close(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {
+            "file": self.path.name,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "bytes": self.bytes,
+            "sha256": self.sha.hexdigest(),
+        }
+
+
+# --- one unit of work (runs in a worker process) -----------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(cfg: DataConfig, tokenizer_json: str, out: str, val_names: dict, counters) -> None:
+    """Per-process state: each worker owns a tokenizer, so no Rust thread pool is shared across a fork."""
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True  # a literal "<|endoftext|>" inside a document is text, not a boundary
+    eot = tokenizer_id(tok, cfg.eot_token)
+    _worker.update(cfg=cfg, tok=tok, eot=eot, out=Path(out), val_names=val_names, counters=counters)
+
+
+def _is_val(name: str, cfg: DataConfig, forced: dict) -> bool:
+    return forced[name] if name in forced else is_validation(name, cfg.val_fraction)
+
+
+def tokenize_unit(unit: Unit) -> dict:
+    """Tokenize every document of `unit` into its train and val shards; returns its progress record."""
+    cfg, tok, eot, out = _worker["cfg"], _worker["tok"], _worker["eot"], _worker["out"]
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: about a third less CPU
+    dtype = token_dtype(cfg.vocab_size)
+    writers = {s: ShardWriter(out, f"{s}-{unit.index:05d}.bin", dtype) for s in SPLITS}
+    names: dict[str, list[str]] | None = {s: [] for s in SPLITS}
+    skips: list[Skip] = []
+    t0 = time.perf_counter()
+
+    def flush(batch: list[tuple[str, str]]) -> None:
+        nonlocal names
+        encodings = encode([text for _, text in batch], add_special_tokens=False)
+        bufs: dict[str, list[int]] = {s: [] for s in SPLITS}
+        n_bytes = 0
+        for (name, text), enc in zip(batch, encodings):
+            split = "val" if _is_val(name, cfg, _worker["val_names"]) else "train"
+            bufs[split].extend(enc.ids)
+            bufs[split].append(eot)
+            size = len(text.encode("utf-8"))
+            writers[split].documents += 1
+            writers[split].bytes += size
+            n_bytes += size
+            if names is not None:
+                names[split].append(name)
+        for split, buf in bufs.items():
+            if buf:
+                ids = np.array(buf, dtype=np.int64)
+                if ids.max() >= cfg.vocab_size:
+                    raise ValueError(
+                        f"the tokenizer produced id {ids.max()} >= data.vocab_size={cfg.vocab_size}; set "
+                        f"data.vocab_size to at least the tokenizer's vocabulary size"
+                    )
+                writers[split].write(ids)
+        if names is not None and sum(map(len, names.values())) > MAX_LISTED_DOCUMENTS:
+            names = None
+        counters_add(n_bytes, sum(map(len, bufs.values())))
+
+    batch, batch_bytes = [], 0
+    for doc in sources.read_unit(unit, cfg, skips):
+        batch.append((doc.name, doc.text))
+        batch_bytes += len(doc.text)
+        if batch_bytes >= ENCODE_BYTES:
+            flush(batch)
+            batch, batch_bytes = [], 0
+    if batch:
+        flush(batch)
+    shards = {s: w.close() for s, w in writers.items()}
+    return {
+        "unit": unit.index,
+        "shards": shards,
+        "skips": [asdict(s) for s in skips],
+        "documents": names,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def counters_add(n_bytes: int, n_tokens: int) -> None:
+    counters = _worker.get("counters")
+    if counters is not None:
+        with counters[0].get_lock():
+            counters[0].value += n_bytes
+            counters[1].value += n_tokens
+
+
+# --- the preparation ---------------------------------------------------------------------------------------
+
+
+def forced_validation(cfg: DataConfig, plan: Plan) -> dict[str, bool]:
+    """When documents are whole files, make sure each split gets at least one (tiny corpora hash one-sided).
+
+    Returns {document name: is validation} overrides; empty for record-level sources, whose split sizes are
+    only known after reading (an empty split is then an error).
+    """
+    if cfg.source not in ("stdlib", "text"):
+        return {}
+    if any(sources.kind_of(f) != "text" for u in plan.units for f in u.files):
+        return {}
+    # Empty files hold no document, so they cannot be the one moved across.
+    names = [f for u in plan.units for f, size in zip(u.files, u.sizes) if size > 0]
+    if len(names) < 2:
+        return {}
+    val = [n for n in names if is_validation(n, cfg.val_fraction)]
+    if not val:
+        return {min(names, key=lambda n: stable_fraction(n, "val")): True}
+    if len(val) == len(names):
+        return {max(names, key=lambda n: stable_fraction(n, "val")): False}
+    return {}
+
+
+def _sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
+    """Training documents for the tokenizer: whole units visited in a hash order, validation left out.
+
+    Stops once data.tokenizer_sample_bytes have been read, so a 30B-token corpus is not read to sample it.
+    """
+    skips: list[Skip] = []  # reported when the units are tokenized
+    n_bytes = 0
+    for unit in sorted(plan.units, key=lambda u: stable_fraction(str(u.files[:1] or u.index), "tokenizer")):
+        for doc in sources.read_unit(unit, cfg, skips):
+            if not _is_val(doc.name, cfg, forced):
+                yield doc.text
+                n_bytes += len(doc.text)
+                if n_bytes >= cfg.tokenizer_sample_bytes:
+                    return
+
+
+def build_tokenizer(cfg: DataConfig, plan: Plan, forced: dict) -> str:
+    """The serialized tokenizer for `cfg`: loaded from data.tokenizer, or trained on a corpus sample."""
+    if cfg.tokenizer is not None:
+        tok, text = load_tokenizer_spec(cfg.tokenizer)
+        tokenizer_id(tok, cfg.eot_token)
+        if tok.get_vocab_size() > cfg.vocab_size:
+            raise ValueError(
+                f"data.tokenizer {cfg.tokenizer!r} has {tok.get_vocab_size()} tokens but data.vocab_size="
+                f"{cfg.vocab_size}; set data.vocab_size={tok.get_vocab_size()} (or more)"
+            )
+        return text
+    t0 = time.perf_counter()
+    tok = train_tokenizer(
+        sample_texts(_sample_documents(cfg, plan, forced), cfg.tokenizer_sample_bytes), cfg.vocab_size
+    )
+    log.info("trained a %d-token BPE in %.1f s", tok.get_vocab_size(), time.perf_counter() - t0)
+    return tok.to_str()
+
+
+def _claim(out: Path, key: str, in_cache: bool) -> None:
+    """Make `out` ours for key `key`, or refuse: never mix two corpora's shards, never delete a user's files."""
+    plan_file = out / PROGRESS / "plan.json"
+    if plan_file.is_file():
+        theirs = json.loads(plan_file.read_text()).get("key")
+        if theirs == key:
+            return
+        raise ValueError(
+            f"{out} holds an unfinished preparation of a different corpus or config (key {theirs}, this one "
+            f"is {key}); delete {out} or choose another data.dir"
+        )
+    if out.exists() and any(out.iterdir()):
+        if not in_cache:
+            raise ValueError(
+                f"data.dir {out} is not empty and was not written by `lm prepare`; choose an empty folder"
+            )
+        # Never produced by prepare (it writes plan.json first), so it is not trusted.
+        log.warning("%s holds files but no %s; deleting and rebuilding it", out, plan_file.name)
+        shutil.rmtree(out)
+    (out / PROGRESS).mkdir(parents=True, exist_ok=True)
+    write_json(plan_file, {"key": key, "format_version": FORMAT_VERSION})
+
+
+def _finished(out: Path, unit: Unit) -> dict | None:
+    """The unit's progress record if its shards are exactly what it recorded (size and sha256), else None."""
+    record_file = out / PROGRESS / f"unit-{unit.index:05d}.json"
+    if not record_file.is_file():
+        return None
+    try:
+        record = json.loads(record_file.read_text())
+        for shard in record["shards"].values():
+            path = out / shard["file"]
+            if not path.is_file() or file_sha256(path) != shard["sha256"]:
+                log.warning("unit %d: %s does not match its record; redoing the unit", unit.index, path.name)
+                return None
+    except (json.JSONDecodeError, KeyError):
+        return None
+    return record
+
+
+def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path, forced: dict, total_bytes):
+    """Tokenize `todo` on data.num_proc processes, yielding each unit's record as it completes."""
+    from tqdm.auto import tqdm
+
+    counters = (mp.Value("q", 0), mp.Value("q", 0))
+    procs = min(cfg.num_proc or os.cpu_count() or 1, len(todo))
+    args = (cfg, tokenizer_json, str(out), forced, counters)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing ({procs} proc)", disable=None)
+    t0 = time.perf_counter()
+
+    last_log = [t0]
+
+    def update() -> None:
+        now = time.perf_counter()
+        rate = counters[1].value / max(now - t0, 1e-9)
+        bar.update(counters[0].value - bar.n)
+        bar.set_postfix_str(f"{rate / 1e3:,.0f}K tok/s")
+        if bar.disable and now - last_log[0] > LOG_EVERY_S:  # no terminal (a job's log file): a line instead
+            last_log[0] = now
+            done = f"{counters[0].value / total_bytes:.1%} of " if total_bytes else ""
+            log.info("tokenized %s%.1f MB, %.0fK tokens/s", done, counters[0].value / 1e6, rate / 1e3)
+
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        if procs <= 1:
+            _init_worker(*args)
+            for unit in todo:
+                yield tokenize_unit(unit)
+                update()
+            return
+        # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer and
+        # runs it on one thread, since the processes already fill the cores.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        with mp.get_context("fork").Pool(procs, initializer=_init_worker, initargs=args) as pool:
+            results = pool.imap_unordered(tokenize_unit, todo)
+            while True:
+                try:
+                    record = results.next(timeout=0.5)
+                except mp.TimeoutError:
+                    update()
+                    continue
+                except StopIteration:
+                    break
+                update()
+                yield record
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+        update()
+        bar.close()
+        _worker.clear()
 
 
 def prepare(cfg: DataConfig) -> Path:
-    """Build the tokenized dataset for `cfg` if it is not cached yet; return its folder.
+    """Build the tokenized dataset for `cfg` unless it is complete already; return its folder.
 
-    The dataset is built in a temporary sibling folder and renamed into place only when complete, so an
-    interrupted run never leaves a folder that a later run trusts, and concurrent runs cannot corrupt it.
+    `data=tokens` only checks the folder it names. Otherwise an interrupted preparation is resumed: units
+    whose shards match their progress record are kept, the rest are tokenized again.
     """
+    cfg.check_inputs()
+    if cfg.source == "tokens":
+        folder = Path(cfg.dir).expanduser()
+        load_manifest(folder)
+        return folder
     check_config(cfg)
-    key = cache_key(cfg)
-    final = dataset_dir(cfg, key)
-    if (final / MANIFEST).is_file():
-        log.info("using the prepared dataset in %s", final)
-        return final
-    if final.exists():
-        # Never produced by prepare (it renames complete folders only), so it is not trusted.
-        log.warning("%s exists without a manifest; deleting and rebuilding it", final)
-        shutil.rmtree(final)
+    plan = sources.plan(cfg)
+    key = cache_key(cfg, plan)
+    out = dataset_dir(cfg, key)
+    if (out / MANIFEST).is_file():
+        theirs = json.loads((out / MANIFEST).read_text()).get("key")
+        if theirs != key:
+            raise ValueError(
+                f"{out} holds a dataset prepared from a different corpus or config (key {theirs}, this one is "
+                f"{key}); choose another data.dir, or delete {out} to rebuild it"
+            )
+        log.info("using the prepared dataset in %s", out)
+        return out
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    log.info("preparing %s (building in %s)", final, tmp)
     t0 = time.perf_counter()
-    try:
-        _build(cfg, tmp, key)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process (e.g. another node on a shared disk) finished first; its copy is as good.
-            if not (final / MANIFEST).is_file():
-                raise
-            log.info("another process prepared %s first; using it", final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared %s in %.1f s", final, time.perf_counter() - t0)
-    return final
+    _claim(out, key, in_cache=cfg.dir is None)
+    forced = forced_validation(cfg, plan)
+    if not (out / TOKENIZER).is_file():
+        write_atomic(out / TOKENIZER, build_tokenizer(cfg, plan, forced).encode("utf-8"))
+    tokenizer_json = (out / TOKENIZER).read_bytes().decode("utf-8")
+
+    for stale in out.glob(".*.tmp-*"):  # half-written shards of a killed run; their units are redone
+        stale.unlink()
+    records = {u.index: r for u in plan.units if (r := _finished(out, u)) is not None}
+    todo = [u for u in plan.units if u.index not in records]
+    if records:
+        log.info("resuming %s: %d of %d units already done", out, len(records), len(plan.units))
+    done_bytes = sum(u.n_bytes for u in plan.units if u.index in records)
+    total = None if plan.n_bytes is None else plan.n_bytes - done_bytes
+    t1 = time.perf_counter()
+    for record in _run_units(cfg, todo, tokenizer_json, out, forced, total):
+        write_json(out / PROGRESS / f"unit-{record['unit']:05d}.json", record)
+        records[record["unit"]] = record
+    seconds = time.perf_counter() - t1
+
+    manifest = _manifest(cfg, plan, key, [records[u.index] for u in plan.units], tokenizer_json)
+    manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
+    n_bytes = sum(r["shards"][s]["bytes"] for r in (records[u.index] for u in todo) for s in SPLITS)
+    n_tokens = sum(r["shards"][s]["tokens"] for r in (records[u.index] for u in todo) for s in SPLITS)
+    if todo:
+        log.info(
+            "tokenized %d units: %.1f MB -> %d tokens in %.1f s (%.2f MB/s, %.0fK tokens/s)",
+            len(todo), n_bytes / 1e6, n_tokens, seconds, n_bytes / 1e6 / seconds, n_tokens / 1e3 / seconds,
+        )  # fmt: skip
+    report_skips(manifest)
+    write_json(out / MANIFEST, manifest)
+    log.info("prepared %s: %s", out, summary(manifest))
+    return out
 
 
-def load_manifest(path: str | Path) -> dict:
-    """Read a dataset folder's manifest (or the manifest file itself) and check the files it describes."""
-    folder = Path(path)
+def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokenizer_json: str) -> dict:
+    """The manifest of a complete folder; refuses an empty split rather than writing a dataset that is one."""
+    tok = Tokenizer.from_str(tokenizer_json)
+    skips = [s for r in records for s in r["skips"]]
+    splits = {}
+    for split in SPLITS:
+        shards = [r["shards"][split] for r in records]
+        splits[split] = {
+            "documents": sum(s["documents"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards],
+        }
+        if not splits[split]["documents"]:
+            kinds = sorted({s["reason"] for s in skips})[:5]
+            raise ValueError(
+                f"the {split} split is empty: {splits['train']['documents']} train documents, "
+                f"{sum(s.get('count', 1) for s in skips)} skipped ({'; '.join(kinds) or 'none'}); "
+                + (
+                    "add documents or raise data.val_fraction"
+                    if split == "val"
+                    else "check data.paths and data.text_field"
+                )
+            )
+    listed = all(r["documents"] is not None for r in records)
+    documents = {s: [n for r in records for n in r["documents"][s]] for s in SPLITS} if listed else None
+    if documents and sum(map(len, documents.values())) > MAX_LISTED_DOCUMENTS:
+        documents = None
+    vocab = cfg.vocab_size if cfg.tokenizer is None else tok.get_vocab_size()
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": cfg.source,
+        "key": key,
+        "fingerprint": plan.fingerprint,
+        "dtype": token_dtype(cfg.vocab_size).name,
+        "vocab_size": vocab,
+        "tokenizer_vocab_size": tok.get_vocab_size(),
+        "eot_id": tokenizer_id(tok, cfg.eot_token),
+        "eot_token": cfg.eot_token,
+        "tokenizer": cfg.tokenizer or "trained",
+        "tokenizer_sha256": text_sha256(tokenizer_json),
+        "splits": splits,
+        "skipped": skips[:MAX_LISTED_SKIPS],
+        "skipped_count": sum(s.get("count", 1) for s in skips),
+        "inputs": {
+            "units": len(plan.units),
+            "files": sum(len(u.files) for u in plan.units),
+            "paths": cfg.paths,
+        },
+        "config": {k: getattr(cfg, k) for k in MANIFEST_CONFIG_KEYS},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "documents": documents,
+    }
+
+
+def summary(manifest: dict) -> str:
+    """One line: documents and tokens per split."""
+    s = manifest["splits"]
+    return ", ".join(
+        f"{k} {s[k]['documents']:,} documents / {s[k]['tokens']:,} tokens in {len(s[k]['shards'])} shard(s)"
+        for k in SPLITS
+    )
+
+
+def report_skips(manifest: dict) -> None:
+    """Log skipped inputs: a count per kind of problem, then the first few by name (all are in the manifest)."""
+    if not manifest["skipped_count"]:
+        return
+    kinds = Counter()
+    for skip in manifest["skipped"]:
+        kinds[re.split(r" at | \(", skip["reason"])[0]] += skip.get("count", 1)
+    log.warning(
+        "skipped %d input(s) (%s); every one is listed under `skipped` in the manifest",
+        manifest["skipped_count"], ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
+    )  # fmt: skip
+    for skip in [s for s in manifest["skipped"] if s["reason"] != "empty"][:MAX_LOGGED_SKIPS]:
+        log.warning("  skipped %s: %s", skip["where"], skip["reason"])
+
+
+def implied_epochs(manifest: dict, budget_tokens: int) -> float:
+    """How many passes over the training split a plan of `budget_tokens` makes."""
+    return budget_tokens / max(manifest["splits"]["train"]["tokens"], 1)
+
+
+def shard_paths(folder: Path, manifest: dict, split: str) -> list[Path]:
+    """The split's shard files, in stream order."""
+    return [folder / s["file"] for s in manifest["splits"][split]["shards"]]
+
+
+def load_manifest(path: str | Path, verify: bool = False) -> dict:
+    """Read a dataset folder's manifest (or the manifest file itself) and check the files it describes.
+
+    Sizes are always checked; `verify=True` also recomputes every shard's sha256 (slow on big corpora).
+    """
+    folder = Path(path).expanduser()
     folder = folder.parent if folder.name == MANIFEST else folder
-    fix = f"delete {folder} and rerun prepare (or the training script) to rebuild it"
+    fix = f"delete {folder} and rerun `lm prepare` to rebuild it"
     if not (folder / MANIFEST).is_file():
-        raise FileNotFoundError(f"no {MANIFEST} in {folder}: it is not a prepared dataset; run prepare first")
+        hint = (
+            " (an interrupted preparation: rerun `lm prepare` to finish it)"
+            if (folder / PROGRESS).is_dir()
+            else ""
+        )
+        raise FileNotFoundError(
+            f"no {MANIFEST} in {folder}: it is not a prepared dataset{hint}; run `lm prepare` first"
+        )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except json.JSONDecodeError as e:
@@ -261,17 +594,52 @@ def load_manifest(path: str | Path) -> dict:
         )
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split in SPLITS:
-        info = manifest["splits"][split]
-        file = folder / info["file"]
-        expected = info["tokens"] * itemsize
-        actual = file.stat().st_size if file.is_file() else None
-        if actual != expected:
-            found = "is missing" if actual is None else f"has {actual} bytes"
-            raise ValueError(
-                f"{file} {found} but the manifest records {info['tokens']} tokens ({expected} bytes): "
-                f"the dataset is truncated or corrupt; {fix}"
-            )
+        for shard in manifest["splits"][split]["shards"]:
+            file = folder / shard["file"]
+            expected = shard["tokens"] * itemsize
+            actual = file.stat().st_size if file.is_file() else None
+            if actual != expected:
+                found = "is missing" if actual is None else f"has {actual} bytes"
+                raise ValueError(
+                    f"{file} {found} but the manifest records {shard['tokens']} tokens ({expected} bytes): "
+                    f"the dataset is truncated or corrupt; {fix}"
+                )
+            if verify and file_sha256(file) != shard["sha256"]:
+                raise ValueError(f"{file} does not match the sha256 in the manifest: it is corrupt; {fix}")
     tokenizer = folder / TOKENIZER
     if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
         raise ValueError(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
     return manifest
+
+
+def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
+    """Refuse shards that data.tokenizer did not make: their ids would mean other strings."""
+    if manifest["eot_token"] != cfg.eot_token:
+        raise ValueError(
+            f"{folder} separates documents with {manifest['eot_token']!r} but data.eot_token="
+            f"{cfg.eot_token!r}; set data.eot_token={manifest['eot_token']!r}"
+        )
+    if cfg.tokenizer is None:
+        return  # the folder's own tokenizer.json, already checked against the manifest
+    _, text = load_tokenizer_spec(cfg.tokenizer)
+    ours, theirs = text_sha256(text), manifest["tokenizer_sha256"]
+    if ours != theirs:
+        raise ValueError(
+            f"tokenizer mismatch: the shards in {folder} were made by a tokenizer with sha256 {theirs}, but "
+            f"data.tokenizer={cfg.tokenizer!r} has sha256 {ours}. Train with the tokenizer the shards were "
+            f"made with (data.tokenizer={folder / TOKENIZER}, or leave data.tokenizer unset), or re-run "
+            f"`lm prepare` with data.tokenizer={cfg.tokenizer} to tokenize the corpus again"
+        )
+
+
+def sample_tokenizer(cfg: DataConfig, out: Path) -> str:
+    """Train a byte-level BPE (data.vocab_size) on a sample of the corpus into `out`; returns its sha256."""
+    check_config(cfg)
+    cfg.check_inputs()
+    if cfg.source == "tokens":
+        raise ValueError("data=tokens holds no text to train a tokenizer on; use data=text or data=hf")
+    plan = sources.plan(cfg)
+    text = build_tokenizer(dataclasses.replace(cfg, tokenizer=None), plan, forced_validation(cfg, plan))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, text.encode("utf-8"))
+    return text_sha256(text)

@@ -69,3 +69,41 @@ def sample_texts(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
     if total == 0 and first:
         # Every text is larger than the budget: train on a prefix rather than on nothing.
         yield first[:max_bytes]
+
+
+def tokenizer_id(tokenizer: Tokenizer, eot_token: str) -> int:
+    """Id of `eot_token` in `tokenizer`, or an error naming the fix."""
+    eot = tokenizer.token_to_id(eot_token)
+    if eot is None:
+        raise ValueError(
+            f"the tokenizer has no end-of-text token {eot_token!r}; set data.eot_token to its end-of-document "
+            "token (e.g. '</s>' or '<|end_of_text|>')"
+        )
+    return eot
+
+
+def load_tokenizer_spec(spec: str) -> tuple[Tokenizer, str]:
+    """(tokenizer, its serialized JSON) from a tokenizer.json path or a Hugging Face tokenizer name."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        text = path.read_bytes().decode("utf-8")  # no newline translation: the sha256 is of the bytes
+        return Tokenizer.from_str(text), text
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(
+            f"data.tokenizer {spec!r} does not exist; train one with `lm tokenizer train`"
+        )
+    try:
+        tok = Tokenizer.from_pretrained(spec)
+    except Exception as e:
+        raise ValueError(
+            f"data.tokenizer {spec!r} is neither a tokenizer.json file nor a Hugging Face tokenizer this "
+            f"machine can download ({type(e).__name__}: {e})"
+        ) from e
+    return tok, tok.to_str()
+
+
+def text_sha256(text: str) -> str:
+    """Hex sha256 of a serialized tokenizer: the identity recorded in a manifest."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
