@@ -125,7 +125,7 @@ def test_splits_are_disjoint_and_complete(cfg, data_dir, manifest):
     texts = {d.name: d.text for d in stdlib_documents(cfg.max_bytes).documents}
     assert sorted(names["train"] + names["val"]) == sorted(texts)
 
-    # Decoding train.bin document by document gives back exactly the training documents, in order.
+    # Decoding the train shards document by document gives back exactly the training documents, in order.
     tok = load_tokenizer(data_dir)
     ids = tokens(data_dir, "train", manifest)
     bounds = np.flatnonzero(ids == manifest["eot_id"])

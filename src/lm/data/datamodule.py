@@ -57,7 +57,7 @@ class LMDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"{data_dir} was tokenized with vocab_size={manifest['vocab_size']} but data.vocab_size="
                 f"{self.cfg.vocab_size}; ids would overflow the embedding: set data.vocab_size="
-                f"{manifest['vocab_size']} or delete {data_dir} and rerun"
+                f"{manifest['vocab_size']} (the model is sized from it)"
             )
         self._data_dir, self._manifest = data_dir, manifest
 
