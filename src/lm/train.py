@@ -16,9 +16,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from lm.checkpointing import RunCheckpoint, resume_checkpoint
+from lm.callbacks.health import NonFiniteGuard, ThroughputAlarm
+from lm.callbacks.spot import Preempted, SpotGuard
+from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, to_objects
 from lm.data import LMDataModule
 from lm.module import LMModule
@@ -81,7 +84,13 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
 def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
     """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
     t = cfg.trainer
-    callbacks = [RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint)]
+    s = cfg.spot
+    callbacks = [
+        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),
+        SpotGuard(s.signals),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
+        NonFiniteGuard(s.max_nonfinite, run_dir / "checkpoints"),
+    ]
     callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
     logger = (
         TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
@@ -108,6 +117,7 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str) -> pl.Trainer:
         default_root_dir=run_dir,
         logger=logger,
         callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
         **t.extra,
     )
 
@@ -147,7 +157,10 @@ def main(dcfg: DictConfig) -> float | None:
         compile_mode=cfg.kernels.compile_mode,
     )
     trainer = build_trainer(cfg, run_dir, precision)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
+        raise Preempted("SIGTERM") from e
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
 

@@ -1,0 +1,1 @@
+"""Lightning callbacks of `lm`, one file per concern."""
