@@ -82,7 +82,7 @@ class ThroughputAlarm(pl.Callback):
             self._slow_since = None  # re-arm: another full window before the next alarm
             self.alarms += 1
             log.warning(
-                "throughput %.0f tokens/s has been below %.0f%% of the %.0f tokens/s baseline for %.0f s: "
+                "throughput %.0f tokens/s has been below %.0f%% of the %.0f tokens/s baseline for %g s: "
                 "saving a checkpoint now (the host may be failing or about to be reclaimed)",
                 tokens_per_s,
                 100 * self.ratio,
@@ -144,7 +144,8 @@ class NonFiniteGuard(pl.Callback):
 
     def roll_back(self, trainer: pl.Trainer) -> None:
         """Exit without saving so the restart resumes from the last checkpoint; give up on a repeat."""
-        key = str(self._start_step)
+        saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0)
+        key = str(max(self._start_step, saved))  # the step the restart will resume from
         record = self.ckpt_dir / "rollbacks.json" if self.ckpt_dir else None
         seen = json.loads(record.read_text()) if record and record.is_file() else {}
         if seen.get(key, 0) >= 1:
