@@ -303,3 +303,12 @@ def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
     result = train_process(args, supervised=True)
     assert result.returncode == EXIT_CONFIG, result.stderr[-2000:]
     assert "needs a CUDA GPU" in result.stderr and "not restarting" in result.stderr
+
+
+def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
+    from lm.checkpointing import resume_candidates
+
+    for step in (9, 10, 100, 99):
+        (tmp_path / f"step-{step}.ckpt").write_bytes(b"")
+    (tmp_path / "step-100.ckpt.tmp-123").write_bytes(b"")  # a write in progress is never a candidate
+    assert [p.name for p in resume_candidates(tmp_path)] == [f"step-{s}.ckpt" for s in (100, 99, 10, 9)]

@@ -74,11 +74,14 @@ class ThroughputAlarm(pl.Callback):
                 self.baseline = statistics.median(self._samples[self.warmup :])
                 log.info("throughput baseline: %.0f tokens/s", self.baseline)
             return
+        fire = False
         if tokens_per_s >= self.ratio * self.baseline:
             self._slow_since = None
-            return
-        self._slow_since = self._slow_since or now
-        if now - self._slow_since >= self.window_s:
+        else:
+            self._slow_since = self._slow_since or now
+            fire = now - self._slow_since >= self.window_s
+        # Every rank reaches this line at the same steps; the save below is collective, so they must agree.
+        if trainer.strategy.reduce_boolean_decision(fire, all=False):
             self._slow_since = None  # re-arm: another full window before the next alarm
             self.alarms += 1
             log.warning(
