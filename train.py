@@ -3,9 +3,12 @@
 Hydra composes conf/train.yaml with the overrides; lm.train.main does the rest.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from lm.callbacks.spot import EXIT_CONFIG
 from lm.config import register_configs
 from lm.train import main as train
 
@@ -14,7 +17,11 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return train(cfg)
+    try:
+        return train(cfg)
+    except ValueError as e:  # a refusal that names its fix (config, data, disk): restarting cannot help
+        print(f"train.py: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,26 @@
-"""Checkpoint writing and resume discovery for a run directory."""
+"""Checkpoint writing and resume discovery for a run directory.
+
+Three guarantees, because every crash in the seed's list of eight was infrastructure:
+- a checkpoint file is either complete or absent (`AtomicCheckpointIO`: temporary file, fsync, rename);
+- a run resumes from the newest checkpoint that loads, skipping a truncated or corrupted one
+  (`resume_checkpoint`);
+- a save that cannot fit is refused before it starts, and a failed save leaves the previous checkpoints
+  intact and says what happened (`CheckpointSaveError`).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -15,14 +29,114 @@ from lm.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 LAST = "last.ckpt"
+STEP_FILE = re.compile(r"^step-(\d+)\.ckpt$")
+TMP_MARK = ".tmp-"  # `<name>.tmp-<pid>`: a write in progress, or the remains of one that was interrupted
+SAFETY = 1.05  # free space asked for beyond the expected checkpoint size (the optimizer state grows a little)
+
+# fp32 weights (4 bytes) + AdamW's two fp32 moments (8 bytes) per parameter; Lightning's metadata is noise.
+BYTES_PER_PARAM = 12
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the previous checkpoints are untouched."""
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def estimate_checkpoint_bytes(n_params: int) -> int:
+    """Size of a full training checkpoint: weights plus AdamW moments, all fp32."""
+    return n_params * BYTES_PER_PARAM
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step in a `step-<N>.ckpt` name, else None."""
+    m = STEP_FILE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `<path>.tmp-<pid>` in the same directory, fsync, rename over `path`, fsync the directory.
+
+    A kill at any moment leaves either the old file or the new one, never half of one. Before writing, the free
+    space is checked against the last checkpoint's size (or `expected_bytes` before the first save).
+    Replaces TorchCheckpointIO's save because its fsspec transaction neither fsyncs nor checks free space.
+    """
+
+    def __init__(self, expected_bytes: int = 0) -> None:
+        self.expected_bytes = expected_bytes
+        """Bytes the next checkpoint is expected to take; updated to the real size after each save."""
+
+    @staticmethod
+    def temporary_path(path: Path) -> Path:
+        return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
+
+    def check_space(self, path: Path) -> None:
+        """Refuse a save that would not fit, before touching the disk."""
+        need = int(self.expected_bytes * SAFETY)
+        free = shutil.disk_usage(path.parent).free
+        if need > free:
+            raise CheckpointSaveError(
+                f"not saving {path.name}: it needs ~{gib(need)} and {path.parent} has {gib(free)} free. "
+                f"The previous checkpoints are intact; free space (or lower checkpoint.keep_last) and rerun "
+                f"the same command to resume from the last one"
+            )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.check_space(path)
+        tmp = self.temporary_path(path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            size = tmp.stat().st_size
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+            fsync_dir(path.parent)  # make the rename itself durable
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointSaveError(
+                f"saving {path} failed ({e.strerror or e}); {gib(free)} free in {path.parent}. The previous "
+                f"checkpoints are intact; fix the cause (disk full? quota?) and rerun the same command to resume"
+            ) from e
+        self.expected_bytes = max(self.expected_bytes, size)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (a rename) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_symlink(target: Path, link: Path) -> None:
+    """Point `link` at `target` (relative) atomically: there is never a moment with no `link`."""
+    tmp = link.with_name(f"{link.name}{TMP_MARK}{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """`step-<N>.ckpt` every N steps, the newest `keep_last` by step number, and `last.ckpt`.
+    """`step-<N>.ckpt` every N steps, the newest `keep_last` by step number, and `last.ckpt` linking the newest.
 
     Lightning's ModelCheckpoint saves only at interval steps; this one also saves the final step of an
     invocation (why: the next phase or a rerun must resume from where this one stopped, not from the last
-    interval).
+    interval) and on demand (`save_now`, for a signal or a health alarm). `last.ckpt` is a symlink moved only
+    after the step file is complete, so a checkpoint is written once, not twice. Rotation deletes the oldest
+    file only after the new one is safely on disk, so the only good checkpoint is never deleted.
     """
 
     def __init__(self, dirpath: Path, cfg: CheckpointConfig) -> None:
@@ -34,27 +148,136 @@ class RunCheckpoint(ModelCheckpoint):
             save_top_k=cfg.keep_last,
             monitor="step",  # keep the newest by step number, never by file-name order
             mode="max",
-            save_last=True,
+            save_last="link",
         )
+        self.cfg = cfg
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        expected = estimate_checkpoint_bytes(sum(p.numel() for p in pl_module.parameters()))
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):
+            io.expected_bytes = max(io.expected_bytes, expected)
+        if trainer.is_global_zero:
+            check_run_fits(Path(self.dirpath), expected, self.cfg.keep_last)
+
+    @staticmethod
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        # Lightning removes the old link and then creates the new one: a kill in between leaves no last.ckpt.
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            replace_symlink(Path(filepath), Path(linkpath))
+        trainer.strategy.barrier()
+
+    def save_now(self, trainer: pl.Trainer) -> bool:
+        """Write a step checkpoint and move last.ckpt now (all ranks call it); False if this step is saved."""
+        if self._last_global_step_saved == trainer.global_step or trainer.global_step == 0:
+            return False
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        return True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        self.save_now(trainer)
         super().on_train_end(trainer, pl_module)
+
+
+def check_run_fits(dirpath: Path, ckpt_bytes: int, keep_last: int) -> None:
+    """Refuse to start a run whose rotation cannot fit on its disk.
+
+    At peak, `keep_last` step files exist plus the one being written; files already there count as used.
+    """
+    dirpath.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p for p in dirpath.glob("step-*.ckpt") if checkpoint_step(p) is not None)
+    have = sum(p.stat().st_size for p in existing)
+    keep = keep_last if keep_last > 0 else len(existing) + 1  # -1 keeps everything: at least one more
+    need = (keep + 1) * ckpt_bytes - have
+    free = shutil.disk_usage(dirpath).free
+    if need * SAFETY > free:
+        raise ValueError(
+            f"checkpoints will not fit: keeping {keep} of ~{gib(ckpt_bytes)} each (plus one being written) "
+            f"needs {gib(need * SAFETY)} more in {dirpath}, which has {gib(free)} free. Free space, move "
+            f"run.root to a bigger disk, or lower checkpoint.keep_last"
+        )
+
+
+def loadable(path: Path) -> str | None:
+    """None if `path` holds a complete training checkpoint, else why not.
+
+    Memory-mapped, so only the zip directory and the pickled structure are read, not every tensor: a truncated
+    or half-written file fails here because a zip's directory sits at its end.
+    """
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # any way a file can be broken: EOF, bad zip, unpickling errors
+        return f"{type(e).__name__}: {e}"
+    missing = {"state_dict", "optimizer_states", "global_step", "loops"} - set(ckpt)
+    return f"missing {sorted(missing)}" if missing else None
+
+
+def resume_candidates(ckpt_dir: Path) -> list[Path]:
+    """last.ckpt, then the step checkpoints newest first (by step number, never by name)."""
+    steps = sorted(
+        (p for p in ckpt_dir.glob("step-*.ckpt") if checkpoint_step(p) is not None),
+        key=checkpoint_step,
+        reverse=True,
+    )
+    last = ckpt_dir / LAST
+    return ([last] if last.exists() else []) + steps
+
+
+def find_good_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint that loads; broken ones are moved to `corrupt/` with a warning."""
+    for path in resume_candidates(ckpt_dir):
+        if not path.exists():
+            continue  # a step file already moved aside because last.ckpt pointed at it
+        why = loadable(path)
+        if why is None:
+            return path
+        target = path.resolve()
+        aside = ckpt_dir / "corrupt" / f"{target.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.parent.mkdir(exist_ok=True)
+        target.rename(aside)
+        if path.is_symlink():
+            path.unlink()
+        log.warning("checkpoint %s does not load (%s); moved it to %s, trying an older one", path, why, aside)
+    return None
+
+
+def remove_stale_temporaries(ckpt_dir: Path) -> None:
+    """Delete the remains of writes that a kill interrupted (they were never renamed, so never used)."""
+    for tmp in ckpt_dir.glob(f"*{TMP_MARK}*"):
+        log.info("removing %s, left by an interrupted checkpoint write", tmp)
+        tmp.unlink(missing_ok=True)
 
 
 def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
-    With `resume=False` an existing run is moved aside into `archive/<time>/` rather than deleted or mixed
-    with the new run's checkpoints (or its cost ledger): starting over never destroys a user's run.
+    With `resume=True` this is `checkpoints/last.ckpt` when it loads; when it does not (truncated, corrupted,
+    written by an interrupted save) the newest step checkpoint that loads takes its place and last.ckpt is
+    re-pointed at it. With `resume=False` an existing run is moved aside into `archive/<time>/` rather than
+    deleted or mixed with the new run's checkpoints (or its cost ledger): starting over never destroys a user's run.
     """
-    last = run_dir / "checkpoints" / LAST
+    ckpt_dir = run_dir / "checkpoints"
     if resume:
-        if last.is_file():
-            log.info("resuming from %s", last)
+        if not ckpt_dir.is_dir():
+            return None
+        if rank_zero_only.rank == 0:  # other ranks wait for rank 0's repairs in Lightning's first barrier
+            remove_stale_temporaries(ckpt_dir)
+            good = find_good_checkpoint(ckpt_dir)
+            if good is None:
+                if any(ckpt_dir.glob("corrupt/*")):
+                    log.warning("no checkpoint in %s loads; starting from scratch", ckpt_dir)
+                return None
+            last = ckpt_dir / LAST
+            if good != last:
+                replace_symlink(good.resolve(), last)
+        last = ckpt_dir / LAST
+        if last.exists():
+            log.info("resuming from %s (-> %s)", last, last.resolve().name)
             return last
         return None
     if rank_zero_only.rank != 0:

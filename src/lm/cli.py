@@ -5,6 +5,8 @@ lm prepare [overrides...]   build the tokenizer and token shards the config trai
 lm tokenizer train [--out tokenizer.json] [overrides...]
                             train a byte-level BPE on a sample of the configured corpus
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown
+lm supervise [options] -- python train.py [overrides...]
+                            rerun a training command after preemptions (exit 75) and crashes
 """
 
 from __future__ import annotations
@@ -84,6 +86,40 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {write_report(args.run_dir)}")
 
 
+def cmd_supervise(args: argparse.Namespace) -> None:
+    from lm.supervise import supervise
+
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        raise ValueError("nothing to supervise; usage: lm supervise [options] -- python train.py [overrides]")
+    sys.exit(
+        supervise(
+            cmd,
+            max_failures=args.max_failures,
+            max_restarts=args.max_restarts,
+            backoff=args.backoff,
+            max_backoff=args.max_backoff,
+            start_secs=args.start_secs,
+        )
+    )
+
+
+def add_supervise(verbs) -> None:
+    verb = verbs.add_parser("supervise", help="rerun a training command after preemptions and crashes")
+    verb.add_argument("--max-failures", type=int, default=5, help="crashes in a row (each soon after start)")
+    verb.add_argument("--max-restarts", type=int, default=1000, help="restarts in all before giving up")
+    verb.add_argument("--backoff", type=float, default=5.0, help="first wait after a crash, seconds; doubles")
+    verb.add_argument("--max-backoff", type=float, default=300.0, help="longest wait after a crash, seconds")
+    verb.add_argument(
+        "--start-secs",
+        type=float,
+        default=60.0,
+        help="a crash sooner than this after start is a failed start",
+    )
+    verb.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py [overrides]")
+    verb.set_defaults(fn=cmd_supervise)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
@@ -111,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         "overrides", nargs="*", help="Hydra overrides, e.g. data=text data.paths='corpus/*.txt'"
     )
     train.set_defaults(fn=cmd_tokenizer)
+    add_supervise(verbs)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

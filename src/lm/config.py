@@ -147,7 +147,38 @@ class CheckpointConfig:
     every_n_steps: int = 100
     """Write `step-<N>.ckpt` and refresh `last.ckpt` every this many optimizer steps (and at the end)."""
     keep_last: int = 3
-    """Step checkpoints kept, newest by step number; `last.ckpt` is kept in addition."""
+    """Step checkpoints kept, newest by step number (-1 keeps all); `last.ckpt` is a link to the newest."""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 1 or (self.keep_last < 1 and self.keep_last != -1):
+            raise ValueError(
+                "checkpoint.every_n_steps must be >= 1 and checkpoint.keep_last >= 1 (or -1 to keep all): "
+                "a run with no step checkpoint has nothing to resume from"
+            )
+
+
+@dataclass
+class SpotConfig:
+    """Surviving preemption and sick hosts: stop signals, the throughput alarm, non-finite losses."""
+
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me)."""
+    slow_ratio: float = 0.6
+    """Throughput alarm: tokens/s below this fraction of the run's own baseline ..."""
+    slow_window_s: float = 120.0
+    """... for this many seconds in a row saves a checkpoint and warns (a degrading host is often reclaimed)."""
+    baseline_steps: int = 20
+    """Steps after the first `warmup` whose median tokens/s is the baseline."""
+    baseline_warmup: int = 5
+    """Steps ignored before measuring the baseline (compilation, cold caches)."""
+    max_nonfinite: int = 3
+    """Non-finite losses in a row before rolling back to the last checkpoint; fewer are skipped steps."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.slow_ratio < 1.0 or self.slow_window_s <= 0:
+            raise ValueError("spot.slow_ratio must lie in (0, 1) and spot.slow_window_s be positive")
+        if self.baseline_steps < 1 or self.baseline_warmup < 0 or self.max_nonfinite < 1:
+            raise ValueError("spot.baseline_steps and spot.max_nonfinite must be >= 1, baseline_warmup >= 0")
 
 
 @dataclass
@@ -257,6 +288,7 @@ class LMConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     phases: PhasesConfig = field(default_factory=PhasesConfig)
+    spot: SpotConfig = field(default_factory=SpotConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
 

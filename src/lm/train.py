@@ -17,12 +17,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lm import cost
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.health import NonFiniteGuard, ThroughputAlarm
 from lm.callbacks.phase_tracker import PhaseTracker
-from lm.checkpointing import RunCheckpoint, resume_checkpoint
+from lm.callbacks.spot import Preempted, SpotGuard
+from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
@@ -87,8 +90,15 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
 def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[pl.Callback]) -> pl.Trainer:
     """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
     t = cfg.trainer
-    callbacks = [*callbacks, *(hydra.utils.instantiate(node) for node in cfg.callbacks.values())]
-    callbacks.append(RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint))
+    s = cfg.spot
+    callbacks = [
+        *callbacks,
+        SpotGuard(s.signals),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
+        NonFiniteGuard(s.max_nonfinite, run_dir / "checkpoints"),
+        *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
+        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),
+    ]
     logger = (
         TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
         if cfg.logger.tensorboard
@@ -114,6 +124,7 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[
         default_root_dir=run_dir,
         logger=logger,
         callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
         **t.extra,
     )
 
@@ -188,7 +199,10 @@ def main(dcfg: DictConfig) -> float | None:
     trainer = build_trainer(cfg, run_dir, precision, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
+        raise Preempted("SIGTERM") from e
 
     if trainer.is_global_zero:
         report = write_report(run_dir)

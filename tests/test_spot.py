@@ -1,0 +1,314 @@
+"""Fault injection: every interrupted run must end bitwise equal to an uninterrupted one (CPU, tiny model,
+DataLoader workers > 0). Faults come from `tests/faults.py`, added as a `_target_` callback."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
+from lm.config import register_configs
+from lm.supervise import backoff_s, supervise
+from lm.train import main
+
+from .conftest import CONF, TINY
+
+ROOT = CONF.parent
+RUN = [
+    "trainer.max_steps=20",
+    "optim.total_steps=20",  # the schedule spans the whole run even when an invocation stops early
+    "optim.warmup_steps=5",
+    "trainer.val_every_steps=8",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=5",
+    "+trainer.extra.num_sanity_val_steps=0",
+    "checkpoint.every_n_steps=6",  # interrupts land between checkpoints: work is lost and redone
+    "checkpoint.keep_last=2",
+]
+
+
+def overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
+    return [*TINY, f"run.root={root}", f"data.cache_dir={cache}", f"run.name={name}", *RUN, *extra]
+
+
+def fault(root: Path, action: str, step: int = 0, key: str = "fault", seconds: float = 0.0) -> list[str]:
+    node = f"+callbacks.{key}"
+    return [
+        f"{node}._target_=tests.faults.Fault",
+        f"{node}.action='{action}'",  # quoted: Hydra would read nan as a float
+        f"{node}.step={step}",
+        f"{node}.seconds={seconds}",
+        f"{node}.marker={root / f'{key}-{action}-{step}.fired'}",
+    ]
+
+
+def train(args: list[str]) -> int:
+    """`python train.py *args` in this process; the exit code it would leave with."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=args)
+    try:
+        main(cfg)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def train_process(args: list[str], supervised: bool = False) -> subprocess.CompletedProcess:
+    """`python train.py *args` (or under `lm supervise`) in its own session, like a service on a VM."""
+    cmd = [sys.executable, "train.py", *args]
+    if supervised:
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm.cli",
+            "supervise",
+            "--backoff",
+            "0.05",
+            "--start-secs",
+            "0",
+            "--",
+            *cmd,
+        ]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True)
+
+
+def last(root: Path, name: str) -> dict:
+    return torch.load(root / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Bitwise equality of nested checkpoint state (tensors, dicts, lists, numbers)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def assert_matches_reference(root: Path, name: str, reference: dict) -> None:
+    ckpt = last(root, name)
+    assert ckpt["global_step"] == reference["global_step"] == 20
+    assert_same(ckpt["state_dict"], reference["state_dict"], "weights")
+    assert_same(ckpt["optimizer_states"], reference["optimizer_states"], "optimizer")
+    assert_same(ckpt["lr_schedulers"], reference["lr_schedulers"], "scheduler")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("spot-runs")
+
+
+@pytest.fixture(scope="module")
+def reference(root, data_cache) -> dict:
+    """The uninterrupted run every fault case must reproduce."""
+    assert train(overrides(root, data_cache, "reference")) == 0
+    ckpts = root / "reference/checkpoints"
+    # Rotation keeps the newest two by step number (string order would keep step-6 over step-20).
+    assert sorted(p.name for p in ckpts.glob("step-*.ckpt")) == ["step-18.ckpt", "step-20.ckpt"]
+    assert (ckpts / "last.ckpt").is_symlink() and (ckpts / "last.ckpt").resolve().name == "step-20.ckpt"
+    return last(root, "reference")
+
+
+@pytest.mark.parametrize(
+    ("action", "saved_at"),
+    # A signal before step 9's forward saves step 10; in validation after step 16, step 17; while step 12's
+    # checkpoint is being written, step 13.
+    [("sigterm", 10), ("sigusr1", 10), ("sigterm_in_val", 17), ("sigterm_in_save", 13)],
+)
+def test_stop_signal_saves_at_the_next_step_exits_75_and_resumes_exactly(
+    root, data_cache, reference, action, saved_at
+):
+    name = f"signal-{action}"
+    args = overrides(root, data_cache, name, *fault(root / name, action, step=9))
+    (root / name).mkdir(parents=True)
+    assert train(args) == EXIT_PREEMPTED
+    assert last(root, name)["global_step"] == saved_at
+    assert train(args) == 0  # the same command again continues
+    assert_matches_reference(root, name, reference)
+
+
+def test_sigterm_to_the_whole_process_group_keeps_workers_alive_for_the_save(root, data_cache, reference):
+    name = "signal-group"
+    (root / name).mkdir(parents=True)
+    args = overrides(root, data_cache, name, *fault(root / name, "sigterm_group", step=9))
+    first = train_process(args)
+    assert first.returncode == EXIT_PREEMPTED, first.stderr[-3000:]
+    assert "exited unexpectedly" not in first.stderr
+    assert last(root, name)["global_step"] == 10
+    assert train_process(args).returncode == 0
+    assert_matches_reference(root, name, reference)
+
+
+def test_supervised_run_survives_sigkill_mid_step_and_mid_checkpoint_write(root, data_cache, reference):
+    name = "sigkill"
+    (root / name).mkdir(parents=True)
+    faults = [
+        *fault(root / name, "sigkill", step=8, key="a"),
+        *fault(root / name, "sigkill_in_save", 10, "b"),
+    ]
+    result = train_process(overrides(root, data_cache, name, *faults), supervised=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("signal SIGKILL") == 2
+    assert (
+        "interrupted checkpoint write" in result.stdout + result.stderr
+    )  # the half-written temporary was cleaned up
+    assert not list((root / name / "checkpoints").glob(f"*{TMP_MARK}*"))
+    assert_matches_reference(root, name, reference)
+
+
+def test_supervised_run_survives_sigkill_at_random_moments(root, data_cache, reference):
+    name = "sigkill-random"
+    (root / name).mkdir(parents=True)
+    # Two kills, each at a seeded random moment up to 2 s after its process set up (startup, a step,
+    # validation or a checkpoint write), one per process until both have fired.
+    faults = [a for k in range(2) for a in fault(root / name, "sigkill_random", k, f"k{k}", seconds=2.0)]
+    result = train_process(overrides(root, data_cache, name, *faults), supervised=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("signal SIGKILL") == 2
+    assert_matches_reference(root, name, reference)
+
+
+def test_truncated_last_checkpoint_falls_back_to_the_previous_good_one(root, data_cache, reference):
+    name = "truncated"
+    assert train(overrides(root, data_cache, name, "trainer.max_steps=14")) == 0
+    newest = (root / name / "checkpoints/last.ckpt").resolve()
+    assert newest.name == "step-14.ckpt"
+    with open(newest, "r+b") as f:  # what a kill mid-write leaves without an atomic rename
+        f.truncate(newest.stat().st_size // 2)
+    assert train(overrides(root, data_cache, name)) == 0
+    assert list((root / name / "checkpoints/corrupt").glob("step-14.ckpt.*"))
+    assert_matches_reference(root, name, reference)
+
+
+def test_full_disk_mid_write_keeps_previous_checkpoints_and_a_rerun_resumes(root, data_cache, reference):
+    name = "disk-full"
+    (root / name).mkdir(parents=True)
+    args = overrides(root, data_cache, name, *fault(root / name, "disk_full", step=9))
+    with pytest.raises(CheckpointSaveError, match="previous checkpoints are intact"):
+        train(args)
+    ckpts = root / name / "checkpoints"
+    assert not list(ckpts.glob(f"*{TMP_MARK}*"))
+    assert last(root, name)["global_step"] == 6  # the previous checkpoint is untouched and still loads
+    assert train(args) == 0
+    assert_matches_reference(root, name, reference)
+
+
+def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    io = AtomicCheckpointIO(expected_bytes=free + 2**30)
+    with pytest.raises(CheckpointSaveError, match="GiB free"):
+        io.save_checkpoint({"x": torch.zeros(1)}, tmp_path / "step-1.ckpt")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=r"keeping 3 of ~.* GiB each .* lower checkpoint.keep_last"):
+        check_run_fits(tmp_path / "ckpts", ckpt_bytes=free // 3, keep_last=3)
+    check_run_fits(tmp_path / "ckpts", ckpt_bytes=1000, keep_last=3)
+
+
+def test_nan_loss_step_is_skipped_without_touching_weights_or_optimizer(root, data_cache):
+    skipped, dropped = "nan-skipped", "nan-reference"
+    for name, action in [(skipped, "nan"), (dropped, "drop_grads")]:
+        (root / name).mkdir(parents=True)
+        assert train(overrides(root, data_cache, name, *fault(root / name, action, step=9))) == 0
+    ckpt = last(root, skipped)
+    assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
+    guard = next(v for k, v in ckpt["callbacks"].items() if k.startswith("NonFiniteGuard"))
+    assert guard["skipped"] == 1
+    # Skipping equals dropping that step's gradients: nothing else about the run changes.
+    assert_same(ckpt["state_dict"], last(root, dropped)["state_dict"], "weights")
+    assert_same(ckpt["optimizer_states"], last(root, dropped)["optimizer_states"], "optimizer")
+
+
+def test_transient_nan_rolls_back_and_replays_exactly(root, data_cache, reference):
+    name = "nan-rollback"
+    (root / name).mkdir(parents=True)
+    args = overrides(root, data_cache, name, "spot.max_nonfinite=1", *fault(root / name, "nan", step=9))
+    assert train(args) == EXIT_PREEMPTED  # rolled back: nothing saved after the NaN
+    assert last(root, name)["global_step"] == 6
+    assert train(args) == 0
+    assert_matches_reference(root, name, reference)
+
+
+def test_deterministic_divergence_stops_after_one_rollback(root, data_cache):
+    name = "nan-always"
+    (root / name).mkdir(parents=True)
+    args = overrides(
+        root, data_cache, name, "spot.max_nonfinite=2", *fault(root / name, "nan_always", step=9)
+    )
+    assert train(args) == EXIT_PREEMPTED
+    assert train(args) == EXIT_DIVERGED
+    assert last(root, name)["global_step"] == 6
+
+
+def test_slow_host_gets_an_early_checkpoint(root, data_cache):
+    name = "slow"
+    (root / name).mkdir(parents=True)
+    args = overrides(
+        root,
+        data_cache,
+        name,
+        "checkpoint.keep_last=-1",
+        "spot.baseline_warmup=2",
+        "spot.baseline_steps=5",
+        "spot.slow_window_s=0.5",
+        *fault(root / name, "slow", step=14, seconds=0.5),  # 520 tokens a step: < 1040 tokens/s from here
+    )
+    assert train(args) == 0
+    steps = sorted(int(p.stem.split("-")[1]) for p in (root / name / "checkpoints").glob("step-*.ckpt"))
+    assert [s for s in steps if s % 6 and s != 20], steps  # saved off the 6-step schedule by the alarm
+
+
+# -- lm supervise ---------------------------------------------------------------------------------------
+
+
+def sh(script: str) -> list[str]:
+    return ["bash", "-c", script]
+
+
+def test_supervise_restarts_on_75_and_stops_on_success(tmp_path):
+    log = tmp_path / "runs.txt"
+    code = supervise(sh(f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -ge 2 ] || exit 75'), start_secs=0)
+    assert code == 0 and log.read_text().split() == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("final", [EXIT_CONFIG, EXIT_DIVERGED])
+def test_supervise_never_restarts_a_refusal(tmp_path, final):
+    log = tmp_path / "runs.txt"
+    assert supervise(sh(f"echo x >> {log}; exit {final}")) == final
+    assert log.read_text().split() == ["x"]
+
+
+def test_supervise_restarts_crashes_with_backoff_then_gives_up(tmp_path):
+    log = tmp_path / "runs.txt"
+    code = supervise(sh(f"echo x >> {log}; kill -9 $$"), max_failures=2, backoff=0.01, start_secs=60)
+    assert code == 128 + signal.SIGKILL and log.read_text().split() == ["x"] * 3
+    assert [backoff_s(n, 5, 60) for n in (1, 2, 3, 5)] == [5, 10, 20, 60]
+
+
+def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
+    args = [*TINY, f"run.root={tmp_path}", f"data.cache_dir={data_cache}", "precision=fp16"]
+    result = train_process(args, supervised=True)
+    assert result.returncode == EXIT_CONFIG, result.stderr[-2000:]
+    assert "needs a CUDA GPU" in result.stderr and "not restarting" in result.stderr
+
+
+def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
+    from lm.checkpointing import resume_candidates
+
+    for step in (9, 10, 100, 99):
+        (tmp_path / f"step-{step}.ckpt").write_bytes(b"")
+    (tmp_path / "step-100.ckpt.tmp-123").write_bytes(b"")  # a write in progress is never a candidate
+    assert [p.name for p in resume_candidates(tmp_path)] == [f"step-{s}.ckpt" for s in (100, 99, 10, 9)]
