@@ -106,8 +106,18 @@ class Fault(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.__dict__.pop("loss", None)
-        if self.action == "slow" and trainer.global_step >= self.step:
-            time.sleep(self.seconds)
+        if self.action != "slow":
+            return
+        now, last = time.monotonic(), getattr(self, "_last", None)
+        self._last = now
+        if trainer.global_step < self.step:
+            if last is not None:
+                self._intervals = [*getattr(self, "_intervals", []), now - last]
+            return
+        # A host several times slower than this run's own pace (robust to a busy machine's noise).
+        intervals = sorted(getattr(self, "_intervals", [0.1]))
+        time.sleep(max(self.seconds, 4 * intervals[len(intervals) // 2]))
+        self._last = time.monotonic()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if getattr(self, "_drop", False):  # the reference for a skipped step: what skipping must equal

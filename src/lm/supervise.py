@@ -6,7 +6,7 @@ Resume is the default, so rerunning the same command continues the run; this loo
 |---|---|---|
 | 0 | finished | exits 0 |
 | 75 (`EXIT_PREEMPTED`) | a stop signal was handled and the checkpoint saved, or a rollback | restarts at once |
-| 78 (`EXIT_CONFIG`), 65 (`EXIT_DIVERGED`), 2 (usage) | a refusal a restart cannot fix | exits with it |
+| 78 (`EXIT_CONFIG`), 65 (`EXIT_DIVERGED`), 74 (`EXIT_SAVE_FAILED`), 2 | a refusal a restart cannot fix | exits with it |
 | anything else, or killed by a signal (SIGKILL, OOM) | a crash | restarts after a backoff |
 
 Crashes back off exponentially; `max_failures` crashes in a row, each within `start_secs` of starting (the
@@ -24,11 +24,16 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 log = logging.getLogger(__name__)
 
-FINAL = {EXIT_CONFIG: "config or preflight refusal", EXIT_DIVERGED: "training diverged", 2: "usage error"}
+FINAL = {
+    EXIT_CONFIG: "config or preflight refusal",
+    EXIT_DIVERGED: "training diverged",
+    EXIT_SAVE_FAILED: "a checkpoint could not be written (disk full? quota?)",
+    2: "usage error",
+}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 

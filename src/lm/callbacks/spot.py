@@ -23,6 +23,9 @@ EXIT_PREEMPTED = 75
 """Exit code after a stop signal was handled and the checkpoint saved: "restart me" (sysexits' EX_TEMPFAIL)."""
 EXIT_DIVERGED = 65
 """Exit code when training diverged again after a rollback: a human must look (sysexits' EX_DATAERR)."""
+EXIT_SAVE_FAILED = 74
+"""Exit code when a checkpoint could not be written (disk full, quota); the previous ones are intact and a
+restart would only fail at the next save (sysexits' EX_IOERR)."""
 EXIT_CONFIG = 78
 """Exit code when a config or preflight check refused the run; restarting cannot help (EX_CONFIG)."""
 
