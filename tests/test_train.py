@@ -59,6 +59,11 @@ def test_smoke_run_leaves_the_run_directory_contract(tiny_cfg, tmp_path):
         EventAccumulator(str(run / "tb")).Reload().Tags()["scalars"]
     )
 
+    # Rerunning a finished command resumes, has nothing to do, and writes no duplicate checkpoint.
+    before = sorted(p.name for p in ckpts.iterdir())
+    main(cfg)
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+
     # A checkpoint rebuilds its own model without the config tree.
     module = LMModule.load_from_checkpoint(ckpts / "last.ckpt", map_location="cpu")
     assert module.model_cfg.n_layer == 2 and module.model_cfg.vocab_size == 512

@@ -179,6 +179,11 @@ class RunCheckpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, candidates)
         return True
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path is not None:  # this step is on disk already: it is what the run resumed from
+            self._last_global_step_saved = trainer.global_step
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.save_now(trainer)
         super().on_train_end(trainer, pl_module)
