@@ -114,9 +114,13 @@ class Fault(pl.Callback):
             if last is not None:
                 self._intervals = [*getattr(self, "_intervals", []), now - last]
             return
-        # A host several times slower than this run's own pace (robust to a busy machine's noise).
+        # A host several times slower than this run's own pace and than the alarm's baseline, so the test
+        # holds however the machine's load changed between the baseline and now.
         intervals = sorted(getattr(self, "_intervals", [0.1]))
-        time.sleep(max(self.seconds, 4 * intervals[len(intervals) // 2]))
+        alarm = next((c for c in trainer.callbacks if type(c).__name__ == "ThroughputAlarm"), None)
+        tokens = batch.numel() * trainer.accumulate_grad_batches * trainer.world_size
+        baseline_step = tokens / alarm.baseline if alarm is not None and alarm.baseline else 0.0
+        time.sleep(max(self.seconds, 4 * intervals[len(intervals) // 2], 4 * baseline_step))
         self._last = time.monotonic()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
