@@ -91,6 +91,9 @@ class DiminishingReturnsStopper(Callback):
         self.since_best = 0
         self.decision: dict[str, Any] | None = None
         self.last_forecast: fc.Forecast | None = None
+        self.usd_now: float | None = None
+        self.usd_before: float | None = None
+        """Dollars at the previous optimizer step: the record shows the cap was crossed by this step."""
 
     # --- the criteria (pure: no trainer needed, so recorded metrics can be replayed) ---------------------
 
@@ -180,6 +183,7 @@ class DiminishingReturnsStopper(Callback):
         step = trainer.global_step
         if self.cfg.budget_usd is not None:
             self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
+            self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
             reason = self.budget_reason()
             if reason:
                 self.decide(trainer, pl_module, *reason, cooldown=False)
@@ -195,8 +199,10 @@ class DiminishingReturnsStopper(Callback):
                         cooldown=True,
                     )
         if self.decision and not self.decision.get("stopped"):
-            start, length = self.decision.get("cooldown") or (step, 0)
-            if step >= start + length:
+            start, length = self.decision.get("cooldown") or (step - 1, 0)
+            # Lightning steps the LR scheduler before this hook, so a cooldown decided at step `start`
+            # first shapes the LR of step start + 2, and step start + length + 1 trains at the floor.
+            if step >= start + length + 1:
                 self.stop(trainer)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -267,7 +273,13 @@ class DiminishingReturnsStopper(Callback):
     def stop(self, trainer: pl.Trainer) -> None:
         """Stop after this step: Lightning validates once more, then RunCheckpoint saves the final state."""
         d = self.decision
-        d.update(stopped=True, step=trainer.global_step, tokens=self.meter.state.tokens, usd=self.meter.usd())
+        d.update(
+            stopped=True,
+            step=trainer.global_step,
+            tokens=self.meter.state.tokens,
+            usd=self.meter.usd(),
+            usd_previous_step=self.usd_before,
+        )
         trainer.should_stop = True
         log.warning("stopping early at step %d: %s", trainer.global_step, d["reason"])
         self.write(trainer)
