@@ -9,19 +9,17 @@ from lm.forecast import PowerLaw, fit_power_law, forecast
 
 
 @pytest.mark.parametrize(
-    ("E", "B", "beta"),
+    ("e", "b", "beta"),
     [(1.7, 400.0, 0.30), (2.2, 60.0, 0.20), (1.0, 2000.0, 0.45), (2.4, 25.0, 0.15)],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_fit_recovers_the_parameters_of_noisy_curves_within_10_percent(E, B, beta, seed):
+def test_fit_recovers_the_parameters_of_noisy_curves_within_10_percent(e, b, beta, seed):
     rng = np.random.default_rng(seed)
     tokens = np.geomspace(1e6, 1e10, 40)  # validation points evenly spaced in log-tokens
-    losses = E + B * tokens**-beta + rng.normal(0.0, 0.01, tokens.size)
+    losses = e + b * tokens**-beta + rng.normal(0.0, 0.01, tokens.size)
     losses[rng.integers(0, tokens.size, 2)] += 0.4  # two bad evaluations: the robust weights shrug them off
     fit = fit_power_law(tokens, losses)
-    assert fit.E == pytest.approx(E, rel=0.10)
-    assert fit.B == pytest.approx(B, rel=0.10)
-    assert fit.beta == pytest.approx(beta, rel=0.10)
+    assert (fit.E, fit.B, fit.beta) == pytest.approx((e, b, beta), rel=0.10)
     assert fit.n_points == tokens.size
 
 

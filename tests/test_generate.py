@@ -72,7 +72,11 @@ def test_milestone_samples_of_a_real_run_and_lm_sample(tiny_cfg, tmp_path, capsy
     records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     # Explicit step 3, the phase boundary at 5, the last step of each invocation (8, then 10).
     assert sorted({r["step"] for r in records}) == [3, 5, 8, 10]
-    prompts = ["The capital of France is", "def fibonacci(n):", "In a shocking discovery, scientists found that"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "In a shocking discovery, scientists found that",
+    ]
     for step in (3, 5, 8, 10):
         mine = [r for r in records if r["step"] == step]
         assert sorted((r["prompt"], r["mode"]) for r in mine) == sorted(

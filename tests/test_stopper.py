@@ -28,7 +28,9 @@ def replay(cfg: EarlyStoppingConfig, points, tmp_path) -> int | None:
     return None
 
 
-@pytest.mark.parametrize(("threshold", "stops_at"), [(5.0, 1), (200.0, 2), (300.0, 3), (556.0, 3), (558.0, None)])
+@pytest.mark.parametrize(
+    ("threshold", "stops_at"), [(5.0, 1), (200.0, 2), (300.0, 3), (556.0, 3), (558.0, None)]
+)
 def test_stops_exactly_at_the_validation_that_crosses_the_threshold(tmp_path, threshold, stops_at):
     # Marginal $/loss point between consecutive boundaries: 22/3.462 = 6.35, 94/0.375 = 250.7, 44/0.079 = 557.
     cfg = EarlyStoppingConfig(max_usd_per_loss_point=threshold, window=1)

@@ -48,7 +48,7 @@ def generate(
             f"the prompt has {len(prompt)} tokens but model.max_seq_len={cfg.max_seq_len}; shorten the prompt"
         )
     if max_new_tokens > room:
-        log.info("generating %d tokens, not %d: the context holds %d", room, max_new_tokens, cfg.max_seq_len)
+        log.debug("generating %d tokens, not %d: the context holds %d", room, max_new_tokens, cfg.max_seq_len)
         max_new_tokens = room
     generator = None
     if temperature > 0:

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lm import forecast as fc
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.phase_tracker import fmt_money
 from lm.config import EarlyStoppingConfig
 
 log = logging.getLogger(__name__)
@@ -184,13 +185,19 @@ class DiminishingReturnsStopper(Callback):
         if self.cfg.budget_usd is not None:
             self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
             self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
-            reason = self.budget_reason()
-            if reason:
+            usd = self.usd_now or 0.0
+            # Each rank reads its own clock: any rank over the cap stops all of them (one tiny all-reduce).
+            over = trainer.strategy.reduce_boolean_decision(usd >= self.cfg.budget_usd, all=False)
+            if over:
+                reason = self.budget_reason() or (
+                    "budget_usd",
+                    f"another rank reached budget_usd=${self.cfg.budget_usd:,.2f}",
+                )
                 self.decide(trainer, pl_module, *reason, cooldown=False)
             elif self.decision is None and self.cooldown_applies():
-                usd = self.meter.usd() or 0.0
                 # Start the cooldown when it would end at the cap (its cost ~ fraction x the spend so far).
-                if usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd:
+                near = usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
+                if trainer.strategy.reduce_boolean_decision(near, all=False):
                     self.decide(
                         trainer,
                         pl_module,
@@ -212,6 +219,7 @@ class DiminishingReturnsStopper(Callback):
         if self.points and self.points[-1].step == trainer.global_step:
             return  # the extra validation Lightning runs when a stop was requested at a validation step
         said = self.observe(trainer.global_step, self.meter.state.tokens, self.meter.usd(), loss)
+        said = trainer.strategy.broadcast(said, src=0)  # rank 0 decides, so every rank stops together
         self.log_metrics(trainer, pl_module)
         if said and self.decision is None:
             self.decide(trainer, pl_module, *said, cooldown=self.cooldown_applies())
@@ -313,10 +321,10 @@ class DiminishingReturnsStopper(Callback):
                 # "Another $X buys this much loss", with X = what the run has spent so far (doubling it).
                 metrics["forecast/loss_drop_if_spend_doubles"] = bought
                 log.info(
-                    "forecast: loss %.3f at the plan's end, %.3f at Chinchilla; another $%.2f buys %.3f loss",
+                    "forecast: loss %.3f at the plan's end, %.3f at Chinchilla; another %s buys %.3f loss",
                     f.loss_at_plan_end or math.nan,
                     f.loss_at_chinchilla or math.nan,
-                    spent,
+                    fmt_money(spent),
                     bought,
                 )
             if trainer.is_global_zero:
