@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lm.callbacks.stopper import DiminishingReturnsStopper
-from lm.config import EarlyStoppingConfig, OptimConfig
+from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.module import lr_lambda
 from lm.train import main
 
@@ -145,3 +145,17 @@ def test_a_budget_cap_stops_within_one_step_of_the_budget(tiny_cfg, tmp_path):
     assert 2 < ledger["step"] == stop["step"] < 100000
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == stop["step"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("early_stopping.window=0", "early_stopping.window"),
+        ("early_stopping.patience=0", "early_stopping.patience"),
+        ("early_stopping.forecast_min_points=2", "forecast_min_points"),
+        ("sampling.top_k=0", "sampling.top_k"),
+    ],
+)
+def test_bad_stopping_and_sampling_values_fail_before_anything_is_built(compose, override, message):
+    with pytest.raises(ValueError, match=message):
+        to_objects(compose(override))
