@@ -82,6 +82,9 @@ def test_resumed_run_ends_with_the_same_weights(tiny_cfg, tmp_path):
     )  # stops mid-way, between checkpoint intervals
     main(tiny_cfg(*common, "run.name=split", "trainer.max_steps=30"))  # the same command again resumes
     runs = tmp_path / "runs"
+    # The rerun moved last.ckpt to its own final step (no `last-v1.ckpt` beside a stale link).
+    assert (runs / "split/checkpoints/last.ckpt").resolve().name == "step-30.ckpt"
+    assert not list((runs / "split/checkpoints").glob("*-v1.ckpt"))
     straight, split = (
         weights(runs / "straight/checkpoints/last.ckpt"),
         weights(runs / "split/checkpoints/last.ckpt"),

@@ -149,6 +149,8 @@ class RunCheckpoint(ModelCheckpoint):
             monitor="step",  # keep the newest by step number, never by file-name order
             mode="max",
             save_last="link",
+            # A resumed run owns its folder: never write `last-v1.ckpt` beside the `last.ckpt` a rerun reads.
+            enable_version_counter=False,
         )
         self.cfg = cfg
 

@@ -4,7 +4,8 @@ lm config  [overrides...]   print the composed, validated config
 lm prepare [overrides...]   build the tokenizer and token shards the config trains on
 lm tokenizer train [--out tokenizer.json] [overrides...]
                             train a byte-level BPE on a sample of the configured corpus
-lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown
+lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
+lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
 """
@@ -120,6 +121,29 @@ def add_supervise(verbs) -> None:
     verb.set_defaults(fn=cmd_supervise)
 
 
+def cmd_sample(args: argparse.Namespace) -> None:
+    import torch
+
+    from lm.generate import complete, load_for_sampling
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_for_sampling(args.ckpt, device)
+    dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
+    prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
+    for prompt in prompts:
+        with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None):
+            text = complete(
+                model,
+                tokenizer,
+                prompt,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+            )
+        print(prompt + text, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
@@ -148,6 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     train.set_defaults(fn=cmd_tokenizer)
     add_supervise(verbs)
+    sample = verbs.add_parser("sample", help="continue a prompt with a checkpoint (KV-cached generation)")
+    sample.add_argument("ckpt", help="runs/<run.name>/checkpoints/last.ckpt")
+    sample.add_argument("prompt", nargs="?", help="text to continue; omitted: one prompt per line of stdin")
+    sample.add_argument("--max-new-tokens", type=int, default=128)
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    sample.add_argument("--top-k", type=int, default=50)
+    sample.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
+    sample.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    sample.set_defaults(fn=cmd_sample)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

@@ -270,6 +270,81 @@ class PhasesConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Milestone samples (`conf/sampling/*.yaml`): what the model writes, side by side across training."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompts sampled at every milestone; an empty list turns the sampler off."""
+    steps: list[int] = field(default_factory=list)
+    """Explicit optimizer steps to sample at."""
+    every_n_steps: int = 0
+    """Also sample every this many optimizer steps; 0 never."""
+    at_phase_ends: bool = True
+    """Also sample at each phase boundary of `phases`."""
+    at_last_step: bool = True
+    """Also sample when training ends (the last step of the invocation, or an early stop)."""
+    max_new_tokens: int = 64
+    """Tokens generated per sample (fewer if the model's context runs out)."""
+    temperature: float = 0.8
+    """Temperature of the sampled continuation; the greedy one is drawn in addition. 0 draws greedy only."""
+    top_k: int | None = 50
+    """Sample among the k most likely tokens; None samples the whole vocabulary."""
+    seed: int = 0
+    """Seed of the sampled continuation: the same checkpoint and seed give the same text."""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 0 or self.max_new_tokens < 1 or self.temperature < 0:
+            raise ValueError(
+                "sampling.every_n_steps must be >= 0, sampling.max_new_tokens >= 1 and sampling.temperature >= 0"
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("sampling.top_k must be a positive integer or null (the whole vocabulary)")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """When to stop before `trainer.max_steps` (`conf/early_stopping/*.yaml`); every criterion is optional.
+
+    The validation-loss history and the loss forecast are tracked even when no criterion is set (`off`).
+    """
+
+    max_usd_per_loss_point: float | None = None
+    """Stop when the marginal dollars per point of validation loss exceed this (the seed stopped at ~$550)."""
+    window: int = 4
+    """Validation points in the trailing window the marginal $/loss point is measured over."""
+    smoothing: float = 0.0
+    """EMA factor applied to the validation loss before any criterion reads it: 0 none, 0.9 heavy."""
+    use_forecast: bool = False
+    """Read the marginal $/loss point off the fitted loss forecast instead of the trailing window."""
+    budget_usd: float | None = None
+    """Hard cap on the run's dollars, checked at every optimizer step (under `wsd`, the cooldown starts early
+    enough to end at the cap)."""
+    target_loss: float | None = None
+    """Stop once the (smoothed) validation loss is at or below this."""
+    patience: int | None = None
+    """Stop after this many validation points without a new best by at least `min_delta`."""
+    min_delta: float = 0.0
+    """Improvement that counts as a new best for `patience`."""
+    cooldown_fraction: float = 0.1
+    """Under a flat LR schedule (`wsd`, `constant`) a stop first decays the LR linearly to the floor over
+    this fraction of the steps trained so far; 0 stops at once."""
+    forecast_min_points: int = 5
+    """Validation points needed before the loss forecast is fitted."""
+    forecast_skip_tokens: int = 0
+    """Validation points before this many tokens stay out of the fit (the warm-up transient is no power law)."""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:
+            raise ValueError(
+                "early_stopping.window must be >= 1, smoothing in [0, 1) and cooldown_fraction in [0, 1]"
+            )
+        if self.forecast_min_points < 3:
+            raise ValueError("early_stopping.forecast_min_points must be >= 3 (the curve has 3 parameters)")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError("early_stopping.patience must be a positive count of validation points or null")
+
+
+@dataclass
 class LMConfig:
     """The root of the config tree (`conf/train.yaml`)."""
 
@@ -289,6 +364,8 @@ class LMConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     phases: PhasesConfig = field(default_factory=PhasesConfig)
     spot: SpotConfig = field(default_factory=SpotConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
 

@@ -124,16 +124,58 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[KVCache, int] | None = None,
+    ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        mask, causal = None, True
+        if cache is not None:  # generation: attend to every cached position plus the new ones
+            kv, layer = cache
+            past = kv.pos
+            k_BKTE, v_BKTE = kv.update(layer, k_BKTE, v_BKTE)  # now (B, K, past + T, E)
+            if past:
+                # Query i (absolute position past + i) sees keys 0..past + i.
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
+                causal = False
         y_BHTE = F.scaled_dot_product_attention(
-            q_BHTE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
+            q_BHTE,
+            k_BKTE,
+            v_BKTE,
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation one token at a time.
+
+    Preallocated for `max_seq_len` positions, so a decoding step appends in place instead of concatenating.
+    It is not a module and holds no parameters: training never builds one and state-dict keys are untouched.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (cfg.n_layer, batch, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)  # (L, B, K, T, E)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+        """Positions already cached; the model advances it after each forward."""
+
+    def update(self, layer: int, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
+        """Store one layer's new keys/values at positions pos..pos+T; return all of them so far."""
+        end = self.pos + k_BKTE.shape[2]
+        self.k[layer, :, :, self.pos : end] = k_BKTE
+        self.v[layer, :, :, self.pos : end] = v_BKTE
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class SwiGLU(nn.Module):
@@ -155,8 +197,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[KVCache, int] | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -192,17 +236,26 @@ class Transformer(nn.Module):
                 p, mean=0.0, std=residual_std if name.endswith(("wo.weight", "w2.weight")) else std
             )
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits for every position; with `kv_cache` (generation), idx_BT holds only the new tokens, which
+        sit at positions kv_cache.pos onwards, and the cache advances past them."""
         T = idx_BT.shape[1]
-        if self.cfg.max_seq_len < T:
-            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = kv_cache.pos if kv_cache is not None else 0
+        if self.cfg.max_seq_len < start + T:
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x_BTD = self.tok_emb(idx_BT)
         for i, block in enumerate(self.blocks):
-            if self.checkpoint_every and self.training and i % self.checkpoint_every == 0:
+            if kv_cache is not None:
+                x_BTD = block(x_BTD, cos, sin, (kv_cache, i))
+            elif self.checkpoint_every and self.training and i % self.checkpoint_every == 0:
                 x_BTD = checkpoint(block, x_BTD, cos, sin, use_reentrant=False)
             else:
                 x_BTD = block(x_BTD, cos, sin)
+        if kv_cache is not None:
+            kv_cache.pos += T
         return self.lm_head(self.norm(x_BTD))
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:

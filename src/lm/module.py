@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -14,12 +15,27 @@ from lm.config import OptimConfig
 from lm.model import ModelConfig, Transformer
 
 
-def lr_lambda(optim: OptimConfig, total_steps: int):
-    """Learning-rate multiplier as a function of the optimizer step (for `LambdaLR`)."""
+def lr_lambda(
+    optim: OptimConfig, total_steps: int, cooldown: Callable[[], tuple[int, int] | None] | None = None
+):
+    """Learning-rate multiplier as a function of the optimizer step (for `LambdaLR`).
+
+    `cooldown` returns (start step, length) once an early stop has been decided (see callbacks/stopper.py):
+    from `start` the multiplier falls linearly from its value there to the floor over `length` steps.
+    """
     warmup, floor = optim.warmup_steps, optim.min_lr_ratio
     decay_start = total_steps - int(optim.decay_fraction * total_steps)
 
     def multiplier(step: int) -> float:
+        window = cooldown() if cooldown is not None else None
+        if window is not None and step >= window[0]:
+            start, length = window
+            at_start = scheduled(start)
+            progress = min(1.0, (step - start) / max(1, length))
+            return min(scheduled(step), at_start - (at_start - floor) * progress)
+        return scheduled(step)
+
+    def scheduled(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         if optim.schedule == "constant":
@@ -63,6 +79,8 @@ class LMModule(pl.LightningModule):
         self.compile_model, self.compile_mode = compile, compile_mode
         self.model = Transformer(self.model_cfg)
         self.model.checkpoint_every = checkpoint_every
+        self.lr_cooldown: tuple[int, int] | None = None
+        """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
 
     def configure_model(self) -> None:
         # Module.compile() compiles in place: state_dict keys stay free of `_orig_mod.` prefixes, so
@@ -91,6 +109,13 @@ class LMModule(pl.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lr_cooldown"] = self.lr_cooldown
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        cooldown = checkpoint.get("lr_cooldown")
+        self.lr_cooldown = tuple(cooldown) if cooldown is not None else None
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after AMP unscaling and before clipping: this is the true pre-clip norm.
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -118,5 +143,7 @@ class LMModule(pl.LightningModule):
             eps=cfg.eps,
             fused=fused,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg, total_steps, lambda: self.lr_cooldown)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

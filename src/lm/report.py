@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from lm.callbacks.cost_meter import BUCKETS
 from lm.callbacks.phase_tracker import fmt_money, markdown_table, read_csv
+from lm.callbacks.sampler import cell, read_samples
 from lm.cost import FLOPS_FORMULA
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def write_report(run_dir: str | Path) -> Path:
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
     ]
     text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None])
+    text += stopping_section(read_json(run_dir / "stop.json"), read_json(run_dir / "forecast.json"))
+    text += samples_section(read_samples(run_dir / "samples.jsonl"))
     path = run_dir / "report.md"
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text(text)
@@ -221,3 +224,67 @@ def smooth(values: np.ndarray) -> np.ndarray:
     cumsum = np.cumsum(np.insert(values, 0, 0.0))
     counts = np.minimum(np.arange(1, len(values) + 1), window)
     return (cumsum[1:] - cumsum[np.arange(len(values)) + 1 - counts]) / counts
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stopping_section(stop: dict | None, forecast: dict | None) -> str:
+    """Why the run stopped (stop.json) and what the loss forecast said last (forecast.json)."""
+    if stop is None and forecast is None:
+        return ""
+    lines = ["", "## Stopping and forecast", ""]
+    if stop is not None:
+        status = "stopped early" if stop.get("stopped") else "early stop decided (cooling down)"
+        lines.append(f"**{status}** at step {stop.get('step', stop['decided_at_step']):,}: {stop['reason']}.")
+        if stop.get("cooldown"):
+            start, length = stop["cooldown"]
+            lines.append(
+                f"The stop was decided at step {start:,}; the LR then cooled down linearly to its floor over "
+                f"{length:,} steps before training ended."
+            )
+        if stop.get("usd") is not None:
+            lines.append(f"Spent at the stop: {fmt_money(stop['usd'])} for {stop.get('tokens', 0):,} tokens.")
+        lines.append("")
+    if forecast is not None:
+        fit = forecast["fit"]
+        lines += [
+            f"Loss forecast at step {forecast['step']:,}: L(D) = {fit['E']:.3f} + {fit['B']:.4g} x D^-{fit['beta']:.3f} "
+            f"(D tokens; {fit['n_points']} validation points, rms residual {fit['rms']:.4f}).",
+            "",
+            "| | |",
+            "|---|---|",
+        ]
+        rows = [
+            ("loss now (fitted)", forecast["loss_now"]),
+            ("loss at the plan's end", forecast["loss_at_plan_end"]),
+            ("loss at the Chinchilla token count (20 x parameters)", forecast["loss_at_chinchilla"]),
+        ]
+        lines += [f"| {name} | {value:.3f} |" for name, value in rows if value is not None]
+        if forecast.get("usd_per_loss_point_next") is not None:
+            lines.append(f"| next loss point costs | {fmt_money(forecast['usd_per_loss_point_next'])} |")
+        if forecast.get("buys_loss") is not None:
+            lines.append(
+                f"| another {fmt_money(forecast['another_usd'])} buys | {forecast['buys_loss']:.3f} loss |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def samples_section(records: list[dict]) -> str:
+    """A prompt x milestone table per prompt, so progress reads side by side."""
+    if not records:
+        return ""
+    lines = ["", "## Samples at milestones", ""]
+    prompts = list(dict.fromkeys(r["prompt"] for r in records))
+    for prompt in prompts:
+        mine = [r for r in records if r["prompt"] == prompt]
+        lines += [f"**{cell(prompt)}**", "", "| step | phase | greedy | sampled |", "|---|---|---|---|"]
+        for step in sorted({r["step"] for r in mine}):
+            by_mode = {r["mode"]: r for r in mine if r["step"] == step}
+            any_r = next(iter(by_mode.values()))
+            texts = [cell(by_mode[m]["text"]) if m in by_mode else "" for m in ("greedy", "temperature")]
+            lines.append(f"| {step:,} | {any_r.get('phase') or ''} | {texts[0]} | {texts[1]} |")
+        lines.append("")
+    return "\n".join(lines)

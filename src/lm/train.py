@@ -24,7 +24,9 @@ from lm import cost
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.health import NonFiniteGuard, ThroughputAlarm
 from lm.callbacks.phase_tracker import PhaseTracker
+from lm.callbacks.sampler import MilestoneSampler
 from lm.callbacks.spot import Preempted, SpotGuard
+from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
@@ -196,6 +198,9 @@ def main(dcfg: DictConfig) -> float | None:
     callbacks: list[pl.Callback] = [meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+    if cfg.sampling.prompts:
+        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir / "samples.jsonl"))
+    callbacks.append(stopper(cfg, meter, run_dir, n_params))
     trainer = build_trainer(cfg, run_dir, precision, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
@@ -213,6 +218,23 @@ def main(dcfg: DictConfig) -> float | None:
             experiment.flush()
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> DiminishingReturnsStopper:
+    """The early stopper, with the plan's end (the last phase's, else the schedule's) for the forecast."""
+    last = cfg.phases.phases[-1] if cfg.phases.phases else None
+    end_steps = cfg.optim.total_steps or cfg.trainer.max_steps
+    if last is not None and last.end_step is not None:
+        end_steps = max(end_steps, last.end_step)
+    return DiminishingReturnsStopper(
+        cfg.early_stopping,
+        meter,
+        run_dir,
+        flat_lr=cfg.optim.schedule in ("wsd", "constant"),
+        plan_end_tokens=last.end_tokens if last is not None and last.end_tokens else None,
+        plan_end_steps=end_steps,
+        chinchilla_tokens=cost.chinchilla_tokens(n_params),
+    )
 
 
 def run_hparams(cfg: LMConfig, device, precision: str, compile_model: bool, n_params: int, price) -> dict:

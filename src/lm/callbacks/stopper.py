@@ -1,0 +1,367 @@
+"""DiminishingReturnsStopper: stop when another loss point costs more than it is worth, or the money runs out.
+
+At every validation it records (step, tokens, dollars, loss), fits the loss forecast, and checks the criteria
+of `early_stopping`: the marginal dollars per loss point over a trailing window (or off the forecast), a
+target loss, classic patience. The budget cap is checked at every optimizer step. Under a flat LR schedule
+(`wsd`, `constant`) a stop first runs a short linear LR cooldown, so the stopped model banks the loss a
+decayed schedule gives; then training stops, RunCheckpoint writes the final checkpoint, and the reason goes
+to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` renders.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lm import forecast as fc
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.phase_tracker import fmt_money
+from lm.config import EarlyStoppingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Point:
+    """One validation point of the run."""
+
+    step: int
+    tokens: int
+    usd: float | None
+    loss: float
+    """Validation loss as measured."""
+    smoothed: float
+    """After the EMA of `early_stopping.smoothing`; what the criteria read."""
+
+
+def marginal_usd_per_loss_point(points: list[Point], window: int) -> float | None:
+    """Dollars per loss point between the point `window` validations ago and the newest one.
+
+    None until there are window + 1 points (or without prices); inf when the loss did not fall.
+    """
+    if len(points) <= window or points[-1].usd is None or points[-1 - window].usd is None:
+        return None
+    old, new = points[-1 - window], points[-1]
+    drop = old.smoothed - new.smoothed
+    return (new.usd - old.usd) / drop if drop > 0 else math.inf
+
+
+def usd_per_token(points: list[Point], window: int) -> float | None:
+    """The run's all-in $/token over the trailing window (whole run while it is shorter)."""
+    if not points or points[-1].usd is None:
+        return None
+    old = points[max(0, len(points) - 1 - window)]
+    new = points[-1]
+    if old is new or new.tokens <= old.tokens:
+        return new.usd / new.tokens if new.tokens else None
+    return (new.usd - (old.usd or 0.0)) / (new.tokens - old.tokens)
+
+
+class DiminishingReturnsStopper(Callback):
+    """See the module docstring. `plan_end_tokens` and `chinchilla_tokens` are where the forecast is read."""
+
+    def __init__(
+        self,
+        cfg: EarlyStoppingConfig,
+        meter: CostMeter,
+        run_dir: Path,
+        *,
+        flat_lr: bool,
+        plan_end_tokens: int | None = None,
+        plan_end_steps: int | None = None,
+        chinchilla_tokens: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.meter = meter
+        self.stop_path = run_dir / "stop.json"
+        self.forecast_path = run_dir / "forecast.json"
+        self.flat_lr = flat_lr
+        self.plan_end_tokens = plan_end_tokens
+        self.plan_end_steps = plan_end_steps  # converted to tokens once the meter knows tokens per step
+        self.chinchilla_tokens = chinchilla_tokens
+        self.points: list[Point] = []
+        self.best: float = math.inf
+        self.since_best = 0
+        self.decision: dict[str, Any] | None = None
+        self.last_forecast: fc.Forecast | None = None
+        self.usd_now: float | None = None
+        self.usd_before: float | None = None
+        """Dollars at the previous optimizer step: the record shows the cap was crossed by this step."""
+
+    # --- the criteria (pure: no trainer needed, so recorded metrics can be replayed) ---------------------
+
+    def observe(self, step: int, tokens: int, usd: float | None, loss: float) -> tuple[str, str] | None:
+        """Add a validation point; returns (criterion, reason) when a criterion says stop."""
+        a = self.cfg.smoothing
+        smoothed = loss if not self.points else a * self.points[-1].smoothed + (1 - a) * loss
+        self.points.append(Point(step, tokens, usd, loss, smoothed))
+        if smoothed < self.best - self.cfg.min_delta:
+            self.best, self.since_best = smoothed, 0
+        else:
+            self.since_best += 1
+        self.last_forecast = self.fit_forecast()
+        return self.check()
+
+    def check(self) -> tuple[str, str] | None:
+        """The first criterion (in order: target, patience, $/loss point) that says stop, with its reason."""
+        cfg, last = self.cfg, self.points[-1]
+        if cfg.target_loss is not None and last.smoothed <= cfg.target_loss:
+            return "target_loss", f"validation loss {last.smoothed:.4f} reached target_loss={cfg.target_loss}"
+        if cfg.patience is not None and self.since_best >= cfg.patience:
+            return "patience", (
+                f"no improvement of {cfg.min_delta} over the best loss {self.best:.4f} "
+                f"in {self.since_best} validations (patience={cfg.patience})"
+            )
+        if cfg.max_usd_per_loss_point is not None:
+            marginal, how = self.marginal()
+            if marginal is not None and marginal > cfg.max_usd_per_loss_point:
+                return "max_usd_per_loss_point", (
+                    f"the next loss point costs ${marginal:,.2f} ({how}), "
+                    f"over max_usd_per_loss_point=${cfg.max_usd_per_loss_point:,.2f}"
+                )
+        return None
+
+    def marginal(self) -> tuple[float | None, str]:
+        """Marginal $/loss point now, and how it was measured."""
+        if self.cfg.use_forecast:
+            f = self.last_forecast
+            return (f.usd_per_loss_point_next if f else None), "slope of the loss forecast"
+        return (
+            marginal_usd_per_loss_point(self.points, self.cfg.window),
+            f"over the last {self.cfg.window} validations",
+        )
+
+    def fit_forecast(self) -> fc.Forecast | None:
+        """The power-law forecast through the validation points so far (None until there are enough)."""
+        pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
+        fit = fc.fit_power_law(
+            [p.tokens for p in pts], [p.loss for p in pts], min_points=self.cfg.forecast_min_points
+        )
+        if fit is None:
+            return None
+        return fc.forecast(
+            fit,
+            self.points[-1].tokens,
+            plan_end_tokens=self.plan_end_tokens,
+            chinchilla_tokens=self.chinchilla_tokens,
+            usd_per_token=usd_per_token(self.points, self.cfg.window),
+        )
+
+    # --- Lightning hooks ---------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan_end_steps is not None and self.plan_end_tokens is None:
+            self.plan_end_tokens = self.plan_end_steps * self.meter.tokens_per_step
+        if self.decision is None or not self.decision.get("stopped"):
+            return
+        # A resumed run that had stopped: stop again if the criterion still holds under today's config,
+        # else the user raised the bar and training continues at the scheduled LR.
+        again = self.budget_reason() if self.decision["criterion"] == "budget_usd" else None
+        again = again or (self.check() if self.points else None)
+        if again:
+            log.warning(
+                "this run stopped early at step %d (%s); set early_stopping=off or raise the threshold to go on",
+                self.decision["step"],
+                again[1],
+            )
+            trainer.should_stop = True
+        else:
+            log.info("the early stop at step %d no longer applies; training continues", self.decision["step"])
+            self.decision = None
+            pl_module.lr_cooldown = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.meter.state.step or (self.decision and self.decision.get("stopped")):
+            return  # inside gradient accumulation (the meter, earlier in the list, counts optimizer steps)
+        step = trainer.global_step
+        if self.cfg.budget_usd is not None:
+            self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
+            self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
+            usd = self.usd_now or 0.0
+            # Each rank reads its own clock: any rank over the cap stops all of them (one tiny all-reduce).
+            over = trainer.strategy.reduce_boolean_decision(usd >= self.cfg.budget_usd, all=False)
+            if over:
+                reason = self.budget_reason() or (
+                    "budget_usd",
+                    f"another rank reached budget_usd=${self.cfg.budget_usd:,.2f}",
+                )
+                self.decide(trainer, pl_module, *reason, cooldown=False)
+            elif self.decision is None and self.cooldown_applies():
+                # Start the cooldown when it would end at the cap (its cost ~ fraction x the spend so far).
+                near = usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
+                if trainer.strategy.reduce_boolean_decision(near, all=False):
+                    self.decide(
+                        trainer,
+                        pl_module,
+                        "budget_usd",
+                        f"${usd:,.2f} spent; the LR cooldown ends near budget_usd=${self.cfg.budget_usd:,.2f}",
+                        cooldown=True,
+                    )
+        if self.decision and not self.decision.get("stopped"):
+            start, length = self.decision.get("cooldown") or (step - 1, 0)
+            # Lightning steps the LR scheduler before this hook, so a cooldown decided at step `start`
+            # first shapes the LR of step start + 2, and step start + length + 1 trains at the floor.
+            if step >= start + length + 1:
+                self.stop(trainer)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
+            return
+        loss = float(trainer.callback_metrics["val/loss"])
+        if self.points and self.points[-1].step == trainer.global_step:
+            return  # the extra validation Lightning runs when a stop was requested at a validation step
+        said = self.observe(trainer.global_step, self.meter.state.tokens, self.meter.usd(), loss)
+        said = trainer.strategy.broadcast(said, src=0)  # rank 0 decides, so every rank stops together
+        self.log_metrics(trainer, pl_module)
+        if said and self.decision is None:
+            self.decide(trainer, pl_module, *said, cooldown=self.cooldown_applies())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "points": [asdict(p) for p in self.points],
+            "best": self.best,
+            "since_best": self.since_best,
+            "decision": self.decision,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.points = [Point(**p) for p in state["points"]]
+        self.best, self.since_best, self.decision = state["best"], state["since_best"], state["decision"]
+
+    # --- deciding and stopping ---------------------------------------------------------------------------
+
+    def budget_reason(self) -> tuple[str, str] | None:
+        usd = self.meter.usd()
+        if self.cfg.budget_usd is None or usd is None or usd < self.cfg.budget_usd:
+            return None
+        return "budget_usd", f"${usd:,.2f} spent, at or over budget_usd=${self.cfg.budget_usd:,.2f}"
+
+    def cooldown_applies(self) -> bool:
+        return self.flat_lr and self.cfg.cooldown_fraction > 0
+
+    def decide(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, criterion: str, reason: str, cooldown: bool
+    ) -> None:
+        """Record the decision; stop now, or after an LR cooldown of cooldown_fraction x the steps so far."""
+        step = trainer.global_step
+        if self.decision is not None and criterion == "budget_usd":
+            # The hard cap overrides a cooldown already under way: the budget is not to be exceeded.
+            self.decision.update(reason=f"{self.decision['reason']}; then {reason}", criterion=criterion)
+            self.stop(trainer)
+            return
+        self.decision = {
+            "criterion": criterion,
+            "reason": reason,
+            "decided_at_step": step,
+            "decided_at_usd": self.meter.usd(),
+            "decided_at_tokens": self.meter.state.tokens,
+            "usd_per_loss_point": self.marginal()[0] if self.points else None,
+            "cooldown": None,
+            "stopped": False,
+        }
+        if cooldown:
+            length = max(1, math.ceil(self.cfg.cooldown_fraction * step))
+            self.decision["cooldown"] = [step, length]
+            pl_module.lr_cooldown = (step, length)
+            log.warning(
+                "early stop decided at step %d: %s; cooling the LR down over %d steps", step, reason, length
+            )
+            self.write(trainer)
+        else:
+            self.stop(trainer)
+
+    def stop(self, trainer: pl.Trainer) -> None:
+        """Stop after this step: Lightning validates once more, then RunCheckpoint saves the final state."""
+        d = self.decision
+        d.update(
+            stopped=True,
+            step=trainer.global_step,
+            tokens=self.meter.state.tokens,
+            usd=self.meter.usd(),
+            usd_previous_step=self.usd_before,
+        )
+        trainer.should_stop = True
+        log.warning("stopping early at step %d: %s", trainer.global_step, d["reason"])
+        self.write(trainer)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if trainer.is_global_zero and hasattr(experiment, "add_text"):
+            experiment.add_text(
+                "stop/reason", f"step {trainer.global_step}: {d['reason']}", trainer.global_step
+            )
+
+    def write(self, trainer: pl.Trainer) -> None:
+        """stop.json, atomically, on rank 0."""
+        if trainer.is_global_zero:
+            write_json(self.stop_path, self.decision)
+
+    def log_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """`stop/*` and `forecast/*` scalars, and forecast.json for the report."""
+        metrics = {"stop/smoothed_val_loss": self.points[-1].smoothed}
+        marginal = marginal_usd_per_loss_point(self.points, self.cfg.window)
+        if marginal is not None and math.isfinite(marginal):
+            metrics["cost/usd_per_loss_point"] = marginal
+        f = self.last_forecast
+        if f is not None:
+            metrics.update({"forecast/E": f.fit.E, "forecast/beta": f.fit.beta, "forecast/rms": f.fit.rms})
+            for name in ("loss_at_plan_end", "loss_at_chinchilla", "usd_per_loss_point_next"):
+                value = getattr(f, name)
+                if value is not None and math.isfinite(value):
+                    metrics[f"forecast/{name}"] = value
+            spent = self.points[-1].usd
+            bought = f.loss_bought(spent) if spent else None
+            if bought is not None:
+                # "Another $X buys this much loss", with X = what the run has spent so far (doubling it).
+                metrics["forecast/loss_drop_if_spend_doubles"] = bought
+                log.info(
+                    "forecast: loss %.3f at the plan's end, %.3f at Chinchilla; another %s buys %.3f loss",
+                    f.loss_at_plan_end or math.nan,
+                    f.loss_at_chinchilla or math.nan,
+                    fmt_money(spent),
+                    bought,
+                )
+            if trainer.is_global_zero:
+                write_json(self.forecast_path, forecast_record(f, spent, bought, self.points[-1].step))
+        for name, value in metrics.items():
+            pl_module.log(name, float(value), on_step=False, on_epoch=True)
+
+
+def forecast_record(f: fc.Forecast, spent: float | None, bought: float | None, step: int) -> dict[str, Any]:
+    """What forecast.json holds (the latest forecast of the run)."""
+    return {
+        "step": step,
+        "fit": asdict(f.fit),
+        "tokens_now": f.tokens_now,
+        "loss_now": f.loss_now,
+        "loss_at_plan_end": f.loss_at_plan_end,
+        "loss_at_chinchilla": f.loss_at_chinchilla,
+        "usd_per_loss_point_next": f.usd_per_loss_point_next,
+        "usd_per_token": f.usd_per_token,
+        "another_usd": spent,
+        "buys_loss": bought,
+    }
+
+
+def write_json(path: Path, record: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    # inf is not JSON: a loss that stopped falling is written as null.
+    tmp.write_text(json.dumps(clean(record), indent=1))
+    os.replace(tmp, path)
+
+
+def clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
