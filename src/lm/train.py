@@ -92,14 +92,10 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
 def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[pl.Callback]) -> pl.Trainer:
     """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
     t = cfg.trainer
-    s = cfg.spot
     callbacks = [
         *callbacks,
-        SpotGuard(s.signals),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
-        NonFiniteGuard(s.max_nonfinite, run_dir / "checkpoints"),
         *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
-        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),
+        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),  # Lightning runs checkpoint callbacks last
     ]
     logger = (
         TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
@@ -186,7 +182,7 @@ def main(dcfg: DictConfig) -> float | None:
     )
     hparams = run_hparams(cfg, device, precision, compile_model, n_params, price)
     meter = CostMeter(
-        tokens_per_device_step=cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches,
+        tokens_per_device_step=tokens_per_device_step(cfg),
         flops_per_token=fpt,
         peak_flops=peak,
         price_per_hour=price,
@@ -195,12 +191,7 @@ def main(dcfg: DictConfig) -> float | None:
         started_at=started_at,
         about=hparams,
     )
-    callbacks: list[pl.Callback] = [meter]
-    if cfg.phases.phases:
-        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
-    if cfg.sampling.prompts:
-        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir / "samples.jsonl"))
-    callbacks.append(stopper(cfg, meter, run_dir, n_params))
+    callbacks = run_callbacks(cfg, meter, run_dir, n_params)
     trainer = build_trainer(cfg, run_dir, precision, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
@@ -218,6 +209,33 @@ def main(dcfg: DictConfig) -> float | None:
             experiment.flush()
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> list[pl.Callback]:
+    """lm's own callbacks, in the order their hooks must run.
+
+    The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
+    phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
+    checkpoint callback, which Lightning always runs last.
+    """
+    callbacks: list[pl.Callback] = [meter]
+    if cfg.phases.phases:
+        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+    if cfg.sampling.prompts:
+        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir / "samples.jsonl"))
+    callbacks.append(stopper(cfg, meter, run_dir, n_params))
+    s = cfg.spot
+    callbacks += [
+        SpotGuard(s.signals),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
+        NonFiniteGuard(s.max_nonfinite, run_dir / "checkpoints"),
+    ]
+    return callbacks
+
+
+def tokens_per_device_step(cfg: LMConfig) -> int:
+    """Tokens one device trains on per optimizer step (x world size for the whole step)."""
+    return cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches
 
 
 def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> DiminishingReturnsStopper:
@@ -246,7 +264,7 @@ def run_hparams(cfg: LMConfig, device, precision: str, compile_model: bool, n_pa
         "precision": precision,
         "compile": compile_model,
         "activation_checkpointing": cfg.activation_checkpointing.every,
-        "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches,
+        "tokens_per_device_step": tokens_per_device_step(cfg),
         "price_per_hour": price if price is not None else "unknown",
         "pricing": cfg.cost.pricing,
     }
