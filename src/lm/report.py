@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from omegaconf import OmegaConf
 
+from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import BUCKETS
 from lm.callbacks.phase_tracker import fmt_money, markdown_table, read_csv
 from lm.callbacks.sampler import cell, read_samples
@@ -75,9 +76,7 @@ def write_report(run_dir: str | Path) -> Path:
     text += stopping_section(read_json(run_dir / "stop.json"), read_json(run_dir / "forecast.json"))
     text += samples_section(read_samples(run_dir / "samples.jsonl"))
     path = run_dir / "report.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomic(path, text)
     return path
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lm import cost
+from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.health import NonFiniteGuard, ThroughputAlarm
 from lm.callbacks.phase_tracker import PhaseTracker
@@ -272,6 +272,4 @@ def run_hparams(cfg: LMConfig, device, precision: str, compile_model: bool, n_pa
 
 def write_config(cfg: DictConfig, path: Path) -> None:
     """The composed config, resolved, written atomically (a crash never leaves half a file)."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, path)
+    write_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))

@@ -8,7 +8,6 @@ never waits on the device.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lm import cost
+from lm.atomic import write_atomic
 
 BUCKETS = ("startup", "train", "eval", "checkpoint", "restart")
 """Where wall-clock time goes. `restart`: a resumed process's start-up plus the work its predecessor did
@@ -191,10 +191,7 @@ class CostMeter(Callback):
             "devices": self.n_devices,
             "run": self.about,
         }
-        self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ledger.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, self.ledger)
+        write_atomic(self.ledger, json.dumps(record, indent=1))
 
 
 def peak_memory_gb() -> float:

@@ -6,7 +6,6 @@ import csv
 import io
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig
 from lm.phases import phase_at
@@ -126,13 +126,11 @@ class PhaseTracker(Callback):
         if not trainer.is_global_zero:
             return
         rows = self.rows + ([partial] if partial else [])
-        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.csv_path.with_suffix(f".tmp{os.getpid()}")
-        with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.csv_path)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(self.csv_path, table.getvalue())
         experiment = getattr(trainer.logger, "experiment", None)
         if experiment is not None and hasattr(experiment, "add_text"):
             experiment.add_text("phases", markdown_table(rows), global_step=trainer.global_step)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lm import forecast as fc
+from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.phase_tracker import fmt_money
 from lm.config import EarlyStoppingConfig
@@ -350,11 +350,8 @@ def forecast_record(f: fc.Forecast, spent: float | None, bought: float | None, s
 
 
 def write_json(path: Path, record: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     # inf is not JSON: a loss that stopped falling is written as null.
-    tmp.write_text(json.dumps(clean(record), indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(clean(record), indent=1))
 
 
 def clean(value: Any) -> Any:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from lm.atomic import write_atomic
 from lm.data import sources
 from lm.data.config import DataConfig
 from lm.data.sources import Plan, Skip, Unit, is_validation
@@ -132,16 +133,6 @@ def dataset_dir(cfg: DataConfig, key: str | None = None) -> Path:
     if cfg.dir:
         return Path(cfg.dir).expanduser()
     return resolve_cache_dir(cfg.cache_dir) / f"{cfg.source}-{key or cache_key(cfg)}"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, obj: dict) -> None:
