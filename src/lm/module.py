@@ -99,11 +99,9 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        # Logger-only metrics stay on the device until a logging step; a progress-bar metric would be
-        # copied to the host (a GPU sync) on every step, so the bar's copy is refreshed at logging steps only.
+        # Logger-only: it stays on the device until a logging step. A prog_bar metric would be copied to the
+        # host (a device sync) at every batch end; lm's LossProgressBar reads it at logging steps instead.
         self.log("train/loss", loss)
-        if (self.trainer.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:
-            self.log("loss", loss, prog_bar=True, logger=False)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:

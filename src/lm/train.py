@@ -24,6 +24,7 @@ from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.health import NonFiniteGuard, ThroughputAlarm
 from lm.callbacks.phase_tracker import PhaseTracker
+from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.sampler import MilestoneSampler
 from lm.callbacks.spot import Preempted, SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
@@ -97,6 +98,8 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[
         *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
         RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),  # Lightning runs checkpoint callbacks last
     ]
+    if t.enable_progress_bar:
+        callbacks.append(LossProgressBar())
     logger = (
         TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
         if cfg.logger.tensorboard

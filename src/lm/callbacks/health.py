@@ -106,8 +106,13 @@ class NonFiniteGuard(pl.Callback):
 
     Checked on the gradients just before the optimizer step: a non-finite loss makes them non-finite, and in
     data-parallel runs they are already all-reduced, so every rank takes the same decision without a
-    collective. A skipped step drops the gradients, so AdamW leaves weights and moments untouched; the step
-    still counts (the data stream moves past the batch, the schedule advances).
+    collective. A skipped step leaves weights and AdamW moments untouched; the step still counts (the data
+    stream moves past the batch, the schedule advances).
+
+    With a fused AdamW (the default on GPUs) the check costs no host-device synchronisation: the verdict is
+    handed to the fused kernel as its `found_inf` (the mechanism GradScaler uses), which skips the update on
+    the device, and the host reads the verdict one step later, when the device has long finished it. Other
+    optimizers (and fp16's scaler, which owns `found_inf`) get the direct check: the gradients are dropped.
 
     A rollback exits with `EXIT_PREEMPTED` without saving, so a restart resumes from the last checkpoint: a
     transient fault (a flaky GPU) replays cleanly. If the same checkpoint is rolled back to twice, the
@@ -120,25 +125,55 @@ class NonFiniteGuard(pl.Callback):
         self.skipped = 0
         self.in_a_row = 0
         self._start_step = 0
+        self._pending: tuple[int, HostFlag] | None = None  # (step, verdict) not yet read by the host
+        self._trainer: pl.Trainer | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
+        self._trainer = trainer
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self.settle(log_metric=True)  # the previous step's verdict, long computed by now
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        if not grads:
+            return
+        nonfinite = ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        if skips_on_device(trainer, optimizer):
+            optimizer.found_inf = nonfinite.float()  # read by the fused kernel: no update when 1
+            self._pending = (trainer.global_step, HostFlag(nonfinite))
+            return
+        if not nonfinite:  # a host sync, but only on the unfused path (CPU, fp16)
             self.in_a_row = 0
             return
         for p in pl_module.parameters():
             p.grad = None  # AdamW skips parameters without gradients: no update, no moment change
+        self.record(trainer, trainer.global_step, log_metric=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.settle()
+
+    def settle(self, log_metric: bool = False) -> None:
+        """Read the deferred verdict of the last fused step, counting (and acting on) a skip."""
+        if self._pending is None or self._trainer is None:
+            return
+        step, nonfinite = self._pending
+        self._pending = None
+        if bool(nonfinite):
+            self.record(self._trainer, step, log_metric)
+        else:
+            self.in_a_row = 0
+
+    def record(self, trainer: pl.Trainer, step: int, log_metric: bool) -> None:
+        """Count a skipped step; roll back after `max_in_a_row` of them in a row."""
         self.skipped += 1
         self.in_a_row += 1
-        pl_module.log("train/skipped_steps", float(self.skipped))
+        if log_metric:  # only from hooks where Lightning allows logging
+            trainer.lightning_module.log("train/skipped_steps", float(self.skipped))
         log.warning(
             "step %d: non-finite loss/gradients, step skipped (%d in a row, %d in this run)",
-            trainer.global_step,
+            step,
             self.in_a_row,
             self.skipped,
         )
@@ -173,7 +208,41 @@ class NonFiniteGuard(pl.Callback):
         raise Diverged(EXIT_PREEMPTED)
 
     def state_dict(self) -> dict[str, Any]:
+        self.settle()  # a checkpoint holds the count up to its own step
         return {"skipped": self.skipped}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = state_dict.get("skipped", 0)
+
+
+def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.found_inf` makes this optimizer skip its update on the device (fused Adam/AdamW),
+    and nothing else sets it (fp16's GradScaler does, for its own overflow checks)."""
+    fused = bool(getattr(optimizer, "defaults", {}).get("fused"))
+    return (
+        fused
+        and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+        and trainer.precision != "16-mixed"
+    )
+
+
+class HostFlag:
+    """A device boolean copied to host memory without waiting for it; reading it waits for that copy only.
+
+    `bool(device_tensor)` would wait for everything queued on the stream so far (the next step's forward and
+    backward included); waiting on an event recorded right after the copy waits for nothing later.
+    """
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        cuda = flag.is_cuda
+        self.value = torch.empty((), dtype=torch.bool, pin_memory=cuda)
+        self.value.copy_(flag, non_blocking=cuda)
+        self.value.host_staging = True  # lives on the host by construction (tests/test_sync.py)
+        self.event = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def __bool__(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.value)
