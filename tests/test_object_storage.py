@@ -84,7 +84,7 @@ def root(tmp_path_factory) -> Path:
 
 def test_killed_run_resumes_on_a_new_machine_from_the_bucket(s3, root, data_cache):
     reference_name, name = "reference", "moved"
-    assert train(overrides(root, data_cache, reference_name)) == 0
+    assert train(overrides(root, data_cache, reference_name, "sampling=off")) == 0
     reference = last(root, reference_name)
 
     markers = root / f"{name}-markers"  # outside the run directory, which the test deletes
@@ -93,6 +93,7 @@ def test_killed_run_resumes_on_a_new_machine_from_the_bucket(s3, root, data_cach
         root,
         data_cache,
         name,
+        "sampling=off",
         f"checkpoint.remote=s3://{BUCKET}/runs",
         *fault(markers, "sigkill_after_upload", step=8, key="a"),
         *fault(markers, "sigterm", step=15, key="b"),
