@@ -66,8 +66,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if epochs > 1:
         line += " of this corpus (more than one: repeated data; bring more text or plan fewer steps)"
     print(line)
-    where = cfg.data.dir if cfg.data.dir and "://" in cfg.data.dir else data_dir  # uploaded: train from there
-    if where != data_dir:
+    uploaded = cfg.data.source != "tokens" and cfg.data.dir is not None and "://" in cfg.data.dir
+    where = cfg.data.dir if uploaded else data_dir  # train from the bucket on any machine
+    if uploaded:
         print(f"uploaded to {where} (manifest.json last)")
     print(
         f"train on it: python train.py data=tokens data.dir={where} data.vocab_size={manifest['vocab_size']}"
