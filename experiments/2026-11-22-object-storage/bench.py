@@ -3,6 +3,7 @@
 PYTHONPATH=src python experiments/2026-11-22-object-storage/bench.py 256
 """
 
+import logging
 import os
 import sys
 import tempfile
@@ -23,8 +24,6 @@ os.environ.update(
     AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1",
     AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_EC2_METADATA_DISABLED="true",
 )  # fmt: skip
-import logging
-
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 store = RemoteCheckpoints("s3://bench/run/checkpoints", keep_last=2)
 store.fs.mkdir("bench")
