@@ -172,6 +172,11 @@ def test_a_partial_upload_is_never_picked_and_a_corrupt_one_falls_back(s3, tmp_p
     objects = {p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/unit/checkpoints", refresh=True)}
     assert objects == {POINTER, *(e.file for e in store.read_pointer())}
 
+    # A run that went back to step 12 (step 24 lost) and saves step 18: 18 is the present, 24 is dropped.
+    with open(fake_checkpoint(tmp_path / "18b.ckpt", 18), "rb") as f:
+        store.upload(f, 18)
+    assert [e.step for e in store.read_pointer()] == [18, 12]
+
     # run.resume=false sets the pointer aside; its checkpoints are kept and never rotated away.
     assert resume_checkpoint(tmp_path / "machine-c", resume=False, remote=store) is None
     assert store.read_pointer() == []

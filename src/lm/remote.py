@@ -216,7 +216,9 @@ class RemoteCheckpoints:
         with self.fs.open(self._key(name), "wb", block_size=CHUNK) as w:  # multipart: complete or absent
             size, sha = _hash_stream(f, w)
         entry = Entry(name, step, size, sha)
-        kept = [entry, *(e for e in self.read_pointer() if e.step != step)]
+        # Listed steps beyond this one belong to an abandoned future (the run resumed from an older
+        # checkpoint because a newer one was corrupt or lost): the run's present is this upload.
+        kept = [entry, *(e for e in self.read_pointer() if e.step < step)]
         kept.sort(key=lambda e: e.step, reverse=True)
         if self.keep_last > 0:
             kept = kept[: self.keep_last]
