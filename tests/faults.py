@@ -22,7 +22,8 @@ from lm.checkpointing import TMP_MARK
 
 class Fault(pl.Callback):
     """action: sigterm | sigusr1 | sigkill | sigterm_group | sigterm_in_val | sigterm_in_save |
-    sigkill_in_save | disk_full | nan | nan_always | drop_grads | sigkill_random | slow."""
+    sigkill_in_save | disk_full | nan | nan_always | drop_grads | sigkill_random | slow |
+    sigkill_after_upload (at `step`, once a checkpoint is on object storage)."""
 
     def __init__(self, action: str, marker: str, step: int = 0, seconds: float = 0.0) -> None:
         self.action, self.marker, self.step, self.seconds = action, Path(marker), step, seconds
@@ -84,6 +85,12 @@ class Fault(pl.Callback):
         if self.action == "nan_always" and trainer.global_step >= self.step:
             self.poison(pl_module)  # bad data or diverged weights: every step from here on
             return
+        if self.action == "sigkill_after_upload" and trainer.global_step >= self.step and self.fire():
+            uploader = trainer.checkpoint_callback.uploader
+            deadline = time.monotonic() + 120
+            while uploader.uploaded_step is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
         at_step = ("sigterm", "sigusr1", "sigkill", "sigterm_group", "nan", "drop_grads")
         if self.action not in at_step or trainer.global_step != self.step or not self.fire():
             return

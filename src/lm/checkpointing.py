@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
 from lm.config import CheckpointConfig
+from lm.remote import CheckpointUploader, RemoteCheckpoints, check_writable
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class RunCheckpoint(ModelCheckpoint):
     file only after the new one is safely on disk, so the only good checkpoint is never deleted.
     """
 
-    def __init__(self, dirpath: Path, cfg: CheckpointConfig) -> None:
+    def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
         super().__init__(
             dirpath=dirpath,
             filename="step-{step}",
@@ -153,6 +154,8 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.cfg = cfg
+        self.uploader = CheckpointUploader(remote) if remote is not None else None
+        """Mirrors every step checkpoint to object storage in the background (rank 0), when configured."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -171,6 +174,28 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             replace_symlink(Path(filepath), Path(linkpath))
         trainer.strategy.barrier()
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        step_file = checkpoint_step(Path(filepath)) is not None
+        if self.uploader is not None and trainer.is_global_zero and step_file:
+            self.uploader.submit(Path(filepath), trainer.global_step)
+
+    def wait_for_upload(self) -> None:
+        """Block until the newest checkpoint is on object storage (a no-op without checkpoint.remote)."""
+        if self.uploader is not None:
+            self.uploader.wait()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        # A stop signal's save (exit 75) or a crash: finish the upload in flight before the process ends.
+        self.wait_for_upload()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self.wait_for_upload()
 
     def save_now(self, trainer: pl.Trainer) -> bool:
         """Write a step checkpoint and move last.ckpt now (all ranks call it); False if this step is saved."""
@@ -260,16 +285,22 @@ def remove_stale_temporaries(ckpt_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
+def resume_checkpoint(run_dir: Path, resume: bool, remote: RemoteCheckpoints | None = None) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
     With `resume=True` this is `checkpoints/last.ckpt` when it loads; when it does not (truncated, corrupted,
     written by an interrupted save) the newest step checkpoint that loads takes its place and last.ckpt is
     re-pointed at it. With `resume=False` an existing run is moved aside into `archive/<time>/` rather than
     deleted or mixed with the new run's checkpoints (or its cost ledger): starting over never destroys a user's run.
+
+    With `remote` (checkpoint.remote), the newest remote checkpoint is downloaded first when it is newer than
+    every local one (a new machine has none), verified against the pointer's size and sha256; with
+    `resume=False` the remote pointer is set aside as `archive-<time>.json`.
     """
     ckpt_dir = run_dir / "checkpoints"
     if resume:
+        if rank_zero_only.rank == 0 and remote is not None:
+            fetch_remote(ckpt_dir, remote)
         if not ckpt_dir.is_dir():
             return None
         if rank_zero_only.rank == 0:  # other ranks wait for rank 0's repairs in Lightning's first barrier
@@ -289,6 +320,8 @@ def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
         return None
     if rank_zero_only.rank != 0:
         return None  # rank 0 moves the old run aside; the others only need to start fresh
+    if remote is not None and (aside := remote.archive_pointer()):
+        log.warning("run.resume=false: set the remote pointer aside as %s (its checkpoints are kept)", aside)
     # Everything the run produced (checkpoints, tb, cost ledger, phases, report) but the invocation logs.
     produced = (
         sorted(p for p in run_dir.iterdir() if p.name not in ("hydra", "archive")) if run_dir.is_dir() else []
@@ -302,3 +335,35 @@ def resume_checkpoint(run_dir: Path, resume: bool) -> Path | None:
             "run.resume=false: moved the previous run's %s to %s", [p.name for p in produced], archive
         )
     return None
+
+
+def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
+    """Download the newest remote checkpoint when no local one is as new; returns it, or None."""
+    good = None
+    if ckpt_dir.is_dir():
+        remove_stale_temporaries(ckpt_dir)
+        good = find_good_checkpoint(ckpt_dir)
+    local_step = -1
+    if good is not None:
+        local_step = torch.load(good, map_location="cpu", mmap=True, weights_only=False)["global_step"]
+    fetched = remote.download_newest(ckpt_dir, newer_than=local_step, loads=loadable)
+    if fetched is not None:
+        replace_symlink(fetched, ckpt_dir / LAST)
+        log.info(
+            "resuming from %s (step %s), newer than any local checkpoint",
+            remote.url,
+            checkpoint_step(fetched),
+        )
+    elif good is None and remote.read_pointer():
+        log.warning("no checkpoint in %s verifies; starting without one", remote.url)
+    return fetched
+
+
+def remote_checkpoints(cfg: CheckpointConfig, run_root: Path, run_dir: Path) -> RemoteCheckpoints | None:
+    """The run's remote checkpoint folder, `<checkpoint.remote>/<run dir under run.root>/checkpoints`, after a
+    write probe (credentials, bucket, permissions) so that a bad URL fails before training; None if off."""
+    if cfg.remote is None:
+        return None
+    url = f"{cfg.remote.rstrip('/')}/{run_dir.relative_to(run_root).as_posix()}/checkpoints"
+    check_writable(url, cfg.storage_options)
+    return RemoteCheckpoints(url, cfg.storage_options, cfg.keep_last)

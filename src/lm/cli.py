@@ -66,8 +66,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if epochs > 1:
         line += " of this corpus (more than one: repeated data; bring more text or plan fewer steps)"
     print(line)
+    uploaded = cfg.data.source != "tokens" and cfg.data.dir is not None and "://" in cfg.data.dir
+    where = cfg.data.dir if uploaded else data_dir  # train from the bucket on any machine
+    if uploaded:
+        print(f"uploaded to {where} (manifest.json last)")
     print(
-        f"train on it: python train.py data=tokens data.dir={data_dir} data.vocab_size={manifest['vocab_size']}"
+        f"train on it: python train.py data=tokens data.dir={where} data.vocab_size={manifest['vocab_size']}"
     )
 
 

@@ -148,8 +148,20 @@ class CheckpointConfig:
     """Write `step-<N>.ckpt` and refresh `last.ckpt` every this many optimizer steps (and at the end)."""
     keep_last: int = 3
     """Step checkpoints kept, newest by step number (-1 keeps all); `last.ckpt` is a link to the newest."""
+    remote: str | None = None
+    """Object-storage root mirroring `run.root` (`s3://bucket/runs`, `gs://...`, `file:///mnt/x`): every step
+    checkpoint is also uploaded to `<remote>/<run name>/checkpoints/`, and a run whose local directory has
+    no newer checkpoint (a new machine, another region) resumes from there. None keeps checkpoints local."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for `remote` (e.g. `endpoint_url`, `profile`); credentials are better left to the
+    environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS)."""
 
     def __post_init__(self) -> None:
+        if self.remote is not None and not self.remote.partition("://")[2].strip("/"):
+            raise ValueError(
+                f"checkpoint.remote={self.remote!r} is not a URL that names a bucket; use s3://bucket/prefix, "
+                f"gs://bucket/prefix or file:///path (or null to keep checkpoints local)"
+            )
         if self.every_n_steps < 1 or (self.keep_last < 1 and self.keep_last != -1):
             raise ValueError(
                 "checkpoint.every_n_steps must be >= 1 and checkpoint.keep_last >= 1 (or -1 to keep all): "

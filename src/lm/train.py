@@ -28,7 +28,7 @@ from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.sampler import MilestoneSampler
 from lm.callbacks.spot import Preempted, SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
-from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
+from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, remote_checkpoints, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
@@ -90,13 +90,16 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
     return name
 
 
-def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[pl.Callback]) -> pl.Trainer:
-    """The Lightning Trainer with the run directory's checkpointing and logging wired in."""
+def build_trainer(
+    cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[pl.Callback], remote=None
+) -> pl.Trainer:
+    """The Lightning Trainer with the run directory's checkpointing (mirrored to `remote`) and logging wired in."""
     t = cfg.trainer
     callbacks = [
         *callbacks,
         *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
-        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint),  # Lightning runs checkpoint callbacks last
+        # Lightning runs checkpoint callbacks last.
+        RunCheckpoint(run_dir / "checkpoints", cfg.checkpoint, remote),
     ]
     if t.enable_progress_bar:
         callbacks.append(LossProgressBar())
@@ -139,7 +142,8 @@ def main(dcfg: DictConfig) -> float | None:
     device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
     price = price_per_hour(device.gpu, cfg.cost)
     run_dir = run_directory(cfg)
-    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
+    remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
+    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(dcfg, run_dir / "config.yaml")
@@ -195,7 +199,7 @@ def main(dcfg: DictConfig) -> float | None:
         about=hparams,
     )
     callbacks = run_callbacks(cfg, meter, run_dir, n_params)
-    trainer = build_trainer(cfg, run_dir, precision, callbacks)
+    trainer = build_trainer(cfg, run_dir, precision, callbacks, remote)
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SOURCES = ("stdlib", "text", "hf", "tokens")
@@ -27,7 +27,11 @@ class DataConfig:
     split: str = "train"
     """`hf`: the split to read; validation is carved out of it by document."""
     dir: str | None = None
-    """Folder of the prepared shards. `tokens`: required; other sources: None uses cache_dir/<source>-<hash>."""
+    """Folder of the prepared shards. `tokens`: required; other sources: None uses cache_dir/<source>-<hash>.
+    A URL (`s3://bucket/tokens`) is object storage: `tokens` downloads it into cache_dir (every shard checked
+    against the manifest's sha256); other sources prepare into cache_dir and upload there."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for a `dir` URL (e.g. `endpoint_url`); credentials come from the environment."""
     tokenizer: str | None = None
     """A tokenizer.json path or a Hugging Face tokenizer name; None trains a byte-level BPE on the corpus.
     With `tokens`, the shards must have been made by this tokenizer (checked by sha256)."""

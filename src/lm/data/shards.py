@@ -45,6 +45,7 @@ from lm.data.tokenizer import (
     tokenizer_id,
     train_tokenizer,
 )
+from lm.remote import is_url
 
 log = logging.getLogger("lm.data")
 
@@ -414,6 +415,8 @@ def prepare(cfg: DataConfig) -> Path:
     whose shards match their progress record are kept, the rest are tokenized again.
     """
     cfg.check_inputs()
+    if is_url(cfg.dir):
+        return prepare_remote(cfg)
     if cfg.source == "tokens":
         folder = Path(cfg.dir).expanduser()
         load_manifest(folder)
@@ -550,6 +553,23 @@ def report_skips(manifest: dict) -> None:
 def implied_epochs(manifest: dict, budget_tokens: int) -> float:
     """How many passes over the training split a plan of `budget_tokens` makes."""
     return budget_tokens / max(manifest["splits"]["train"]["tokens"], 1)
+
+
+def prepare_remote(cfg: DataConfig) -> Path:
+    """`data.dir` is a URL: `tokens` mirrors it into the cache (verified against the manifest's sha256);
+    other sources prepare into the cache as usual, then upload the folder there (manifest last)."""
+    from lm.remote import dataset_cache, fetch_dataset, upload_dataset
+
+    if cfg.source == "tokens":
+        local = fetch_dataset(
+            cfg.dir, dataset_cache(cfg.dir, resolve_cache_dir(cfg.cache_dir)), cfg.storage_options
+        )
+        load_manifest(local)
+        return local
+    local = prepare(dataclasses.replace(cfg, dir=None))
+    sent = upload_dataset(local, cfg.dir, cfg.storage_options)
+    log.info("%s: %s", cfg.dir, f"uploaded {sent} file(s) from {local}" if sent else "already up to date")
+    return local
 
 
 def shard_paths(folder: Path, manifest: dict, split: str) -> list[Path]:
