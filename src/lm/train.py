@@ -32,6 +32,7 @@ from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.parallel import build_strategy, cluster_plugins
 from lm.report import write_report
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=t.strategy,
+        strategy=build_strategy(t.strategy),  # `fsdp` is FSDP2 (lm.parallel), anything else Lightning's
         precision=precision,
         max_steps=t.max_steps,
         max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
@@ -122,7 +123,7 @@ def build_trainer(cfg: LMConfig, run_dir: Path, precision: str, callbacks: list[
         default_root_dir=run_dir,
         logger=logger,
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *cluster_plugins()],
         **t.extra,
     )
 

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 
 from lm.callbacks.spot import EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.parallel import grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,8 @@ class NonFiniteGuard(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        norm = grad_norm(pl_module.parameters())  # global: all-reduced (DDP) or combined over shards (FSDP)
+        if norm is None or torch.isfinite(norm):
             self.in_a_row = 0
             return
         for p in pl_module.parameters():
