@@ -18,10 +18,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lm.callbacks.spot import EXIT_PREEMPTED
 from lm.config import register_configs
 from lm.data.dataset import StepSampler, val_batches
-from lm.parallel import cluster_plugins
+from lm.parallel import cluster_plugins, refuse_multirun_launch
 from lm.train import main
 
 from .conftest import CONF, TINY
@@ -39,9 +38,22 @@ RUN = [
     "trainer.log_every_n_steps=1",
     "+trainer.extra.num_sanity_val_steps=0",
     "checkpoint.every_n_steps=3",
-    "cost.price_per_hour=3.6",  # $1 per device-second... per 1000 s: dollars = seconds x devices / 1000
+    "trainer.gradient_clip_val=0.5",  # below the gradient norm (~0.7): clipping acts, across ranks and shards
+    "cost.price_per_hour=3.6",  # $0.001 a device-second: dollars = seconds x devices / 1000
 ]
 TOKENS_PER_STEP = W * B * 64  # data.seq_len=64 in TINY
+# What srun gives a one-task job step (Lightning's SLURMEnvironment reads ranks and the address from it).
+SLURM = {
+    "SLURM_NTASKS": "1",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_NNODES": "1",
+    "SLURM_JOB_NAME": "lm",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "localhost",
+}
 
 
 def overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
@@ -201,6 +213,7 @@ def test_fsdp_under_torchrun_matches_one_process_and_resumes_on_one(root, data_c
                 data_cache,
                 "fsdp",
                 "trainer=fsdp",
+                "activation_checkpointing=on",  # recomputed inside each sharded block
                 "trainer.accelerator=cpu",
                 f"trainer.devices={W}",
                 f"data.batch_size={B}",
@@ -228,20 +241,56 @@ def test_fsdp_under_torchrun_matches_one_process_and_resumes_on_one(root, data_c
     assert_close_weights(last(run)["state_dict"], last(reference)["state_dict"])
 
 
-def test_under_slurm_sigusr1_is_spotguards_save_and_exit_75(root, data_cache, monkeypatch):
-    assert cluster_plugins() == [] or SLURMEnvironment.detect()
-    slurm = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NAME": "lm", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}  # fmt: skip
-    for key, value in slurm.items():
+def test_slurm_plugin_turns_lightnings_requeue_off_only_under_slurm(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    assert cluster_plugins() == []
+    for key, value in SLURM.items():
         monkeypatch.setenv(key, value)
     (plugin,) = cluster_plugins()
-    assert isinstance(plugin, SLURMEnvironment) and not plugin.auto_requeue  # Lightning's requeue is off
+    assert isinstance(plugin, SLURMEnvironment) and not plugin.auto_requeue
+
+
+def test_sbatch_script_requeues_after_spotguards_sigusr1_save_and_ends_when_done(root, data_cache, tmp_path):
+    """slurm/train.sbatch as SLURM runs it, with `srun` running its one task here and `scontrol` recorded."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {
+        **os.environ,
+        **SLURM,
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "PYTHON": sys.executable,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+    }
     fault = ["+callbacks.fault._target_=tests.faults.Fault", "+callbacks.fault.action=sigusr1", "+callbacks.fault.step=2", f"+callbacks.fault.marker={root / 'slurm.fired'}"]  # fmt: skip
-    code = train_here(
-        overrides(
-            root, data_cache, "slurm", "trainer=cpu", f"data.batch_size={B}", "trainer.max_steps=6", *fault
-        )
-    )
-    assert code == EXIT_PREEMPTED  # what slurm/train.sbatch requeues on
+    args = overrides(root, data_cache, "slurm", "trainer.accelerator=cpu", f"data.batch_size={B}", f"trainer.max_steps={STEPS}", *fault)  # fmt: skip
     run = root / "slurm"
-    assert last(run)["global_step"] == 3  # saved at the next step boundary by SpotGuard ...
-    assert not list(run.rglob("hpc_ckpt_*"))  # ... and not by Lightning's SLURM handler
+
+    def sbatch() -> None:
+        out = subprocess.run(["bash", "slurm/train.sbatch", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+    sbatch()  # SIGUSR1 before step 2: SpotGuard saves step 3, exits 75, the script requeues the job
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", SLURM["SLURM_JOB_ID"]]
+    assert last(run)["global_step"] == 3
+    assert not list(run.rglob("hpc_ckpt_*"))  # Lightning's SLURM handler saved nothing of its own
+    sbatch()  # the requeued job resumes, finishes, and is not requeued again
+    assert last(run)["global_step"] == STEPS
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", SLURM["SLURM_JOB_ID"]]
+
+
+def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(key)
+    with pytest.raises(ValueError, match="one command per sweep point"):
+        refuse_multirun_launch("ddp", 2, multirun=True)
+    refuse_multirun_launch("ddp", 2, multirun=False)  # one run: Lightning's launcher is the way
+    refuse_multirun_launch("ddp", 1, multirun=True)  # one process per job: nothing is re-run
+    refuse_multirun_launch("ddp_spawn", 2, multirun=True)  # spawn does not re-run the command line
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sweep")  # torchrun started the ranks: each runs the sweep
+    refuse_multirun_launch("ddp", 2, multirun=True)

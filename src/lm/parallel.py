@@ -101,3 +101,34 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
     norm = torch.nn.utils.get_total_norm(grads)
     full_tensor = getattr(norm, "full_tensor", None)  # a DTensor: the shards' norms are already combined
     return full_tensor() if full_tensor is not None else norm
+
+
+def externally_launched() -> bool:
+    """Whether torchrun or SLURM started the ranks (so Lightning's launcher does not re-run the command)."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
+
+
+def refuse_multirun_launch(strategy: str, devices, multirun: bool) -> None:
+    """Refuse a Hydra sweep (`-m`) whose jobs would each start processes with Lightning's launcher.
+
+    That launcher re-runs the command line once per extra rank, so every rank would run the whole sweep.
+    """
+    if not multirun or "spawn" in strategy or externally_launched():
+        return
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if isinstance(devices, int):
+        n = devices
+    elif isinstance(devices, Iterable) and not isinstance(devices, str):
+        n = len(list(devices))
+    else:  # `auto`: every visible GPU
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if n > 1 or devices == -1:
+        raise ValueError(
+            f"a Hydra multirun (-m) cannot start {n if n > 1 else 'several'} processes per job with "
+            f"trainer.strategy={strategy}: Lightning's launcher re-runs the command line for each rank, so "
+            "every rank would run the whole sweep. Run one command per sweep point, or start the ranks with "
+            "torchrun / srun"
+        )
