@@ -8,6 +8,7 @@ loss by ~1e-2 and weights by ~lr = 1e-3 per step, far outside.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from lm.checkpointing import resume_checkpoint
 from lm.config import register_configs
 from lm.data.dataset import StepSampler, val_batches
 from lm.parallel import cluster_plugins, refuse_multirun_launch
@@ -294,3 +296,53 @@ def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
     refuse_multirun_launch("ddp_spawn", 2, multirun=True)  # spawn does not re-run the command line
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sweep")  # torchrun started the ranks: each runs the sweep
     refuse_multirun_launch("ddp", 2, multirun=True)
+
+
+def test_a_rank_other_than_0_resumes_while_rank_0_repoints_last(tmp_path, monkeypatch):
+    """Under torchrun every rank looks at once; a dangling last.ckpt (rank 0 mid-repair) must not start it fresh."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step-3.ckpt").write_bytes(b"whatever rank 0 decides")
+    (ckpts / "last.ckpt").symlink_to("step-6.ckpt")  # its target just moved to corrupt/
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert resume_checkpoint(tmp_path / "run", resume=True) == ckpts / "last.ckpt"
+    assert (ckpts / "step-3.ckpt").is_file()  # only rank 0 repairs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_bf16_compiled_on_gpus_trains_and_resumes_on_one(root, data_cache):
+    """The GPU-only parts of FSDP: bf16 all-gathers (MixedPrecisionPolicy), per-block compile, NCCL."""
+    n = min(2, torch.cuda.device_count())
+    gpu = ["trainer.accelerator=gpu", "precision=bf16", "kernels=compile", "activation_checkpointing=on"]
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            "train.py",
+            *overrides(
+                root,
+                data_cache,
+                "fsdp-gpu",
+                "trainer=fsdp",
+                *gpu,
+                f"trainer.devices={n}",
+                f"data.batch_size={B}",
+                f"trainer.max_steps={STEPS}",
+            ),
+        ]
+    )
+    run = root / "fsdp-gpu"
+    loss = losses(run)
+    assert all(math.isfinite(v) for v in loss.values()) and loss[STEPS - 1] < loss[0]
+    ckpt = last(run)
+    assert ckpt["global_step"] == STEPS
+    assert all(t.dtype == torch.float32 for t in ckpt["state_dict"].values())  # shards stay fp32
+    args = overrides(root, data_cache, "fsdp-gpu", *gpu, f"data.batch_size={n * B}", "trainer.max_steps=9")
+    assert train_here(args) == 0  # one GPU, no FSDP
+    assert last(run)["global_step"] == 9
