@@ -22,7 +22,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lm.checkpointing import resume_checkpoint
 from lm.config import register_configs
 from lm.data.dataset import StepSampler, val_batches
-from lm.parallel import cluster_plugins, refuse_multirun_launch
+from lm.parallel import check_strategy, cluster_plugins
 from lm.train import main
 
 from .conftest import CONF, TINY
@@ -286,16 +286,23 @@ def test_sbatch_script_requeues_after_spotguards_sigusr1_save_and_ends_when_done
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", SLURM["SLURM_JOB_ID"]]
 
 
+def test_lightnings_fsdp1_names_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="use trainer=fsdp"):
+        check_strategy("fsdp_cpu_offload", 1, multirun=False)
+    check_strategy("fsdp", 2, multirun=False)
+    check_strategy("ddp", 2, multirun=False)
+
+
 def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
     for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(key)
     with pytest.raises(ValueError, match="one command per sweep point"):
-        refuse_multirun_launch("ddp", 2, multirun=True)
-    refuse_multirun_launch("ddp", 2, multirun=False)  # one run: Lightning's launcher is the way
-    refuse_multirun_launch("ddp", 1, multirun=True)  # one process per job: nothing is re-run
-    refuse_multirun_launch("ddp_spawn", 2, multirun=True)  # spawn does not re-run the command line
+        check_strategy("ddp", 2, multirun=True)
+    check_strategy("ddp", 2, multirun=False)  # one run: Lightning's launcher is the way
+    check_strategy("ddp", 1, multirun=True)  # one process per job: nothing is re-run
+    check_strategy("ddp_spawn", 2, multirun=True)  # spawn does not re-run the command line
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sweep")  # torchrun started the ranks: each runs the sweep
-    refuse_multirun_launch("ddp", 2, multirun=True)
+    check_strategy("ddp", 2, multirun=True)
 
 
 def test_a_rank_other_than_0_resumes_while_rank_0_repoints_last(tmp_path, monkeypatch):

@@ -89,7 +89,13 @@ class LMModule(pl.LightningModule):
             if not self._sharded:
                 precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
                 mesh = self.device_mesh["data_parallel"]
-                shard_model(self.model, mesh, precision, self.compile_mode, self.compile_model)
+                shard_model(
+                    self.model,
+                    mesh,
+                    precision=precision,
+                    compile=self.compile_model,
+                    compile_mode=self.compile_mode,
+                )
                 self._sharded = True
             return
         # Module.compile() compiles in place: state_dict keys stay free of `_orig_mod.` prefixes, so

@@ -20,8 +20,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 FSDP = "fsdp"
 """The `trainer.strategy` value that selects `FSDP2Strategy`."""
-SHARDED = ("fsdp", "fsdp_cpu_offload", "deepspeed")
-"""Strategies Lightning would run with sharded weights (Lightning's own FSDP1 among them)."""
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -71,7 +69,7 @@ def is_sharded(strategy: Strategy) -> bool:
 
 
 def shard_model(
-    model: torch.nn.Module, mesh, precision: str, compile_mode: str | None, compile: bool
+    model: torch.nn.Module, mesh, *, precision: str, compile: bool = False, compile_mode: str | None = None
 ) -> None:
     """FSDP2 in place: each transformer block is one unit (gathered for its forward, freed after), the rest
     (embedding, final norm, head) the root unit. Under bf16 mixed precision the gathers move bf16 weights
@@ -110,11 +108,20 @@ def externally_launched() -> bool:
     return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
 
 
-def refuse_multirun_launch(strategy: str, devices, multirun: bool) -> None:
-    """Refuse a Hydra sweep (`-m`) whose jobs would each start processes with Lightning's launcher.
+def check_strategy(strategy: str, devices, multirun: bool) -> None:
+    """Refuse, before anything is built, strategies lm does not configure and launches that cannot work.
 
-    That launcher re-runs the command line once per extra rank, so every rank would run the whole sweep.
+    Lightning's FSDP1 names would wrap the whole model as one unit and refuse norm clipping; a Hydra sweep
+    (`-m`) whose jobs start ranks with Lightning's launcher would run the whole sweep in every rank, since
+    that launcher re-runs the command line once per extra rank.
     """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if strategy != FSDP and strategy in FSDPStrategy.get_registered_strategies():
+        raise ValueError(
+            f"trainer.strategy={strategy} is Lightning's FSDP1, which lm does not configure (no per-block "
+            "wrapping, no gradient-norm clipping); use trainer=fsdp (FSDP2, one unit per block)"
+        )
     if not multirun or "spawn" in strategy or externally_launched():
         return
     if isinstance(devices, str) and devices.isdigit():

@@ -32,7 +32,7 @@ from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.module import LMModule
-from lm.parallel import build_strategy, cluster_plugins, refuse_multirun_launch
+from lm.parallel import build_strategy, check_strategy, cluster_plugins
 from lm.report import write_report
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def main(dcfg: DictConfig) -> float | None:
     device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
     price = price_per_hour(device.gpu, cfg.cost)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    refuse_multirun_launch(cfg.trainer.strategy, cfg.trainer.devices, multirun)
+    check_strategy(cfg.trainer.strategy, cfg.trainer.devices, multirun)
     run_dir = run_directory(cfg)
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
     if rank_zero_only.rank == 0:
