@@ -10,6 +10,7 @@ loss by ~1e-2 and weights by ~lr = 1e-3 per step, far outside.
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,13 +75,13 @@ def train_here(args: list[str]) -> int:
     return 0
 
 
-def launch(cmd: list[str]) -> subprocess.CompletedProcess:
+def launch(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
     }
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert (out.returncode == 0) == ok, out.stderr[-4000:]
     return out
 
 
@@ -353,3 +354,33 @@ def test_fsdp_bf16_compiled_on_gpus_trains_and_resumes_on_one(root, data_cache):
     args = overrides(root, data_cache, "fsdp-gpu", *gpu, f"data.batch_size={n * B}", "trainer.max_steps=9")
     assert train_here(args) == 0  # one GPU, no FSDP
     assert last(run)["global_step"] == 9
+
+
+def test_ranks_that_would_resume_from_different_steps_stop_before_training(root, data_cache, reference):
+    """A run.root that only rank 0 sees: rank 0 resumes at step 9, rank 1 would start fresh beside it."""
+    shutil.copytree(reference, root / "split0" / "single")
+    ckpts = sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir())
+    out = launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={W}",
+            "train.py",
+            *overrides(
+                root,
+                data_cache,
+                "single",
+                "trainer=ddp",
+                "trainer.accelerator=cpu",
+                f"trainer.devices={W}",
+                f"data.batch_size={B}",
+                "trainer.max_steps=12",
+            ),
+            f"run.root={root}/split${{oc.env:RANK}}",  # each rank its own folder, as on unshared disks
+        ],
+        ok=False,
+    )
+    assert "every node must see the same checkpoints" in out.stderr
+    assert sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir()) == ckpts

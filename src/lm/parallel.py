@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
@@ -139,3 +140,23 @@ def check_strategy(strategy: str, devices, multirun: bool) -> None:
             "every rank would run the whole sweep. Run one command per sweep point, or start the ranks with "
             "torchrun / srun"
         )
+
+
+class SameStartEverywhere(pl.Callback):
+    """Stop a run whose ranks did not all resume from the same step, before the first step.
+
+    Each rank finds its checkpoint in its own view of `run.root`; a folder that only rank 0's node sees lets
+    the other nodes start fresh beside a resumed rank 0 (DDP would copy rank 0's weights but not its optimizer,
+    step or data position, and the ranks would reach max_steps at different times and hang).
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size == 1:
+            return
+        rank0_step = trainer.strategy.broadcast(trainer.global_step, src=0)
+        if trainer.strategy.reduce_boolean_decision(rank0_step != trainer.global_step, all=False):
+            raise ValueError(
+                f"rank {trainer.global_rank} starts at step {trainer.global_step}, rank 0 at step {rank0_step} "
+                "(or another rank disagrees): every node must see the same checkpoints. Put run.root on "
+                "storage that all nodes share"
+            )
