@@ -137,7 +137,7 @@ def test_the_ranks_of_a_step_see_the_windows_of_one_process_with_the_global_batc
         val_batches(5, B, W, 0)
 
 
-def test_ddp_matches_one_process_counts_the_world_and_resumes_on_one(root, data_cache, reference):
+def test_ddp_matches_one_process_counts_the_world_and_resumes_on_one(root, data_cache, reference, caplog):
     run = root / "ddp"
     # The path users take: Lightning's launcher re-runs this Hydra script once per extra rank.
     launch(
@@ -198,6 +198,16 @@ def test_ddp_matches_one_process_counts_the_world_and_resumes_on_one(root, data_
     assert_close_losses(run, reference, range(STEPS, 9))
     assert_close_weights(last(run)["state_dict"], last(reference)["state_dict"])
     assert json.loads((run / "cost.json").read_text())["tokens"] == 9 * TOKENS_PER_STEP
+    assert "re-read or skipped" not in caplog.text  # the global batch was kept
+
+    # Half the global batch (as if 2 GPUs became 1 without doubling data.batch_size): trains, but says so.
+    assert (
+        train_here(
+            overrides(root, data_cache, "ddp", "trainer=cpu", f"data.batch_size={B}", "trainer.max_steps=10")
+        )
+        == 0
+    )
+    assert "windows are re-read or skipped" in caplog.text
 
 
 def test_fsdp_under_torchrun_matches_one_process_and_resumes_on_one(root, data_cache, reference):

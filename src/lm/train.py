@@ -32,7 +32,7 @@ from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.module import LMModule
-from lm.parallel import SameStartEverywhere, build_strategy, check_strategy, cluster_plugins
+from lm.parallel import ResumeCheck, build_strategy, check_strategy, cluster_plugins
 from lm.report import write_report
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int)
     checkpoint callback, which Lightning always runs last.
     """
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
-    callbacks: list[pl.Callback] = [SameStartEverywhere(), meter]
+    callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
