@@ -314,6 +314,13 @@ def resume_checkpoint(run_dir: Path, resume: bool, remote: RemoteCheckpoints | N
             if good != last:
                 replace_symlink(good.resolve(), last)
         last = ckpt_dir / LAST
+        if rank_zero_only.rank != 0:
+            # Under torchrun or srun every rank starts at once and may look while rank 0 re-points the link
+            # (a dangling moment). Each rank reads the checkpoint only after the process-group rendezvous,
+            # i.e. after rank 0's repairs: resume whenever there is anything to resume, never start fresh
+            # beside a resuming rank 0 (if rank 0 found nothing loadable, this rank fails loudly instead).
+            candidates = last.is_symlink() or last.exists() or any(ckpt_dir.glob("step-*.ckpt"))
+            return last if candidates else None
         if last.exists():
             log.info("resuming from %s (-> %s)", last, last.resolve().name)
             return last

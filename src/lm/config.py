@@ -84,7 +84,7 @@ class TrainerConfig:
     num_nodes: int = 1
     """Machines in the job."""
     strategy: str = "auto"
-    """Lightning strategy (`auto`, `ddp`, `fsdp`, ...)."""
+    """Lightning strategy name (`auto`, `ddp`, ...); `fsdp` is FSDP2 per block (lm.parallel.FSDP2Strategy)."""
     max_steps: int = 300
     """Optimizer steps at which this invocation stops (a resumed run counts from its checkpoint)."""
     accumulate_grad_batches: int = 1

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from lm.config import OptimConfig
 from lm.model import ModelConfig, Transformer
+from lm.parallel import grad_norm, shard_model
 
 
 def lr_lambda(
@@ -81,8 +82,22 @@ class LMModule(pl.LightningModule):
         self.model.checkpoint_every = checkpoint_every
         self.lr_cooldown: tuple[int, int] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
+        self._sharded = False
 
     def configure_model(self) -> None:
+        if self.device_mesh is not None:  # trainer.strategy=fsdp: shard (and compile) block by block
+            if not self._sharded:
+                precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+                mesh = self.device_mesh["data_parallel"]
+                shard_model(
+                    self.model,
+                    mesh,
+                    precision=precision,
+                    compile=self.compile_model,
+                    compile_mode=self.compile_mode,
+                )
+                self._sharded = True
+            return
         # Module.compile() compiles in place: state_dict keys stay free of `_orig_mod.` prefixes, so
         # checkpoints load the same whether or not the run that wrote them compiled.
         if self.compile_model and not getattr(self.model, "_compiled_call_impl", None):
@@ -101,7 +116,8 @@ class LMModule(pl.LightningModule):
         loss = self.loss(batch)
         # Logger-only: it stays on the device until a logging step. A prog_bar metric would be copied to the
         # host (a device sync) at every batch end; lm's LossProgressBar reads it at logging steps instead.
-        self.log("train/loss", loss)
+        # The global batch's loss: the mean over ranks (one scalar all-reduce; a no-op on one device).
+        self.log("train/loss", loss, sync_dist=True)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -116,8 +132,9 @@ class LMModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after AMP unscaling and before clipping: this is the true pre-clip norm.
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+        norm = grad_norm(self.parameters())
+        if norm is not None:
+            self.log("train/grad_norm", norm)
         self.log("train/lr", optimizer.param_groups[0]["lr"])
 
     def configure_optimizers(self) -> dict[str, Any]:

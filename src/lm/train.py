@@ -33,6 +33,7 @@ from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.parallel import ResumeCheck, build_strategy, check_strategy, cluster_plugins
 from lm.report import write_report
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def build_trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=t.strategy,
+        strategy=build_strategy(t.strategy),  # `fsdp` is FSDP2 (lm.parallel), anything else Lightning's
         precision=precision,
         max_steps=t.max_steps,
         max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
@@ -128,7 +129,7 @@ def build_trainer(
         default_root_dir=run_dir,
         logger=logger,
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *cluster_plugins()],
         **t.extra,
     )
 
@@ -141,6 +142,8 @@ def main(dcfg: DictConfig) -> float | None:
     precision = resolve_precision(cfg.precision.mode, cuda)  # refuses an impossible precision before any I/O
     device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
     price = price_per_hour(device.gpu, cfg.cost)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    check_strategy(cfg.trainer.strategy, cfg.trainer.devices, multirun)
     run_dir = run_directory(cfg)
     remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
@@ -225,7 +228,8 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int)
     phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
     checkpoint callback, which Lightning always runs last.
     """
-    callbacks: list[pl.Callback] = [meter]
+    # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
+    callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:

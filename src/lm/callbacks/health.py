@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 
 from lm.callbacks.spot import EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.parallel import grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,10 @@ class NonFiniteGuard(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self.settle(log_metric=True)  # the previous step's verdict, long computed by now
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads:
+        norm = grad_norm(pl_module.parameters())  # global: all-reduced (DDP) or combined over shards (FSDP)
+        if norm is None:
             return
-        nonfinite = ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        nonfinite = ~torch.isfinite(norm)
         if skips_on_device(trainer, optimizer):
             optimizer.found_inf = nonfinite.float()  # read by the fused kernel: no update when 1
             self._pending = (trainer.global_step, HostFlag(nonfinite))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lm.atomic import write_atomic
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig
+from lm.data.dataset import val_batches
 from lm.phases import phase_at
 
 log = logging.getLogger(__name__)
@@ -141,18 +141,18 @@ def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: in
     datamodule = trainer.datamodule
     if datamodule.val_set is None:
         datamodule.setup("validate")
-    windows, batch = datamodule.val_set, datamodule.cfg.batch_size
-    n_batches = max(1, min(max_batches, math.ceil(len(windows) / batch)))
+    windows = datamodule.val_set
+    batches = val_batches(len(windows), datamodule.cfg.batch_size, trainer.world_size, trainer.global_rank)
     was_training = pl_module.training
     pl_module.eval()
     losses = []
     with torch.no_grad(), trainer.precision_plugin.forward_context():
-        for b in range(n_batches):
-            idx = range(b * batch, min((b + 1) * batch, len(windows)))
+        for idx in batches[: max(1, max_batches)]:  # the windows val/loss uses, split across ranks alike
             x = torch.stack([windows[i] for i in idx]).to(pl_module.device)
             losses.append(pl_module.loss(x))
     pl_module.train(was_training)
-    return float(torch.stack(losses).mean())
+    loss = torch.stack(losses).mean()
+    return float(trainer.strategy.reduce(loss, reduce_op="mean"))  # the same number on every rank
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -14,11 +14,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig, SamplingConfig
 from lm.generate import complete
+from lm.parallel import is_sharded
 from lm.phases import phase_at
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class MilestoneSampler(Callback):
         self.done.add(step)
         if not trainer.is_global_zero:
             return
-        if isinstance(trainer.strategy, FSDPStrategy):
+        if is_sharded(trainer.strategy):
             # Sharded weights need every rank in each forward; rank-0-only generation would hang.
             log.warning("milestone samples are skipped under FSDP; sample the checkpoint with `lm sample`")
             return

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from lm.data.config import DataConfig
-from lm.data.dataset import StepSampler, TokenWindows
+from lm.data.dataset import StepSampler, TokenWindows, val_batches
 from lm.data.shards import check_tokenizer, implied_epochs, load_manifest, prepare, shard_paths
 from lm.data.tokenizer import load_tokenizer
 
@@ -129,7 +129,14 @@ class LMDataModule(pl.LightningDataModule):
         return self._loader(self.train_set, batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
-        """Every validation window, in order, on every rank."""
+        """The validation windows in order, split across ranks as one process with the global batch sees them."""
         if self.val_set is None:
             self.setup("validate")
-        return self._loader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False)
+        trainer = self.trainer
+        batches = val_batches(
+            len(self.val_set),
+            self.cfg.batch_size,
+            world_size=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        return self._loader(self.val_set, batch_sampler=batches)

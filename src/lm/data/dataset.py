@@ -138,3 +138,25 @@ class StepSampler(Sampler[list[int]]):
         while True:
             yield self.micro_batch(m)
             m += 1
+
+
+def val_batches(n_windows: int, batch_size: int, world_size: int = 1, rank: int = 0) -> list[list[int]]:
+    """Validation windows in order, as this rank's batches.
+
+    Global batch k is windows [k·W·B, (k+1)·W·B) and rank r takes its r-th slice of B, so W ranks with batch B
+    validate exactly the windows one process with batch W·B does, and `val/loss` (a mean over ranks of
+    equal-sized batches) is the same number. With several ranks only whole global batches are used: every
+    rank must run the same number of forwards (a sharded model's all-gathers must pair up).
+    """
+    if world_size == 1:
+        return [list(range(s, min(s + batch_size, n_windows))) for s in range(0, n_windows, batch_size)]
+    step = world_size * batch_size
+    if n_windows < step:
+        raise ValueError(
+            f"the validation split has {n_windows} windows, fewer than one global batch of {world_size} "
+            f"ranks x data.batch_size={batch_size}; raise data.val_fraction or lower data.batch_size"
+        )
+    return [
+        list(range(s + rank * batch_size, s + (rank + 1) * batch_size))
+        for s in range(0, n_windows - step + 1, step)
+    ]

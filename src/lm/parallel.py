@@ -1,0 +1,183 @@
+"""More than one device: Lightning's DDP as it is, and FSDP2 (`fully_shard` per block) through Lightning.
+
+`trainer.strategy=fsdp` means FSDP2 on Lightning's `ModelParallelStrategy`, not Lightning's `FSDPStrategy`
+(FSDP1): FSDP2 shards each parameter as a DTensor (no flat parameters, so the optimizer and the gradient
+norm see ordinary named parameters), composes with per-block `torch.compile` and activation checkpointing,
+is what torchtitan builds on, and runs on CPUs with gloo, so it is tested on every commit.
+
+Under SLURM, SIGUSR1 belongs to `SpotGuard` (save at the next step, exit 75, the sbatch script requeues);
+Lightning's own SLURM auto-requeue, which would save a second, differently named checkpoint from inside the
+signal handler, is switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+
+log = logging.getLogger(__name__)
+
+FSDP = "fsdp"
+"""The `trainer.strategy` value that selects `FSDP2Strategy`."""
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """`ModelParallelStrategy` as pure FSDP: one data-parallel mesh dimension over every process of the job.
+
+    Checkpoints are full state dicts (`save_distributed_checkpoint=False`): rank 0 gathers weights and AdamW
+    moments into one `step-<N>.ckpt` and writes it through the run's atomic CheckpointIO. The trade-off: the
+    gather costs host memory on rank 0 (~12 bytes a parameter, 12 GB for the 1B model) and time at each save,
+    where a sharded (DCP) checkpoint writes in parallel. In return, a checkpoint is one file that rotates,
+    links as `last.ckpt`, is checked for corruption at resume, resumes on any world size (DDP, FSDP or one
+    GPU) and loads in `lm sample`. Up to a few billion parameters the full file is the better deal.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        if kwargs.get("save_distributed_checkpoint"):
+            raise ValueError(
+                "trainer.strategy=fsdp writes full-state-dict checkpoints (one file a checkpoint, resumable "
+                "on any world size); sharded checkpoint folders are not supported by lm's checkpoint "
+                "rotation and resume. Drop save_distributed_checkpoint"
+            )
+        super().__init__(
+            data_parallel_size=1, tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs
+        )
+
+    def setup_environment(self) -> None:
+        # The world size is known only now (devices=auto, torchrun, SLURM): shard over all of it.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+
+def build_strategy(name: str) -> str | Strategy:
+    """The Trainer's `strategy` argument for `trainer.strategy`: our FSDP2 for `fsdp`, else Lightning's name."""
+    return FSDP2Strategy() if name == FSDP else name
+
+
+def cluster_plugins() -> list:
+    """Under SLURM, Lightning's environment without its SIGUSR1 auto-requeue (SpotGuard owns the signal)."""
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+def is_sharded(strategy: Strategy) -> bool:
+    """Whether the weights are sharded across ranks, so that every forward needs every rank."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    return isinstance(strategy, ModelParallelStrategy | FSDPStrategy | DeepSpeedStrategy)
+
+
+def shard_model(
+    model: torch.nn.Module, mesh, *, precision: str, compile: bool = False, compile_mode: str | None = None
+) -> None:
+    """FSDP2 in place: each transformer block is one unit (gathered for its forward, freed after), the rest
+    (embedding, final norm, head) the root unit. Under bf16 mixed precision the gathers move bf16 weights
+    and gradients are reduced in fp32; sharded parameters and AdamW moments stay fp32.
+
+    Blocks are compiled one by one before sharding (torchtitan's order): FSDP's hooks stay outside the graphs.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if precision.startswith("bf16-mixed"):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        if compile:
+            block.compile(mode=compile_mode)
+        # The last block is gathered again at once for the backward pass: keep it gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The global L2 norm of the gradients, a plain tensor also when they are FSDP2 shards (DTensors)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return None
+    norm = torch.nn.utils.get_total_norm(grads)
+    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor: the shards' norms are already combined
+    return full_tensor() if full_tensor is not None else norm
+
+
+def externally_launched() -> bool:
+    """Whether torchrun or SLURM started the ranks (so Lightning's launcher does not re-run the command)."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
+
+
+def check_strategy(strategy: str, devices, multirun: bool) -> None:
+    """Refuse, before anything is built, strategies lm does not configure and launches that cannot work.
+
+    Lightning's FSDP1 names would wrap the whole model as one unit and refuse norm clipping; a Hydra sweep
+    (`-m`) whose jobs start ranks with Lightning's launcher would run the whole sweep in every rank, since
+    that launcher re-runs the command line once per extra rank.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if strategy != FSDP and strategy in FSDPStrategy.get_registered_strategies():
+        raise ValueError(
+            f"trainer.strategy={strategy} is Lightning's FSDP1, which lm does not configure (no per-block "
+            "wrapping, no gradient-norm clipping); use trainer=fsdp (FSDP2, one unit per block)"
+        )
+    if not multirun or "spawn" in strategy or externally_launched():
+        return
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if isinstance(devices, int):
+        n = devices
+    elif isinstance(devices, Iterable) and not isinstance(devices, str):
+        n = len(list(devices))
+    else:  # `auto`: every visible GPU
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if n > 1 or devices == -1:
+        raise ValueError(
+            f"a Hydra multirun (-m) cannot start {n if n > 1 else 'several'} processes per job with "
+            f"trainer.strategy={strategy}: Lightning's launcher re-runs the command line for each rank, so "
+            "every rank would run the whole sweep. Run one command per sweep point, or start the ranks with "
+            "torchrun / srun"
+        )
+
+
+class ResumeCheck(pl.Callback):
+    """At train start: every rank resumed the same step (else stop), and the global batch is the checkpoint's
+    (else warn).
+
+    Each rank finds its checkpoint in its own view of `run.root`; a folder that only rank 0's node sees lets
+    the other nodes start fresh beside a resumed rank 0 (DDP would copy rank 0's weights but not its optimizer,
+    step or data position, and the ranks would reach max_steps at different times and hang). The data stream
+    position is step x global batch, so resuming with another global batch (8 GPUs -> 4 without doubling
+    data.batch_size) re-reads or skips windows; the meter's tokens per step tell.
+    """
+
+    def __init__(self, meter=None) -> None:
+        self.meter = meter
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1:
+            rank0_step = trainer.strategy.broadcast(trainer.global_step, src=0)
+            if trainer.strategy.reduce_boolean_decision(rank0_step != trainer.global_step, all=False):
+                raise ValueError(
+                    f"rank {trainer.global_rank} starts at step {trainer.global_step}, rank 0 at step "
+                    f"{rank0_step} (or another rank disagrees): every node must see the same checkpoints. "
+                    "Put run.root on storage that all nodes share"
+                )
+        m = self.meter
+        if (
+            m is not None
+            and trainer.is_global_zero
+            and m.state.step
+            and m.state.tokens != m.state.step * m.tokens_per_step
+        ):
+            log.warning(
+                "resuming at step %d with %d tokens a step, but %d tokens took %d steps so far (%.0f a step): "
+                "the data stream position is step x global batch, so windows are re-read or skipped. Keep "
+                "devices x nodes x data.batch_size x accumulation as before to continue the stream exactly",
+                m.state.step, m.tokens_per_step, m.state.tokens, m.state.step, m.state.tokens / m.state.step,
+            )  # fmt: skip
