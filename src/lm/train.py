@@ -29,8 +29,9 @@ from lm.callbacks.spot import Preempted, SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
-from lm.cost import price_per_hour, resolve_gpu
+from lm.cost import load_catalog, price_per_hour, resolve_gpu
 from lm.data import LMDataModule
+from lm.doctor import Target, preflight
 from lm.module import LMModule
 from lm.report import write_report
 
@@ -136,6 +137,8 @@ def main(dcfg: DictConfig) -> float | None:
     device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
     price = price_per_hour(device.gpu, cfg.cost)
     run_dir = run_directory(cfg)
+    if cfg.doctor.enabled and rank_zero_only.rank == 0:  # before data preparation and the model: refuse early
+        preflight(Target(cfg, device.gpu, cuda, precision, run_dir, load_catalog(conf_dir())))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
