@@ -52,7 +52,7 @@ SHAPES = [
 @pytest.mark.parametrize("ac_every", [0, 1, 2])
 @pytest.mark.parametrize("shape", SHAPES, ids=["mha", "gqa"])
 def test_activation_model_matches_autograd(precision, ac_every, shape):
-    """Activations + saved head tensors are within 10% of what autograd keeps, for every precision and
+    """Activations + saved head tensors are within 6% of what autograd keeps, for every precision and
     activation-checkpointing stride (the head's backward transients are not saved tensors: removed here)."""
     batch, seq = 2, 96
     cfg = ModelConfig(vocab_size=1000, max_seq_len=seq, **shape)
@@ -61,7 +61,7 @@ def test_activation_model_matches_autograd(precision, ac_every, shape):
     recompute = est.tokens * memory.block_activation_bytes(cfg, precision, seq) if ac_every else 0
     predicted = est.activations - recompute + est.head - transient
     measured = saved_bytes(cfg, precision, ac_every, batch, seq)
-    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+    assert predicted == pytest.approx(measured, rel=0.06), (predicted, measured)
 
 
 def test_states_and_seed_scale():

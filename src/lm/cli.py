@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     bench = verbs.add_parser("bench", help="benchmark knob combinations on this machine, ranked by $/token")
     bench.add_argument(
         "--pricing",
-        choices=["on_demand", "spot"],
+        choices=["on_demand", "spot", "price_per_hour"],
         default=None,
-        help="rank at this price (default cost.pricing)",
+        help="rank at this price (default: cost.price_per_hour if set, else cost.pricing)",
     )
     bench.add_argument(
         "overrides", nargs="*", help="Hydra overrides; comma lists are swept: kernels=eager,compile"
