@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lm.bench import Result, expand, is_oom, rank, recommendation, run_bench
+from lm.bench import Result, expand, is_oom, rank, recommendation, run_bench, run_one
 
 TINY_BENCH = [
     "trainer=cpu",
@@ -52,6 +52,11 @@ def test_bench_tiny_marks_out_of_memory_and_recommends_what_fits(tmp_path, capsy
     md = (out / "bench.md").read_text()
     assert "does not fit" in md and "recommended (cheapest that fits): data.batch_size=4" in md
     assert "recommended" in capsys.readouterr().out
+
+
+def test_a_failing_combination_is_an_error_row_with_its_message():
+    r = run_one([*TINY_BENCH, "data.batch_size=2", "kernels=compile", "kernels.compile_mode=bogus"], [], 300)
+    assert r.status == "error" and "bogus" in r.error and r.tokens_per_sec is None
 
 
 def test_bad_combination_is_refused_before_any_run(tmp_path):

@@ -128,3 +128,20 @@ def test_target_is_an_input(tiny_cfg):
     h100 = catalog_target.catalog["h100_sxm"]
     t = Target(cfg, h100, True, "bf16-mixed", catalog_target.run_dir, catalog_target.catalog)
     assert {f.check for f in diagnose(t) if f.level == "warn"} >= {"compile"}
+
+
+def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
+    """A bench.json for this GPU replaces the assumed MFU in its $/token (here: measured 60% vs 40%)."""
+    import json
+
+    args = [*PLAN_1B, f"bench.out_dir={tmp_path}"]
+    _, assumed = findings(compose, *args)
+    row = {"combo": [], "status": "ok", "gpu": "a100_80gb", "mfu": 0.6}
+    (tmp_path / "bench.json").write_text(json.dumps({"results": [row, {**row, "gpu": "a40", "mfu": 0.9}]}))
+    _, measured = findings(compose, *args)
+    assert "40% assumed" in assumed["$/token"].what and "60% measured" in measured["$/token"].what
+
+    def price(f):
+        return float(f.what.split("$")[1].split("/")[0])
+
+    assert price(measured["$/token"]) == pytest.approx(price(assumed["$/token"]) * 0.4 / 0.6, rel=0.01)

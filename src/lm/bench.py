@@ -62,6 +62,8 @@ class Result:
     usd_per_btok: dict[str, float] = field(default_factory=dict)
     """$/10^9 tokens at each price for this device (`on_demand`, `spot`, `price_per_hour`)."""
     device: str = ""
+    gpu: str = ""
+    """Catalog entry of the device (`a100_80gb`, `cpu`, ...): the doctor reads measured MFU by it."""
     precision: str = ""
     params: int | None = None
 
@@ -77,6 +79,16 @@ def expand(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
         else:
             fixed.append(o.input_line)
     return fixed, [list(c) for c in itertools.product(*sweeps)]
+
+
+def measured_mfu(out_dir: Path, gpu: str) -> float | None:
+    """The best MFU `lm bench` measured on this catalog GPU (its bench.json in `out_dir`), or None."""
+    try:
+        results = json.loads((Path(out_dir) / "bench.json").read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return None
+    mfus = [r["mfu"] for r in results if r.get("gpu") == gpu and r.get("status") == "ok" and r.get("mfu")]
+    return max(mfus) if mfus else None
 
 
 def is_oom(e: BaseException) -> bool:
@@ -120,7 +132,7 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
     cuda = uses_cuda(cfg.trainer)
     precision = resolve_precision(cfg.precision.mode, cuda)
     device = cost.resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
-    result.device, result.precision = device.device_name, precision
+    result.device, result.gpu, result.precision = device.device_name, device.gpu.name, precision
     torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
     compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
     b, t = cfg.data.batch_size, cfg.data.seq_len

@@ -343,24 +343,31 @@ def usd_per_btok(gpu: GpuConfig, t: Target, fpt: float, mfu: float, pricing: str
 
 
 def check_price(t: Target) -> list[Finding]:
-    """This GPU's $/token against the catalog's cheapest GPU that fits the model, at the same assumed MFU."""
+    """This GPU's $/token against the catalog's cheapest GPU that fits the model: the others at
+    doctor.assumed_mfu, this one at the MFU `lm bench` measured on it (bench.out_dir/bench.json) if any."""
+    from lm.bench import measured_mfu
+
     if not t.cuda or not t.catalog:
         return []
     pricing = t.cfg.cost.pricing
     fpt = cost.flops_per_token(t.cfg.model, t.cfg.data.seq_len)
     mfu = t.cfg.doctor.assumed_mfu
-    mine = usd_per_btok(t.gpu, t, fpt, mfu, pricing)
+    bench_mfu = measured_mfu(Path(t.cfg.bench.out_dir), t.gpu.name)
+    # A measured MFU prices this GPU better; the others stay at the assumed one (no bench ran on them).
+    mine = usd_per_btok(t.gpu, t, fpt, bench_mfu or mfu, pricing)
     if t.cfg.cost.price_per_hour is not None and mine is not None:  # the user's own rate
         peak = cost.peak_flops(t.gpu, t.precision, t.cfg.precision.tf32)
-        rate = peak * mfu * (AC_SLOWDOWN if mine[1] else 1.0) / fpt
+        rate = peak * (bench_mfu or mfu) * (AC_SLOWDOWN if mine[1] else 1.0) / fpt
         mine = (cost.usd_per_billion_tokens(rate, t.cfg.cost.price_per_hour, 1), mine[1])
     options = {name: r for name, g in t.catalog.items() if (r := usd_per_btok(g, t, fpt, mfu, pricing))}
     if mine is None or not options:
         return [
             Finding("$/token", "ok", f"no {pricing} price, peak or memory for gpu={t.gpu.name}: not compared")
         ]
+    options[t.gpu.name] = mine
     best = min(options, key=lambda k: options[k][0])
-    here = f"~${mine[0]:.2f}/Btok on {t.gpu.name}{mine[1]} ({pricing}, MFU {mfu:.0%} assumed)"
+    basis = f"MFU {bench_mfu:.0%} measured by lm bench" if bench_mfu else f"MFU {mfu:.0%} assumed"
+    here = f"~${mine[0]:.2f}/Btok on {t.gpu.name}{mine[1]} ({pricing}, {basis})"
     if options[best][0] < 0.9 * mine[0] and best != t.gpu.name:
         saving = 1 - options[best][0] / mine[0]
         return [
