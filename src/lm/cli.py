@@ -85,6 +85,10 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     where = f"{target.gpu.name} ({target.precision})" if target.cuda else f"cpu ({target.precision})"
     counts = {lvl: sum(level_of(f, strict) == lvl for f in findings) for lvl in ("warn", "error")}
     print(f"lm doctor: {where}: {counts['error']} error(s), {counts['warn']} warning(s)")
+    if not target.cuda and cfg.trainer.accelerator in ("gpu", "cuda"):
+        print(
+            "no GPU here: checked as a CPU run; add gpu=<catalog entry> (e.g. gpu=a100_80gb) to check that GPU"
+        )
     print(table(findings, strict))
     if counts["error"]:
         sys.exit(1)

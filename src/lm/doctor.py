@@ -289,15 +289,20 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
         ]
 
 
-def planned_tokens(cfg: LMConfig) -> tuple[int, str]:
-    """Tokens the whole plan trains on, and where that number comes from."""
+def tokens_per_step(cfg: LMConfig) -> int:
+    """Tokens of one optimizer step over every device."""
     t = cfg.trainer
     devices = t.devices if isinstance(t.devices, int) else 1  # `auto`: one device
-    per_step = cfg.data.batch_size * cfg.data.seq_len * t.accumulate_grad_batches * devices * t.num_nodes
+    return cfg.data.batch_size * cfg.data.seq_len * t.accumulate_grad_batches * devices * t.num_nodes
+
+
+def planned_tokens(cfg: LMConfig) -> tuple[int, str]:
+    """Tokens the whole plan trains on, and where that number comes from."""
+    per_step = tokens_per_step(cfg)
     last = cfg.phases.phases[-1] if cfg.phases.phases else None
     if last is not None and last.end_tokens:
         return last.end_tokens, f"phase '{last.name}' end_tokens"
-    steps, source = t.max_steps, "trainer.max_steps"
+    steps, source = cfg.trainer.max_steps, "trainer.max_steps"
     if cfg.optim.total_steps and cfg.optim.total_steps > steps:
         steps, source = cfg.optim.total_steps, "optim.total_steps"
     if last is not None and last.end_step and last.end_step > steps:
@@ -312,15 +317,14 @@ def check_plan(t: Target) -> list[Finding]:
     ratio = tokens / n_params
     what = f"{tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({source}); Chinchilla ~20"
     optimal = cost.chinchilla_tokens(n_params)
-    per_step = tokens / max(1, t.cfg.trainer.max_steps)
     if t.cuda and ratio < cost.CHINCHILLA_TOKENS_PER_PARAM / 2:
         return [
             Finding(
                 "tokens/param",
                 "warn",
                 what,
-                "for this compute a smaller model reaches a lower loss (Hoffmann et al. 2022)",
-                f"trainer.max_steps={math.ceil(optimal / per_step)} or a smaller model=",
+                "a lower loss per $: train longer, or a smaller model for this compute (Hoffmann et al. 2022)",
+                f"trainer.max_steps={math.ceil(optimal / tokens_per_step(t.cfg))}",
             )
         ]
     return [Finding("tokens/param", "ok", what)]
@@ -412,7 +416,8 @@ def table(findings: list[Finding], strict: bool = False) -> str:
         if fix:
             line += f"  | fix: {fix}"
         lines.append(line)
-    fixes = [f.fix for f in findings if f.level != "ok" and f.fix and "<" not in f.fix and "(" not in f.fix]
+    # Only plain overrides go on the command line; fixes with alternatives or placeholders stay in the table.
+    fixes = [f.fix for f in findings if f.level != "ok" and f.fix and not any(c in f.fix for c in "<( ")]
     if fixes:
         lines.append(f"apply the fixes: python train.py [your overrides] {' '.join(fixes)}")
     return "\n".join(lines)
