@@ -244,18 +244,21 @@ def check_disk(t: Target) -> list[Finding]:
 
 
 def prepared_dataset(cfg: LMConfig):
-    """The training split's Dataset if the data is prepared already, else None (preflight stays cheap:
-    it never tokenizes)."""
+    """The training split's Dataset if the data is prepared already, else None. Preflight stays cheap and
+    offline: it never tokenizes, and never lists a Hugging Face dataset (found only through data.dir)."""
     from lm.data import sources
     from lm.data.dataset import TokenWindows
     from lm.data.shards import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
 
     data = cfg.data
-    if data.source == "tokens":
-        folder = Path(data.dir).expanduser() if data.dir else None
-    else:
+    if data.dir:
+        folder = Path(data.dir).expanduser()
+    elif data.source in ("stdlib", "text"):
+        data.check_inputs()
         folder = dataset_dir(data, cache_key(data, sources.plan(data)))
-    if folder is None or not (folder / MANIFEST).is_file():
+    else:
+        return None
+    if not (folder / MANIFEST).is_file():
         return None
     manifest = load_manifest(folder)
     return TokenWindows(shard_paths(folder, manifest, "train"), data.seq_len, manifest["dtype"])
@@ -267,9 +270,12 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
         return []
     from lm.data import LMDataModule
 
-    try:
-        if dataset is None:
+    if dataset is None:
+        try:
             dataset = prepared_dataset(t.cfg)
+        except (OSError, ValueError) as e:  # a data problem, not a pickling one: preparation reports it
+            log.debug("doctor: prepared dataset not located (%s)", e)
+    try:
         if dataset is None:  # not prepared yet: the data module is what carries the config to them
             pickle.loads(pickle.dumps(LMDataModule(t.cfg.data)))
             return [Finding("pickle", "ok", "data module pickles (data not prepared yet: dataset unchecked)")]
