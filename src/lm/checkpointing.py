@@ -216,21 +216,30 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
 
 
-def check_run_fits(dirpath: Path, ckpt_bytes: int, keep_last: int) -> None:
-    """Refuse to start a run whose rotation cannot fit on its disk.
+def checkpoint_space(dirpath: Path, ckpt_bytes: int, keep_last: int) -> tuple[int, int, int]:
+    """(checkpoints kept, bytes still needed with the safety margin, bytes free) for a run's rotation.
 
     At peak, `keep_last` step files exist plus the one being written; files already there count as used.
+    `dirpath` need not exist yet: free space is read on its nearest existing parent.
     """
-    dirpath.mkdir(parents=True, exist_ok=True)
     existing = sorted(p for p in dirpath.glob("step-*.ckpt") if checkpoint_step(p) is not None)
     have = sum(p.stat().st_size for p in existing)
     keep = keep_last if keep_last > 0 else len(existing) + 1  # -1 keeps everything: at least one more
-    need = (keep + 1) * ckpt_bytes - have
-    free = shutil.disk_usage(dirpath).free
-    if need * SAFETY > free:
+    need = int(((keep + 1) * ckpt_bytes - have) * SAFETY)
+    probe = dirpath
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return keep, need, shutil.disk_usage(probe).free
+
+
+def check_run_fits(dirpath: Path, ckpt_bytes: int, keep_last: int) -> None:
+    """Refuse to start a run whose rotation cannot fit on its disk."""
+    dirpath.mkdir(parents=True, exist_ok=True)
+    keep, need, free = checkpoint_space(dirpath, ckpt_bytes, keep_last)
+    if need > free:
         raise ValueError(
             f"checkpoints will not fit: keeping {keep} of ~{gib(ckpt_bytes)} each (plus one being written) "
-            f"needs {gib(need * SAFETY)} more in {dirpath}, which has {gib(free)} free. Free space, move "
+            f"needs {gib(need)} more in {dirpath}, which has {gib(free)} free. Free space, move "
             f"run.root to a bigger disk, or lower checkpoint.keep_last"
         )
 

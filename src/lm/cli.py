@@ -4,6 +4,10 @@ lm config  [overrides...]   print the composed, validated config
 lm prepare [overrides...]   build the tokenizer and token shards the config trains on
 lm tokenizer train [--out tokenizer.json] [overrides...]
                             train a byte-level BPE on a sample of the configured corpus
+lm doctor [--strict] [overrides...]
+                            preflight: forgotten free optimizations, memory, disk, plan, $/token
+lm bench   [overrides with comma lists...]
+                            measure tokens/s, MFU, memory and $/Btok of each knob combination
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
 lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
 lm supervise [options] -- python train.py [overrides...]
@@ -73,6 +77,31 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(
         f"train on it: python train.py data=tokens data.dir={where} data.vocab_size={manifest['vocab_size']}"
     )
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from lm.doctor import diagnose, level_of, resolve_target, table
+
+    cfg = to_objects(compose_config(args.overrides))
+    target = resolve_target(cfg)
+    strict = args.strict or cfg.doctor.strict
+    findings = diagnose(target)
+    where = f"{target.gpu.name} ({target.precision})" if target.cuda else f"cpu ({target.precision})"
+    counts = {lvl: sum(level_of(f, strict) == lvl for f in findings) for lvl in ("warn", "error")}
+    print(f"lm doctor: {where}: {counts['error']} error(s), {counts['warn']} warning(s)")
+    if not target.cuda and cfg.trainer.accelerator in ("gpu", "cuda"):
+        print(
+            "no GPU here: checked as a CPU run; add gpu=<catalog entry> (e.g. gpu=a100_80gb) to check that GPU"
+        )
+    print(table(findings, strict))
+    if counts["error"]:
+        sys.exit(1)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from lm.bench import run_bench
+
+    sys.exit(run_bench(args.overrides, pricing=args.pricing))
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
@@ -163,6 +192,21 @@ def main(argv: list[str] | None = None) -> None:
             "overrides", nargs="*", help="Hydra overrides, e.g. +experiment=phase1 data.vocab_size=8192"
         )
         verb.set_defaults(fn=fn)
+    doctor = verbs.add_parser("doctor", help="preflight checks of a config (what train.py runs first)")
+    doctor.add_argument("--strict", action="store_true", help="warnings are errors (exit 1)")
+    doctor.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=plan_1b gpu=a40")
+    doctor.set_defaults(fn=cmd_doctor)
+    bench = verbs.add_parser("bench", help="benchmark knob combinations on this machine, ranked by $/token")
+    bench.add_argument(
+        "--pricing",
+        choices=["on_demand", "spot", "price_per_hour"],
+        default=None,
+        help="rank at this price (default: cost.price_per_hour if set, else cost.pricing)",
+    )
+    bench.add_argument(
+        "overrides", nargs="*", help="Hydra overrides; comma lists are swept: kernels=eager,compile"
+    )
+    bench.set_defaults(fn=cmd_bench)
     report = verbs.add_parser("report", help="write report.md and plots for a run directory")
     report.add_argument("run_dir", help="runs/<run.name>")
     report.set_defaults(fn=cmd_report)

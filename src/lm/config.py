@@ -357,6 +357,47 @@ class EarlyStoppingConfig:
 
 
 @dataclass
+class DoctorConfig:
+    """The preflight doctor (lm.doctor): run at the start of every training run and by `lm doctor`."""
+
+    enabled: bool = True
+    """Run the checks before training starts (errors always refuse the run; warnings are logged)."""
+    strict: bool = False
+    """Treat warnings as errors: the run refuses to start until every finding is fixed."""
+    assumed_mfu: float = 0.4
+    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given."""
+    headroom: float = 0.05
+    """Share of device memory kept free when deciding whether a run fits."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.assumed_mfu <= 1.0 or not 0.0 <= self.headroom < 1.0:
+            raise ValueError("doctor.assumed_mfu must lie in (0, 1] and doctor.headroom in [0, 1)")
+
+
+@dataclass
+class BenchConfig:
+    """`lm bench`: each combination of knobs is trained for warmup_steps + steps in a fresh process."""
+
+    warmup_steps: int = 3
+    """Steps run before timing starts (compilation, allocator warm-up, cold caches)."""
+    steps: int = 10
+    """Timed optimizer steps."""
+    out_dir: str = "bench"
+    """Where bench.json and bench.md are written."""
+    memory_limit_gb: float | None = None
+    """Cap the memory each combination may use (CUDA: a fraction of the device; CPU: the address space
+    grown beyond start-up), to see what fits a smaller GPU. None: the device's own limit."""
+    timeout_s: float = 1800.0
+    """A combination still running after this many seconds is stopped and reported as an error."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.steps < 1:
+            raise ValueError("bench.warmup_steps must be >= 0 and bench.steps >= 1")
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise ValueError("bench.memory_limit_gb must be positive or null")
+
+
+@dataclass
 class LMConfig:
     """The root of the config tree (`conf/train.yaml`)."""
 
@@ -378,6 +419,8 @@ class LMConfig:
     spot: SpotConfig = field(default_factory=SpotConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
 

@@ -30,8 +30,9 @@ from lm.callbacks.spot import Preempted, SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.checkpointing import AtomicCheckpointIO, RunCheckpoint, remote_checkpoints, resume_checkpoint
 from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
-from lm.cost import price_per_hour, resolve_gpu
+from lm.cost import load_catalog, price_per_hour, resolve_gpu
 from lm.data import LMDataModule
+from lm.doctor import Target, preflight
 from lm.module import LMModule
 from lm.parallel import ResumeCheck, build_strategy, check_strategy, cluster_plugins
 from lm.report import write_report
@@ -145,6 +146,8 @@ def main(dcfg: DictConfig) -> float | None:
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     check_strategy(cfg.trainer.strategy, cfg.trainer.devices, multirun)
     run_dir = run_directory(cfg)
+    if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
+        preflight(Target(cfg, device.gpu, cuda, precision, run_dir, load_catalog(conf_dir())))
     remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     if rank_zero_only.rank == 0:

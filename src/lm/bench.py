@@ -1,0 +1,351 @@
+"""`lm bench`: measure the user's own model on this machine under each combination of knobs.
+
+    lm bench model=1b data.seq_len=2048 data.batch_size=8 kernels=eager,compile activation_checkpointing=off,on
+
+Comma lists are expanded like a Hydra multirun (Hydra's own override parser). Each combination runs in a
+fresh Python process (so an out-of-memory, a compile cache or a peak-memory counter never leaks into the
+next) that trains LMModule for `bench.warmup_steps + bench.steps` optimizer steps with a real Lightning
+Trainer: the same precision plugin, optimizer (fused AdamW on CUDA), gradient clipping, accumulation,
+activation checkpointing and torch.compile as `train.py`, so the numbers are what training gets. Batches are
+random token ids of the configured shape, already in memory: the bench measures the model and its knobs, not
+the data pipeline (the doctor checks the workers).
+
+Each row: tokens/s over the timed steps, MFU (lm.cost's formula), peak memory (CUDA: max_memory_allocated;
+CPU: the process's peak RSS, which includes ~0.5 GB of libraries), the analytic estimate (lm.memory), status
+(`ok`, `does not fit` on an out-of-memory error, `error` with the message) and $/billion tokens at every
+price the catalog has for this device. The table is ranked by $/Btok at the chosen pricing (on one device:
+by tokens/s); the recommendation is the cheapest combination that fits. bench.json and bench.md are written
+atomically to `bench.out_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from lm.atomic import write_atomic
+
+log = logging.getLogger(__name__)
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
+
+
+@dataclass
+class Result:
+    """One combination's measurement."""
+
+    combo: list[str]
+    """The swept overrides that define this combination (`kernels=compile`, ...)."""
+    status: str = "error"
+    """`ok`, `does not fit` (out of memory) or `error`."""
+    error: str = ""
+    tokens_per_sec: float | None = None
+    step_seconds: float | None = None
+    mfu: float | None = None
+    peak_mem_gb: float | None = None
+    peak_mem_kind: str = ""
+    """What peak_mem_gb measures: `cuda max allocated` or `cpu peak RSS`."""
+    estimate_gb: float | None = None
+    """lm.memory's estimate of the same step (allocated bytes, no CUDA overhead)."""
+    usd_per_btok: dict[str, float] = field(default_factory=dict)
+    """$/10^9 tokens at each price for this device (`on_demand`, `spot`, `price_per_hour`)."""
+    device: str = ""
+    gpu: str = ""
+    """Catalog entry of the device (`a100_80gb`, `cpu`, ...): the doctor reads measured MFU by it."""
+    precision: str = ""
+    params: int | None = None
+
+
+def expand(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(fixed overrides, one list of swept overrides per combination), in Hydra's multirun order."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed, sweeps = [], []
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            sweeps.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            fixed.append(o.input_line)
+    return fixed, [list(c) for c in itertools.product(*sweeps)]
+
+
+def measured_mfu(out_dir: Path, gpu: str) -> float | None:
+    """The best MFU `lm bench` measured on this catalog GPU (its bench.json in `out_dir`), or None."""
+    try:
+        results = json.loads((Path(out_dir) / "bench.json").read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return None
+    mfus = [r["mfu"] for r in results if r.get("gpu") == gpu and r.get("status") == "ok" and r.get("mfu")]
+    return max(mfus) if mfus else None
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return any(m in str(e).lower() for m in OOM_MARKERS)
+
+
+def limit_memory(limit_gb: float, cuda: bool) -> None:
+    """Cap what this process may allocate: a fraction of the GPU, or the CPU address space it may grow by."""
+    import torch
+
+    limit = limit_gb * 1e9
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
+        return
+    # Start the thread pools first (each thread reserves its stack), so the cap counts tensors, not threads.
+    (torch.ones(512, 512) @ torch.ones(512, 512)).add_(1).sum()
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * page
+    resource.setrlimit(resource.RLIMIT_AS, (int(vm + limit), resource.RLIM_INFINITY))
+
+
+def measure(overrides: list[str], combo: list[str]) -> Result:
+    """Run one combination in this process (the worker side) and measure it."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lm import cost, memory
+    from lm.cli import compose_config
+    from lm.config import conf_dir, to_objects
+    from lm.module import LMModule
+    from lm.train import resolve_precision, uses_cuda
+
+    result = Result(combo)
+    cfg = to_objects(compose_config(overrides))
+    cuda = uses_cuda(cfg.trainer)
+    precision = resolve_precision(cfg.precision.mode, cuda)
+    device = cost.resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
+    result.device, result.gpu, result.precision = device.device_name, device.gpu.name, precision
+    torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
+    compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    est = memory.estimate(
+        cfg.model, batch_size=b, seq_len=t, precision=precision, ac_every=cfg.activation_checkpointing.every
+    )
+    result.estimate_gb = round(est.allocated / 1e9, 3)
+    accumulate = cfg.trainer.accumulate_grad_batches
+    tokens_per_step = b * t * accumulate
+    total = cfg.bench.warmup_steps + cfg.bench.steps
+    torch.manual_seed(cfg.run.seed)
+    batches = [torch.randint(0, cfg.model.vocab_size, (b, t + 1)) for _ in range(4)]
+    stamps: list[float] = []
+
+    class Clock(pl.Callback):
+        """Wall clock at each optimizer step's end, after the device has finished it."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if (batch_idx + 1) % accumulate == 0:
+                if cuda:
+                    torch.cuda.synchronize()
+                stamps.append(time.perf_counter())
+
+    try:
+        if cfg.bench.memory_limit_gb is not None:
+            limit_memory(cfg.bench.memory_limit_gb, cuda)
+        module = LMModule(
+            cfg.model,
+            cfg.optim,
+            total_steps=max(total, cfg.optim.warmup_steps + 1),
+            checkpoint_every=cfg.activation_checkpointing.every,
+            compile=compile_model,
+            compile_mode=cfg.kernels.compile_mode,
+        )
+        result.params = module.model.num_parameters()
+        trainer = pl.Trainer(
+            accelerator=cfg.trainer.accelerator,
+            devices=1,
+            precision=precision,
+            max_steps=total,
+            accumulate_grad_batches=accumulate,
+            gradient_clip_val=cfg.trainer.gradient_clip_val,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[Clock()],
+            default_root_dir=tempfile.mkdtemp(prefix="lm-bench-"),
+        )
+        loader = torch.utils.data.DataLoader(
+            [batches[i % len(batches)] for i in range(total * accumulate)], batch_size=None
+        )
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.fit(module, train_dataloaders=loader)
+    except Exception as e:  # classify: out of memory is a result, anything else an error with its message
+        result.status = "does not fit" if is_oom(e) else "error"
+        result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        return result
+    finally:
+        if cuda:
+            result.peak_mem_gb = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+            result.peak_mem_kind = "cuda max allocated"
+        else:
+            result.peak_mem_gb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
+            result.peak_mem_kind = "cpu peak RSS"
+    timed = stamps[cfg.bench.warmup_steps - 1 :] if cfg.bench.warmup_steps else stamps
+    if len(timed) < 2:
+        result.error = f"only {len(stamps)} steps were timed"
+        return result
+    seconds = (timed[-1] - timed[0]) / (len(timed) - 1)
+    result.status, result.step_seconds = "ok", round(seconds, 5)
+    result.tokens_per_sec = round(tokens_per_step / seconds, 1)
+    fpt = cost.flops_per_token(cfg.model, t)
+    mfu = cost.mfu(result.tokens_per_sec, fpt, cost.peak_flops(device.gpu, precision, cfg.precision.tf32), 1)
+    result.mfu = round(mfu, 4) if mfu is not None else None
+    prices = {"on_demand": device.gpu.price_on_demand, "spot": device.gpu.price_spot}
+    if cfg.cost.price_per_hour is not None:
+        prices["price_per_hour"] = cfg.cost.price_per_hour
+    for name, price in prices.items():
+        if price:
+            result.usd_per_btok[name] = round(cost.usd_per_billion_tokens(result.tokens_per_sec, price, 1), 4)
+    return result
+
+
+def run_one(overrides: list[str], combo: list[str], timeout: float) -> Result:
+    """Measure one combination in a fresh Python process; a crash or a hang becomes an `error` row."""
+    with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm.bench",
+            "--worker",
+            json.dumps(overrides),
+            json.dumps(combo),
+            str(out),
+        ]
+        # Few malloc arenas: a CPU memory cap counts address space, and every thread's arena reserves 64 MB.
+        env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return Result(combo, error=f"still running after bench.timeout_s={timeout:g} s")
+        if out.is_file():
+            return Result(**json.loads(out.read_text()))
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        why = "killed (host out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
+        return Result(combo, error=f"{why}: {' | '.join(tail)}")
+
+
+def rank(results: list[Result], pricing: str) -> list[Result]:
+    """ok rows by $/Btok at `pricing` (tokens/s where no price), then `does not fit`, then errors."""
+    order = {"ok": 0, "does not fit": 1, "error": 2}
+
+    def key(r: Result):
+        price = r.usd_per_btok.get(pricing)
+        return (order[r.status], price if price is not None else 0.0, -(r.tokens_per_sec or 0.0))
+
+    return sorted(results, key=key)
+
+
+def markdown(results: list[Result], pricing: str, header: str) -> str:
+    """The ranked table and the recommendation."""
+    price_cols = sorted(
+        {k for r in results for k in r.usd_per_btok}, key=["on_demand", "spot", "price_per_hour"].index
+    )
+    cols = ["#", "combination", "status", "tokens/s", "MFU", "peak mem GB", "est. GB"]
+    cols += [f"$/Btok {p}" for p in price_cols] + ["note"]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for i, r in enumerate(results, 1):
+        row = [
+            str(i),
+            " ".join(r.combo) or "(as configured)",
+            r.status,
+            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "-",
+            f"{r.mfu:.1%}" if r.mfu is not None else "n/a",
+            f"{r.peak_mem_gb:.2f}" if r.peak_mem_gb is not None and r.status == "ok" else "-",
+            f"{r.estimate_gb:.2f}" if r.estimate_gb is not None else "-",
+        ]
+        row += [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in price_cols]
+        row.append(r.error.replace("|", "/")[:120])
+        lines.append("| " + " | ".join(row) + " |")
+    kind = next((r.peak_mem_kind for r in results if r.peak_mem_kind), "")
+    lines += ["", f"peak mem: {kind or 'n/a'}; est.: lm.memory's allocated bytes; ranked by $/Btok {pricing}"]
+    lines.append(recommendation(results))
+    return "\n".join(lines) + "\n"
+
+
+def recommendation(ranked: list[Result]) -> str:
+    best = next((r for r in ranked if r.status == "ok"), None)
+    if best is None:
+        return "no combination fits: lower data.batch_size or turn activation_checkpointing=on"
+    return f"recommended (cheapest that fits): {' '.join(best.combo) or '(as configured)'}"
+
+
+def run_bench(overrides: list[str], pricing: str | None = None) -> int:
+    """Validate every combination, measure each in its own process, write bench.json/.md; exit status."""
+    from omegaconf import OmegaConf
+
+    from lm.cli import compose_config
+    from lm.config import to_objects
+    from lm.train import resolve_precision, uses_cuda
+
+    fixed, combos = expand(overrides)
+    cfgs = [to_objects(compose_config(fixed + combo)) for combo in combos]  # bad input fails before any run
+    for cfg in cfgs:
+        resolve_precision(cfg.precision.mode, uses_cuda(cfg.trainer))
+    base = cfgs[0]
+    # Rank by the user's own rate when given (cost.price_per_hour), else by the catalog's chosen price.
+    pricing = pricing or ("price_per_hour" if base.cost.price_per_hour is not None else base.cost.pricing)
+    out_dir = Path(base.bench.out_dir)
+    print(f"lm bench: {len(combos)} combination(s), {base.bench.warmup_steps}+{base.bench.steps} steps each")
+    results = []
+    for combo, cfg in zip(combos, cfgs):
+        r = run_one(fixed + combo, combo, cfg.bench.timeout_s)
+        rate = f"{r.tokens_per_sec:,.0f} tokens/s" if r.tokens_per_sec else r.error
+        print(f"  {' '.join(combo) or '(as configured)'}: {r.status}, {rate}", flush=True)
+        results.append(r)
+    ranked = rank(results, pricing)
+    device = next((r.device for r in results if r.device), "unknown device")
+    header = (
+        f"# lm bench on {device} ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        f"`lm bench {' '.join(overrides)}`  \n{base.bench.warmup_steps} warm-up + {base.bench.steps} timed steps "
+        f"per combination, each in a fresh process; fixed: {' '.join(fixed) or 'none'}"
+    )
+    text = markdown(ranked, pricing, header)
+    payload = {
+        "command": ["lm", "bench", *overrides],
+        "pricing": pricing,
+        "fixed": fixed,
+        "config": OmegaConf.to_container(OmegaConf.structured(base.bench)),
+        "results": [asdict(r) for r in ranked],
+        "recommended": next((r.combo for r in ranked if r.status == "ok"), None),
+    }
+    write_atomic(out_dir / "bench.json", json.dumps(payload, indent=2))
+    write_atomic(out_dir / "bench.md", text)
+    print(text, end="")
+    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'}")
+    return 0 if payload["recommended"] is not None else 1
+
+
+def worker_main(argv: list[str]) -> None:
+    """`python -m lm.bench --worker OVERRIDES_JSON COMBO_JSON OUT`: measure and write the result."""
+    logging.basicConfig(level=logging.WARNING)
+    overrides, combo, out = json.loads(argv[0]), json.loads(argv[1]), Path(argv[2])
+    result = measure(overrides, combo)
+    write_atomic(out, json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m lm.bench")
+    parser.add_argument("--worker", nargs=3, required=True, metavar=("OVERRIDES", "COMBO", "OUT"))
+    worker_main(parser.parse_args().worker)

@@ -1,0 +1,474 @@
+"""The preflight doctor: forgotten free optimizations and plan problems, found before a cent is spent.
+
+Each check is a small function of a `Target` (the config plus the device it will run on, resolved) that
+returns findings: a level (ok / warn / error), what it saw, the expected gain of fixing it and the fix as a
+Hydra override. `lm doctor` prints them as a table; `lm.train.main` runs them first and refuses the run on an
+error (or on a warning with `doctor.strict=true`).
+
+Gains quote the seed articles where they measured one (experiments and docs name which); elsewhere they are
+stated estimates. GPU-only advice (compile, TF32, bf16, workers) stays silent on a CPU run: a CPU smoke test
+is not worth nagging about.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lm import cost, memory
+from lm.checkpointing import checkpoint_space, estimate_checkpoint_bytes, gib
+from lm.config import GpuConfig, LMConfig
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("ok", "warn", "error")
+AC_SLOWDOWN = 1 / 1.18  # seed 000/002: checkpointing off took the A100 from 24.0K to 28.3K tokens/s (+18%)
+
+
+@dataclass
+class Finding:
+    """One line of the doctor's table."""
+
+    check: str
+    level: str
+    what: str
+    gain: str = ""
+    """Expected benefit of the fix (measured in a seed where it says so, else an estimate)."""
+    fix: str = ""
+    """The Hydra override(s) that fix it."""
+
+
+@dataclass
+class Target:
+    """What the run will execute on, resolved: the doctor's inputs beside the config."""
+
+    cfg: LMConfig
+    gpu: GpuConfig
+    """Catalog entry of the device (the `cpu` entry on a CPU)."""
+    cuda: bool
+    """Training on an NVIDIA GPU (or planning for one: `lm doctor gpu=a100_80gb` on a laptop)."""
+    precision: str
+    """Resolved Lightning precision (never `auto`)."""
+    run_dir: Path
+    catalog: dict[str, GpuConfig] = field(default_factory=dict)
+    """Every catalogued GPU, for the $/token comparison."""
+
+    @property
+    def memory_bytes(self) -> float | None:
+        return self.gpu.memory_gb * 1e9 if self.gpu.memory_gb else None
+
+
+def estimate_for(
+    t: Target, ac_every: int | None = None, precision: str | None = None
+) -> memory.MemoryEstimate:
+    """The memory model for this run's micro-batch (SDPA's flash path on CUDA, as the model uses there)."""
+    c = t.cfg
+    return memory.estimate(
+        c.model,
+        batch_size=c.data.batch_size,
+        seq_len=c.data.seq_len,
+        precision=precision or t.precision,
+        ac_every=c.activation_checkpointing.every if ac_every is None else ac_every,
+        cuda=t.cuda,
+    )
+
+
+def check_memory(t: Target) -> list[Finding]:
+    """Activation checkpointing on while the run would fit without it; a run that does not fit at all."""
+    every = t.cfg.activation_checkpointing.every
+    est = estimate_for(t)
+    if not t.cuda or t.memory_bytes is None:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+        if ram and est.total > ram:
+            return [
+                Finding(
+                    "memory",
+                    "warn",
+                    f"~{gib(est.total)} estimated, more than this machine's {gib(ram)} of RAM",
+                    "no swapping",
+                    f"data.batch_size={max(1, t.cfg.data.batch_size // 2)}",
+                )
+            ]
+        return [Finding("memory", "ok", f"~{est.summary()} estimated on the CPU")]
+    headroom = t.cfg.doctor.headroom
+    device = f"{t.gpu.memory_gb:g} GB {t.gpu.name}"
+    off = estimate_for(t, ac_every=0)
+    if every and memory.fits(off, t.memory_bytes, headroom):
+        return [
+            Finding(
+                "activation_checkpointing",
+                "warn",
+                f"on (every {every}), but the run fits without it: ~{gib(off.total)} of {device}",
+                "+18% tokens/s (seed: A100 80GB, 24.0K -> 28.3K tok/s)",
+                "activation_checkpointing=off",
+            )
+        ]
+    if memory.fits(est, t.memory_bytes, headroom):
+        return [Finding("memory", "ok", f"~{est.summary()} of {device}")]
+    on = estimate_for(t, ac_every=1)
+    if not every and memory.fits(on, t.memory_bytes, headroom):
+        return [
+            Finding(
+                "memory",
+                "warn",
+                f"~{gib(est.total)} estimated does not fit {device} without activation checkpointing "
+                f"(~{gib(on.total)} with it)",
+                "no out-of-memory crash (costs ~20-30% tokens/s)",
+                "activation_checkpointing=on",
+            )
+        ]
+    half = max(1, t.cfg.data.batch_size // 2)
+    accum = t.cfg.trainer.accumulate_grad_batches * t.cfg.data.batch_size // half
+    return [
+        Finding(
+            "memory",
+            "error",
+            f"~{gib(on.total if not every else est.total)} estimated does not fit {device} even with "
+            f"activation checkpointing ({est.summary()})",
+            "a run that starts at all",
+            f"data.batch_size={half} trainer.accumulate_grad_batches={accum} (same tokens per step)"
+            + (" activation_checkpointing=on" if not every else ""),
+        )
+    ]
+
+
+def check_precision(t: Target) -> list[Finding]:
+    """fp32 on a GPU; TF32 off."""
+    if not t.cuda:
+        return []
+    out = []
+    if t.precision == "32-true":
+        ratio = (t.gpu.peak_bf16_tflops or 0) / (t.gpu.peak_tf32_tflops or math.inf)
+        out.append(
+            Finding(
+                "precision",
+                "warn",
+                "fp32 training on a GPU (precision 32-true)",
+                f"~2x+ tokens/s, half the activation memory (bf16 peak {ratio:.1f}x TF32's here; "
+                "seed 001: 2-8x over fp32)",
+                "precision=bf16",
+            )
+        )
+    else:
+        out.append(Finding("precision", "ok", t.precision))
+    if not t.cfg.precision.tf32:
+        big = t.precision == "32-true"
+        out.append(
+            Finding(
+                "tf32",
+                "warn",
+                "TF32 matmuls are off",
+                "up to ~8x on fp32 matmuls (A100: 156 vs 19.5 TFLOP/s)"
+                if big
+                else "small (fp32 matmuls outside autocast); free (seed 000)",
+                "precision.tf32=true",
+            )
+        )
+    return out
+
+
+def check_kernels(t: Target) -> list[Finding]:
+    """torch.compile off on a GPU."""
+    if not t.cuda:
+        return []
+    if t.cfg.kernels.compile is False:
+        return [
+            Finding(
+                "compile",
+                "warn",
+                "torch.compile is off on a GPU",
+                "est. +10-40% tokens/s (fused RMSNorm/RoPE/SwiGLU elementwise; less activation memory)",
+                "kernels=compile",
+            )
+        ]
+    return [Finding("compile", "ok", "torch.compile on")]
+
+
+def check_workers(t: Target) -> list[Finding]:
+    """num_workers=0 on a GPU stalls the device while the next batch loads."""
+    if not t.cuda:
+        return []
+    if t.cfg.data.num_workers == 0:
+        n = max(1, min(4, (os.cpu_count() or 2) - 1))
+        return [
+            Finding(
+                "num_workers",
+                "warn",
+                "data.num_workers=0: the GPU idles while each batch loads",
+                "seed 000: 'massive' (est. 5-30% tokens/s)",
+                f"data.num_workers={n}",
+            )
+        ]
+    return [Finding("num_workers", "ok", f"{t.cfg.data.num_workers} DataLoader workers")]
+
+
+def check_vocab(t: Target) -> list[Finding]:
+    """An embedding/lm_head width that is not a multiple of 64 (misaligned tensor-core shapes)."""
+    m = t.cfg.model
+    if m.padded_vocab_size % 64:
+        padded = math.ceil(m.vocab_size / 64) * 64
+        return [
+            Finding(
+                "vocab",
+                "warn",
+                f"vocabulary width {m.padded_vocab_size} is not a multiple of 64",
+                f"est. up to ~25% on the lm_head matmul (nanoGPT 50257 -> 50304); pads to {padded}",
+                "model.vocab_multiple=64",
+            )
+        ]
+    return [Finding("vocab", "ok", f"vocabulary padded to {m.padded_vocab_size}")]
+
+
+def check_disk(t: Target) -> list[Finding]:
+    """Free space for keep_last + 1 checkpoints (the guard's own arithmetic, in lm.checkpointing)."""
+    n_params, _ = memory.parameter_count(t.cfg.model)
+    ckpt = estimate_checkpoint_bytes(n_params)
+    keep, need, free = checkpoint_space(t.run_dir / "checkpoints", ckpt, t.cfg.checkpoint.keep_last)
+    what = f"{keep}+1 checkpoints of ~{gib(ckpt)} need {gib(max(need, 0))}; {gib(free)} free at {t.run_dir}"
+    if need > free:
+        return [
+            Finding(
+                "disk",
+                "error",
+                what,
+                "no crash at the first save",
+                f"checkpoint.keep_last={max(1, int(free / (ckpt * 1.05)) - 1)} or run.root=<bigger disk>",
+            )
+        ]
+    return [Finding("disk", "ok", what)]
+
+
+def prepared_dataset(cfg: LMConfig):
+    """The training split's Dataset if the data is prepared already, else None. Preflight stays cheap and
+    offline: it never tokenizes, and never lists a Hugging Face dataset (found only through data.dir)."""
+    from lm.data import sources
+    from lm.data.dataset import TokenWindows
+    from lm.data.shards import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
+
+    data = cfg.data
+    if data.dir:
+        folder = Path(data.dir).expanduser()
+    elif data.source in ("stdlib", "text"):
+        data.check_inputs()
+        folder = dataset_dir(data, cache_key(data, sources.plan(data)))
+    else:
+        return None
+    if not (folder / MANIFEST).is_file():
+        return None
+    manifest = load_manifest(folder)
+    return TokenWindows(shard_paths(folder, manifest, "train"), data.seq_len, manifest["dtype"])
+
+
+def check_pickles(t: Target, dataset=None) -> list[Finding]:
+    """What the DataLoader sends to its worker processes must pickle (and still work once unpickled)."""
+    if t.cfg.data.num_workers == 0:
+        return []
+    from lm.data import LMDataModule
+
+    if dataset is None:
+        try:
+            dataset = prepared_dataset(t.cfg)
+        except (OSError, ValueError) as e:  # a data problem, not a pickling one: preparation reports it
+            log.debug("doctor: prepared dataset not located (%s)", e)
+    try:
+        if dataset is None:  # not prepared yet: the data module is what carries the config to them
+            pickle.loads(pickle.dumps(LMDataModule(t.cfg.data)))
+            return [Finding("pickle", "ok", "data module pickles (data not prepared yet: dataset unchecked)")]
+        copy = pickle.loads(pickle.dumps(dataset))
+        if len(copy):
+            copy[0]  # a worker's first read: re-opens the shards from the unpickled paths
+        return [Finding("pickle", "ok", f"dataset pickles for {t.cfg.data.num_workers} workers")]
+    except Exception as e:  # anything pickling raises: lambdas, open handles, locks
+        return [
+            Finding(
+                "pickle",
+                "error",
+                f"the dataset cannot be sent to worker processes: {type(e).__name__}: {e}",
+                "no crash in the first DataLoader worker",
+                "data.num_workers=0 (slow) or make the dataset picklable",
+            )
+        ]
+
+
+def tokens_per_step(cfg: LMConfig) -> int:
+    """Tokens of one optimizer step over every device."""
+    t = cfg.trainer
+    devices = t.devices if isinstance(t.devices, int) else 1  # `auto`: one device
+    return cfg.data.batch_size * cfg.data.seq_len * t.accumulate_grad_batches * devices * t.num_nodes
+
+
+def planned_tokens(cfg: LMConfig) -> tuple[int, str]:
+    """Tokens the whole plan trains on, and where that number comes from."""
+    per_step = tokens_per_step(cfg)
+    last = cfg.phases.phases[-1] if cfg.phases.phases else None
+    if last is not None and last.end_tokens:
+        return last.end_tokens, f"phase '{last.name}' end_tokens"
+    steps, source = cfg.trainer.max_steps, "trainer.max_steps"
+    if cfg.optim.total_steps and cfg.optim.total_steps > steps:
+        steps, source = cfg.optim.total_steps, "optim.total_steps"
+    if last is not None and last.end_step and last.end_step > steps:
+        steps, source = last.end_step, f"phase '{last.name}' end_step"
+    return steps * per_step, f"{source}={steps:,} x {per_step:,} tokens/step"
+
+
+def check_plan(t: Target) -> list[Finding]:
+    """The plan's tokens per parameter against Chinchilla's ~20."""
+    n_params, _ = memory.parameter_count(t.cfg.model)
+    tokens, source = planned_tokens(t.cfg)
+    ratio = tokens / n_params
+    what = f"{tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({source}); Chinchilla ~20"
+    optimal = cost.chinchilla_tokens(n_params)
+    if t.cuda and ratio < cost.CHINCHILLA_TOKENS_PER_PARAM / 2:
+        return [
+            Finding(
+                "tokens/param",
+                "warn",
+                what,
+                "a lower loss per $: train longer, or a smaller model for this compute (Hoffmann et al. 2022)",
+                f"trainer.max_steps={math.ceil(optimal / tokens_per_step(t.cfg))}",
+            )
+        ]
+    return [Finding("tokens/param", "ok", what)]
+
+
+def usd_per_btok(gpu: GpuConfig, t: Target, fpt: float, mfu: float, pricing: str) -> tuple[float, str] | None:
+    """Estimated $/10^9 tokens of this run on `gpu` (with checkpointing if it only fits that way), or None
+    when the catalog lacks its price, peak or memory, or the run does not fit it."""
+    price = gpu.price_spot if pricing == "spot" else gpu.price_on_demand
+    peak = cost.peak_flops(gpu, t.precision, t.cfg.precision.tf32)
+    if not price or not peak or not gpu.memory_gb:
+        return None
+    slow, note = 1.0, ""
+    if not memory.fits(estimate_for(t, ac_every=0), gpu.memory_gb * 1e9, t.cfg.doctor.headroom):
+        if not memory.fits(estimate_for(t, ac_every=1), gpu.memory_gb * 1e9, t.cfg.doctor.headroom):
+            return None
+        slow, note = AC_SLOWDOWN, " with activation checkpointing"
+    tokens_per_sec = peak * mfu * slow / fpt
+    return cost.usd_per_billion_tokens(tokens_per_sec, price, 1), note
+
+
+def check_price(t: Target) -> list[Finding]:
+    """This GPU's $/token against the catalog's cheapest GPU that fits the model: the others at
+    doctor.assumed_mfu, this one at the MFU `lm bench` measured on it (bench.out_dir/bench.json) if any."""
+    from lm.bench import measured_mfu
+
+    if not t.cuda or not t.catalog:
+        return []
+    pricing = t.cfg.cost.pricing
+    fpt = cost.flops_per_token(t.cfg.model, t.cfg.data.seq_len)
+    mfu = t.cfg.doctor.assumed_mfu
+    bench_mfu = measured_mfu(Path(t.cfg.bench.out_dir), t.gpu.name)
+    # A measured MFU prices this GPU better; the others stay at the assumed one (no bench ran on them).
+    mine = usd_per_btok(t.gpu, t, fpt, bench_mfu or mfu, pricing)
+    if t.cfg.cost.price_per_hour is not None and mine is not None:  # the user's own rate
+        peak = cost.peak_flops(t.gpu, t.precision, t.cfg.precision.tf32)
+        rate = peak * (bench_mfu or mfu) * (AC_SLOWDOWN if mine[1] else 1.0) / fpt
+        mine = (cost.usd_per_billion_tokens(rate, t.cfg.cost.price_per_hour, 1), mine[1])
+    options = {name: r for name, g in t.catalog.items() if (r := usd_per_btok(g, t, fpt, mfu, pricing))}
+    if mine is None or not options:
+        return [
+            Finding("$/token", "ok", f"no {pricing} price, peak or memory for gpu={t.gpu.name}: not compared")
+        ]
+    options[t.gpu.name] = mine
+    best = min(options, key=lambda k: options[k][0])
+    basis = f"MFU {bench_mfu:.0%} measured by lm bench" if bench_mfu else f"MFU {mfu:.0%} assumed"
+    here = f"~${mine[0]:.2f}/Btok on {t.gpu.name}{mine[1]} ({pricing}, {basis})"
+    if options[best][0] < 0.9 * mine[0] and best != t.gpu.name:
+        saving = 1 - options[best][0] / mine[0]
+        return [
+            Finding(
+                "$/token",
+                "warn",
+                f"{here}; {best} ~${options[best][0]:.2f}/Btok{options[best][1]}",
+                f"-{saving:.0%} $/token (check availability first: seed 000)",
+                f"gpu={best} (rent one)",
+            )
+        ]
+    return [Finding("$/token", "ok", f"{here}: the catalog's cheapest that fits")]
+
+
+CHECKS: list[Callable[[Target], list[Finding]]] = [
+    check_memory,
+    check_precision,
+    check_kernels,
+    check_workers,
+    check_vocab,
+    check_disk,
+    check_pickles,
+    check_plan,
+    check_price,
+]
+
+
+def diagnose(t: Target, checks: list[Callable[[Target], list[Finding]]] | None = None) -> list[Finding]:
+    """Every check's findings, in order."""
+    return [f for check in checks or CHECKS for f in check(t)]
+
+
+def table(findings: list[Finding], strict: bool = False) -> str:
+    """One line per finding: level, check, what, gain, fix; then the fixes as one command line."""
+    rows = [(level_of(f, strict).upper(), f.check, f.what, f.gain, f.fix) for f in findings]
+    widths = [max(len(r[i]) for r in rows) for i in range(2)] if rows else [0, 0]
+    lines = []
+    for level, check, what, gain, fix in rows:
+        line = f"{level:<{widths[0]}}  {check:<{widths[1]}}  {what}"
+        if gain:
+            line += f"  | gain: {gain}"
+        if fix:
+            line += f"  | fix: {fix}"
+        lines.append(line)
+    # Only plain overrides go on the command line; fixes with alternatives or placeholders stay in the table.
+    fixes = [f.fix for f in findings if f.level != "ok" and f.fix and not any(c in f.fix for c in "<( ")]
+    if fixes:
+        lines.append(f"apply the fixes: python train.py [your overrides] {' '.join(fixes)}")
+    return "\n".join(lines)
+
+
+def level_of(f: Finding, strict: bool) -> str:
+    return "error" if strict and f.level == "warn" else f.level
+
+
+def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
+    """Diagnose, log the table, and refuse (ValueError) on any error (any warning when strict)."""
+    strict = t.cfg.doctor.strict if strict is None else strict
+    findings = diagnose(t)
+    text = table(findings, strict)
+    errors = [f for f in findings if level_of(f, strict) == "error"]
+    if errors:
+        raise ValueError(
+            f"the doctor refuses this run ({len(errors)} error(s)"
+            + (", doctor.strict=true" if strict else "")
+            + f"):\n{text}\nfix them (the overrides above) or, for warnings, set doctor.strict=false"
+        )
+    rank_zero_info("doctor:\n%s", text)  # every rank checks; one prints
+    return findings
+
+
+def resolve_target(cfg: LMConfig) -> Target:
+    """The target `lm doctor` checks: this machine's GPU if it has one; else the catalog GPU named by `gpu=`
+    (planning a GPU run from a laptop); else this CPU."""
+    import torch
+
+    from lm.config import conf_dir
+    from lm.cost import load_catalog, resolve_gpu
+    from lm.train import resolve_precision, run_directory, uses_cuda
+
+    catalog = load_catalog(conf_dir())
+    if uses_cuda(cfg.trainer):
+        device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name(), conf_dir())
+        gpu, cuda, precision = device.gpu, True, resolve_precision(cfg.precision.mode, True)
+    elif cfg.gpu.name not in ("auto", "cpu", "unknown") and cfg.trainer.accelerator != "cpu":
+        gpu, cuda, precision = cfg.gpu, True, cfg.precision.mode
+        if precision == "auto":
+            precision = "bf16-mixed" if cfg.gpu.peak_bf16_tflops else "32-true"
+    else:
+        gpu, cuda = catalog["cpu"], False
+        precision = resolve_precision(cfg.precision.mode, False)
+    return Target(cfg, gpu, cuda, precision, run_directory(cfg), catalog)

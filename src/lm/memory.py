@@ -1,0 +1,200 @@
+"""An analytic model of one device's peak memory during a training step, before anything is allocated.
+
+peak = parameters + gradients + AdamW moments + autocast weight copies   (static: bytes per parameter)
+     + block activations kept for the backward pass                     (bytes per token per block)
+     + the output head: final norm, logits and cross-entropy            (bytes per token, ~V wide)
+and, on a GPU, a CUDA context plus allocator fragmentation on top of what PyTorch allocates.
+
+Bytes per parameter by precision (AdamW moments take the parameters' dtype, as torch.optim does):
+    32-true     4 weights + 4 grads + 8 moments                     = 16
+    bf16-mixed  4 fp32 master weights + 4 fp32 grads + 8 moments     = 16, plus 2 for the bf16 copies of the
+                matrices that autocast makes in the forward pass and keeps for the backward (16-mixed: same)
+    bf16-true   2 + 2 + 4                                            = 8 (no fp32 master copy at all)
+
+Activations per token per block, for this model's block (pre-RMSNorm attention and SwiGLU, residual adds),
+with D = d_model, KE = kv heads x head dim, F = SwiGLU width, H = heads. They are the tensors autograd saves,
+counted on this exact code with `torch.autograd.graph.saved_tensors_hooks` (tests/test_memory.py holds the
+counter and checks this table against it):
+    32-true     32 D + 8 KE + 16 F bytes (8 D + 2 KE + 4 F fp32 values: norm inputs and outputs, q/k before
+                and after rotary, v, attention output, the SwiGLU gate, up, SiLU and product)
+    bf16-mixed  30 D + 4 KE + 8 F bytes: the residual stream and RMSNorm stay fp32 (the embedding is fp32 and
+                RMSNorm upcasts), everything a matmul touches is bf16
+    bf16-true   22 D + 4 KE + 8 F bytes: RMSNorm still keeps its fp32 intermediates
+plus the attention kernel's softmax statistics (~5 bytes per head). Flash / memory-efficient SDPA (CUDA,
+and PyTorch's CPU flash kernel) keeps no T x T score matrix; the math path (`attention="math"`) keeps the
+softmax probabilities, 2 x H x T values per token per block.
+
+Activation checkpointing every k blocks keeps only the input of each checkpointed block (the fp32 or bf16
+residual stream, D values) and recomputes its activations in the backward pass: one block's worth of them
+is alive again at that moment.
+
+The head keeps the final norm's tensors (12 D bytes, 8 D under bf16-true) and the fp32 log-probabilities (4 V); the backward of
+the cross-entropy then holds their gradient and the logits' gradient alongside (another 8 V), and a bf16
+head adds its bf16 logits gradient (2 V): 12-14 bytes per token per vocabulary entry, the biggest single
+term at a 32K vocabulary.
+
+Everything is counted as alive at once (the start of the backward pass, with gradients already allocated as
+they are from the second micro-batch of an accumulated step): an upper bound within a few percent.
+torch.compile (inductor) fuses elementwise ops and recomputes cheap ones, so a compiled model keeps less
+than this eager count; the estimate is conservative for compiled runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lm.model import ModelConfig, Transformer
+
+GiB = 2**30
+
+# Per-parameter bytes: (weights, gradients, AdamW moments, autocast copies of the matrices).
+STATE_BYTES = {
+    "32-true": (4, 4, 8, 0),
+    "bf16-mixed": (4, 4, 8, 2),
+    "16-mixed": (4, 4, 8, 2),
+    "bf16-true": (2, 2, 4, 0),
+}
+# Per-token per-block activation bytes as (per D, per KE, per F); see the module docstring.
+BLOCK_BYTES = {
+    "32-true": (32, 8, 16),
+    "bf16-mixed": (30, 4, 8),
+    "16-mixed": (30, 4, 8),
+    "bf16-true": (22, 4, 8),
+}
+SOFTMAX_STATS_BYTES = 5  # per head: the attention kernel's log-sum-exp (fp32) and bookkeeping
+CUDA_CONTEXT_BYTES = int(0.8 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces: outside PyTorch's allocator
+FRAGMENTATION = 0.10  # the caching allocator reserves this much beyond the peak it hands out
+
+
+@dataclass
+class MemoryEstimate:
+    """One device's peak memory in a training step, by component (bytes)."""
+
+    precision: str
+    ac_every: int
+    tokens: int
+    """Tokens in one micro-batch (batch_size x seq_len): activations scale with it."""
+    params: int
+    """Parameter count."""
+    weights: int
+    gradients: int
+    optimizer: int
+    autocast_copies: int
+    activations: int
+    """Block activations kept for the backward pass (with activation checkpointing: block inputs plus one
+    recomputed block)."""
+    head: int
+    """Final norm, logits and cross-entropy with their gradients."""
+    overhead: int
+    """CUDA context and allocator fragmentation (0 on a CPU)."""
+
+    @property
+    def allocated(self) -> int:
+        """What `torch.cuda.max_memory_allocated` should report."""
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.autocast_copies
+            + self.activations
+            + self.head
+        )
+
+    @property
+    def total(self) -> int:
+        """What the device must hold: allocated plus overhead."""
+        return self.allocated + self.overhead
+
+    def breakdown(self) -> dict[str, float]:
+        """GiB per component, for tables and logs."""
+        parts = {
+            k: v for k, v in asdict(self).items() if k not in ("precision", "ac_every", "tokens", "params")
+        }
+        return {k: round(v / GiB, 2) for k, v in {**parts, "total": self.total}.items()}
+
+    def summary(self) -> str:
+        b = self.breakdown()
+        static = b["weights"] + b["gradients"] + b["optimizer"] + b["autocast_copies"]
+        return (
+            f"{b['total']:.1f} GiB ({static:.1f} states, {b['activations']:.1f} activations, "
+            f"{b['head']:.1f} logits/loss, {b['overhead']:.1f} overhead)"
+        )
+
+
+def parameter_count(model: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters in 2-D matrices), counted on the meta device."""
+    with torch.device("meta"):
+        net = Transformer(model)
+    params = list(net.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.dim() >= 2)
+
+
+def block_activation_bytes(model: ModelConfig, precision: str, seq_len: int, attention: str = "flash") -> int:
+    """Bytes one block keeps per token for its backward pass (no activation checkpointing)."""
+    per_d, per_kv, per_f = BLOCK_BYTES[precision]
+    kv = model.kv_heads * model.head_dim
+    n = per_d * model.d_model + per_kv * kv + per_f * model.hidden_dim + SOFTMAX_STATS_BYTES * model.n_head
+    if attention == "math":  # the materialised softmax probabilities, in the activation dtype
+        n += 2 * model.n_head * seq_len * (4 if precision == "32-true" else 2)
+    return n
+
+
+def estimate(
+    model: ModelConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    precision: str,
+    ac_every: int = 0,
+    cuda: bool = True,
+    attention: str = "flash",
+) -> MemoryEstimate:
+    """Peak memory of one training step of `model` on one device; see the module docstring for the model.
+
+    `precision` is a resolved Lightning precision (not `auto`); `ac_every` as activation_checkpointing.every;
+    `cuda` adds the context and fragmentation allowance; `attention` is `flash` (no T x T matrix) or `math`.
+    """
+    if precision not in STATE_BYTES:
+        raise ValueError(f"no memory model for precision {precision!r}; use one of {', '.join(STATE_BYTES)}")
+    if attention not in ("flash", "math"):
+        raise ValueError(f"attention={attention!r}: use flash or math")
+    n_params, n_matrix = parameter_count(model)
+    w, g, o, cast = STATE_BYTES[precision]
+    tokens = batch_size * seq_len
+    block = block_activation_bytes(model, precision, seq_len, attention)
+    layers = model.n_layer
+    if ac_every > 0:
+        checkpointed = math.ceil(layers / ac_every)  # blocks 0, k, 2k, ...
+        residual = 2 if precision == "bf16-true" else 4  # the stream is fp32 unless the weights are bf16
+        per_token = (layers - checkpointed) * block + checkpointed * residual * model.d_model + block
+    else:
+        per_token = layers * block
+    half_logits = precision != "32-true"
+    norm = 8 if precision == "bf16-true" else 12  # the final RMSNorm's fp32 input, output and normalised x
+    head_per_token = norm * model.d_model + (12 + (2 if half_logits else 0)) * model.padded_vocab_size
+    allocated_states = n_params * (w + g + o) + n_matrix * cast
+    activations, head = tokens * per_token, tokens * head_per_token
+    overhead = 0
+    if cuda:
+        overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * (allocated_states + activations + head))
+    return MemoryEstimate(
+        precision=precision,
+        ac_every=ac_every,
+        tokens=tokens,
+        params=n_params,
+        weights=n_params * w,
+        gradients=n_params * g,
+        optimizer=n_params * o,
+        autocast_copies=n_matrix * cast,
+        activations=activations,
+        head=head,
+        overhead=overhead,
+    )
+
+
+def fits(est: MemoryEstimate, device_memory_bytes: float, headroom: float = 0.05) -> bool:
+    """Whether the estimate fits a device of this size, keeping `headroom` (a fraction) free."""
+    return est.total <= device_memory_bytes * (1.0 - headroom)

@@ -1,0 +1,105 @@
+"""lm bench on the tiny model: sweeps expand, each combination is measured in its own process, an
+out-of-memory combination is reported as "does not fit" and never recommended."""
+
+import json
+
+import pytest
+import torch
+
+from lm.bench import Result, expand, is_oom, rank, recommendation, run_bench, run_one
+
+TINY_BENCH = [
+    "trainer=cpu",
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.n_head=4",
+    "data.vocab_size=512",
+    "data.seq_len=64",
+    "bench.warmup_steps=1",
+    "bench.steps=3",
+]
+
+
+def test_sweeps_expand_like_hydra_multirun():
+    fixed, combos = expand(["kernels=eager,compile", "data.batch_size=8", "activation_checkpointing=off,on"])
+    assert fixed == ["data.batch_size=8"]
+    assert combos == [
+        ["kernels=eager", "activation_checkpointing=off"],
+        ["kernels=eager", "activation_checkpointing=on"],
+        ["kernels=compile", "activation_checkpointing=off"],
+        ["kernels=compile", "activation_checkpointing=on"],
+    ]
+    assert expand(["data.batch_size=8"]) == (["data.batch_size=8"], [[]])
+
+
+def test_bench_tiny_marks_out_of_memory_and_recommends_what_fits(tmp_path, capsys):
+    """A real memory cap (the process's address space may grow by 0.15 GB): 512 x 64 tokens of a 512-wide
+    vocabulary cannot fit, 4 x 64 can."""
+    out = tmp_path / "bench"
+    code = run_bench(
+        [*TINY_BENCH, "data.batch_size=512,4", "bench.memory_limit_gb=0.15", f"bench.out_dir={out}"]
+    )
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    rows = {" ".join(r["combo"]): r for r in report["results"]}
+    small, big = rows["data.batch_size=4"], rows["data.batch_size=512"]
+    assert big["status"] == "does not fit" and "memory" in big["error"].lower()
+    assert small["status"] == "ok" and small["tokens_per_sec"] > 0 and small["step_seconds"] > 0
+    assert small["peak_mem_kind"] == "cpu peak RSS" and small["peak_mem_gb"] > 0
+    assert small["estimate_gb"] < big["estimate_gb"]
+    assert report["recommended"] == ["data.batch_size=4"]
+    assert [r["status"] for r in report["results"]] == ["ok", "does not fit"]  # ranked: what fits first
+    md = (out / "bench.md").read_text()
+    assert "does not fit" in md and "recommended (cheapest that fits): data.batch_size=4" in md
+    assert "recommended" in capsys.readouterr().out
+
+
+def test_a_failing_combination_is_an_error_row_with_its_message():
+    r = run_one([*TINY_BENCH, "data.batch_size=2", "kernels=compile", "kernels.compile_mode=bogus"], [], 300)
+    assert r.status == "error" and "bogus" in r.error and r.tokens_per_sec is None
+
+
+def test_bad_combination_is_refused_before_any_run(tmp_path):
+    with pytest.raises(ValueError, match="n_head"):
+        run_bench([*TINY_BENCH, "model.n_head=3,4", f"bench.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="CUDA"):
+        run_bench([*TINY_BENCH, "precision=fp32,fp16", f"bench.out_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_rank_and_recommendation():
+    fast = Result(["a=1"], status="ok", tokens_per_sec=200.0, usd_per_btok={"on_demand": 1.0})
+    slow = Result(["a=2"], status="ok", tokens_per_sec=100.0, usd_per_btok={"on_demand": 2.0})
+    oom = Result(["a=3"], status="does not fit")
+    broken = Result(["a=4"], status="error", error="boom")
+    ranked = rank([broken, oom, slow, fast], "on_demand")
+    assert [r.combo for r in ranked] == [["a=1"], ["a=2"], ["a=3"], ["a=4"]]
+    assert recommendation(ranked).endswith("a=1")
+    assert "no combination fits" in recommendation([oom, broken])
+
+
+def test_out_of_memory_is_recognised():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1"))
+    assert not is_oom(ValueError("model.d_model=65 is not divisible"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_gpu_caps_memory(tmp_path):
+    """On a GPU: a 1 GB cap (set_per_process_memory_fraction) makes the big micro-batch a CUDA OOM."""
+    out = tmp_path / "bench"
+    args = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "data.vocab_size=8192"]
+    run_bench(
+        [
+            *args,
+            "data.seq_len=512",
+            "data.batch_size=2,256",
+            "bench.memory_limit_gb=1",
+            f"bench.out_dir={out}",
+        ]
+    )
+    rows = {" ".join(r["combo"]): r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert rows["data.batch_size=256"]["status"] == "does not fit"
+    ok = rows["data.batch_size=2"]
+    assert ok["status"] == "ok" and ok["peak_mem_kind"] == "cuda max allocated" and ok["mfu"] is not None
