@@ -59,6 +59,12 @@ def test_a_failing_combination_is_an_error_row_with_its_message():
     assert r.status == "error" and "bogus" in r.error and r.tokens_per_sec is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_liger_without_cuda_is_an_error_row_naming_the_fix():
+    r = run_one([*TINY_BENCH, "data.batch_size=2", "kernels=liger"], [], 300)
+    assert r.status == "error" and "kernels=eager" in r.error and r.tokens_per_sec is None
+
+
 def test_bad_combination_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="n_head"):
         run_bench([*TINY_BENCH, "model.n_head=3,4", f"bench.out_dir={tmp_path}"])

@@ -65,6 +65,21 @@ def test_run_that_does_not_fit_gets_checkpointing_then_an_error(compose):
     assert "data.batch_size=32 trainer.accumulate_grad_batches=16" in found["memory"].fix
 
 
+def test_auto_checkpointing_is_trusted_but_told_where_it_will_land(compose):
+    # auto measures at start: no advice to turn it off or on, but the estimate's expected stride ...
+    _, found = findings(compose, *PLAN_1B, "activation_checkpointing=auto")
+    assert (
+        found["activation_checkpointing"].level == "ok"
+        and "expects off" in found["activation_checkpointing"].what
+    )
+    _, found = findings(compose, *PLAN_1B, "gpu=a40", "activation_checkpointing=auto")
+    assert found["activation_checkpointing"].level == "ok"
+    assert "expects off" not in found["activation_checkpointing"].what
+    # ... and a refusal when not even every block checkpointed fits.
+    _, found = findings(compose, *PLAN_1B, "gpu=a40", "data.batch_size=64", "activation_checkpointing=auto")
+    assert found["memory"].level == "error"
+
+
 def test_cpu_smoke_run_is_not_nagged(tiny_cfg):
     target, found = findings(tiny_cfg, "kernels=eager", "data.num_workers=0", "precision.tf32=false")
     assert not target.cuda

@@ -124,8 +124,9 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
     from lm import cost, memory
     from lm.cli import compose_config
     from lm.config import conf_dir, to_objects
+    from lm.knobs import check_kernels
     from lm.module import LMModule
-    from lm.train import resolve_precision, uses_cuda
+    from lm.train import activation_checkpointing, resolve_precision, uses_cuda
 
     result = Result(combo)
     cfg = to_objects(compose_config(overrides))
@@ -136,10 +137,7 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
     torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
     compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
     b, t = cfg.data.batch_size, cfg.data.seq_len
-    est = memory.estimate(
-        cfg.model, batch_size=b, seq_len=t, precision=precision, ac_every=cfg.activation_checkpointing.every
-    )
-    result.estimate_gb = round(est.allocated / 1e9, 3)
+    every = cfg.activation_checkpointing.every
     accumulate = cfg.trainer.accumulate_grad_batches
     tokens_per_step = b * t * accumulate
     total = cfg.bench.warmup_steps + cfg.bench.steps
@@ -157,15 +155,20 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
                 stamps.append(time.perf_counter())
 
     try:
+        check_kernels(cfg.kernels.liger, cuda)  # Liger without CUDA: an error row naming the fix
+        every = activation_checkpointing(cfg, precision, cuda).every  # `auto` measured as training would
+        est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=precision, ac_every=every)
+        result.estimate_gb = round(est.allocated / 1e9, 3)
         if cfg.bench.memory_limit_gb is not None:
             limit_memory(cfg.bench.memory_limit_gb, cuda)
         module = LMModule(
             cfg.model,
             cfg.optim,
             total_steps=max(total, cfg.optim.warmup_steps + 1),
-            checkpoint_every=cfg.activation_checkpointing.every,
+            checkpoint_every=every,
             compile=compile_model,
             compile_mode=cfg.kernels.compile_mode,
+            liger=cfg.kernels.liger,
         )
         result.params = module.model.num_parameters()
         trainer = pl.Trainer(

@@ -108,8 +108,9 @@ class PrecisionConfig:
     """Numeric precision of training."""
 
     mode: str = "auto"
-    """Lightning precision: `bf16-mixed`, `bf16-true`, `16-mixed`, `32-true`, or `auto` (bf16-mixed on GPUs that
-    support it, 16-mixed on older GPUs, 32-true on CPU)."""
+    """Lightning precision: `bf16-mixed`, `bf16-true` (weights, gradients and AdamW moments in bf16: half the
+    memory, less precise updates), `16-mixed` (with Lightning's dynamic loss scaler), `32-true`, or `auto`
+    (bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32-true on CPU)."""
     tf32: bool = True
     """Let fp32 matmuls use TF32 tensor cores on Ampere and newer (free speed; ignored on CPU)."""
 
@@ -123,11 +124,20 @@ class ActivationCheckpointingConfig:
     """Recompute block activations in the backward pass to save memory, at ~20-30% more compute."""
 
     every: int = 0
-    """0 off; 1 checkpoints every block; k checkpoints every k-th block."""
+    """0 off; 1 checkpoints every block; k checkpoints every k-th block. Ignored when `auto` is set."""
+    auto: bool = False
+    """Choose `every` at start: the least checkpointing whose measured trial step (the real micro-batch,
+    precision and kernels on the real GPU) fits in the free device memory minus `headroom`. Off on a CPU."""
+    headroom: float = 0.1
+    """Fraction of the free device memory `auto` leaves unused (compilation, evaluation, fragmentation)."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError("activation_checkpointing.every must be 0 (off) or a positive block stride")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(
+                "activation_checkpointing.headroom must lie in [0, 1): a fraction of free memory"
+            )
 
 
 @dataclass
@@ -138,6 +148,9 @@ class KernelsConfig:
     """`torch.compile` the model; None compiles exactly when training on CUDA."""
     compile_mode: str | None = None
     """torch.compile mode (`default`, `reduce-overhead`, `max-autotune`); None is the default."""
+    liger: bool = False
+    """Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA only; needs the
+    `gpu` extra). Same parameters and checkpoints as the eager model."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lm import cost, memory
 from lm.checkpointing import checkpoint_space, estimate_checkpoint_bytes, gib
 from lm.config import GpuConfig, LMConfig
+from lm.knobs import checkpoint_candidates, describe_every
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,21 @@ def check_memory(t: Target) -> list[Finding]:
         return [Finding("memory", "ok", f"~{est.summary()} estimated on the CPU")]
     headroom = t.cfg.doctor.headroom
     device = f"{t.gpu.memory_gb:g} GB {t.gpu.name}"
+    if t.cfg.activation_checkpointing.auto:
+        # `auto` measures at start; the model says where its search should end up, or that it cannot.
+        for k in checkpoint_candidates(t.cfg.model.n_layer):
+            guess = estimate_for(t, ac_every=k)
+            if memory.fits(guess, t.memory_bytes, headroom):
+                return [
+                    Finding(
+                        "activation_checkpointing",
+                        "ok",
+                        f"auto: the estimate expects {describe_every(k)} (~{gib(guess.total)} of {device}); "
+                        "measured at start",
+                    )
+                ]
+        every = 1  # nothing fits even with every block checkpointed: the refusal below
+        est = estimate_for(t, ac_every=1)
     off = estimate_for(t, ac_every=0)
     if every and memory.fits(off, t.memory_bytes, headroom):
         return [

@@ -135,7 +135,7 @@ class Attention(nn.Module):
         q_BHTE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        q_BHTE, k_BKTE = self.rotate(q_BHTE, k_BKTE, cos, sin)
         mask, causal = None, True
         if cache is not None:  # generation: attend to every cached position plus the new ones
             kv, layer = cache
@@ -145,6 +145,8 @@ class Attention(nn.Module):
                 # Query i (absolute position past + i) sees keys 0..past + i.
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
                 causal = False
+        # Training: is_causal and no mask, so SDPA may take the flash kernel. q/k/v are (B, H, T, E) views of
+        # (B, T, H, E) memory with unit stride in E: flash reads that layout as is (.contiguous() would copy).
         y_BHTE = F.scaled_dot_product_attention(
             q_BHTE,
             k_BKTE,
@@ -154,6 +156,12 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+    def rotate(
+        self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of queries and keys (one call, so a fused kernel can take both: lm.knobs)."""
+        return apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
 
 
 class KVCache:
@@ -239,6 +247,11 @@ class Transformer(nn.Module):
     def forward(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits for every position; with `kv_cache` (generation), idx_BT holds only the new tokens, which
         sit at positions kv_cache.pos onwards, and the cache advances past them."""
+        return self.lm_head(self.hidden(idx_BT, kv_cache))
+
+    def hidden(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The final normalised hidden states (B, T, D), before the output head: what a fused
+        linear + cross-entropy loss takes instead of the (B, T, V) logits."""
         T = idx_BT.shape[1]
         start = kv_cache.pos if kv_cache is not None else 0
         if self.cfg.max_seq_len < start + T:
@@ -256,7 +269,7 @@ class Transformer(nn.Module):
                 x_BTD = block(x_BTD, cos, sin)
         if kv_cache is not None:
             kv_cache.pos += T
-        return self.lm_head(self.norm(x_BTD))
+        return self.norm(x_BTD)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         """Parameter count. `exclude_embedding` drops the input embedding table, a lookup that does no matmul

@@ -9,9 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
 from lm.config import OptimConfig
+from lm.knobs import apply_liger, eager_cross_entropy, fused_linear_cross_entropy
 from lm.model import ModelConfig, Transformer
 from lm.parallel import grad_norm, shard_model
 
@@ -58,8 +58,8 @@ class LMModule(pl.LightningModule):
 
     `model` and `optim` are saved as plain dicts in every checkpoint's hyper-parameters, so
     `LMModule.load_from_checkpoint(path)` rebuilds the architecture without the config tree.
-    Activation checkpointing and compilation are runtime choices, not hyper-parameters: a run may change them
-    between phases without touching its weights.
+    Activation checkpointing, compilation and Liger kernels are runtime choices, not hyper-parameters: a run
+    may change them between phases without touching its weights (Liger keeps the eager state-dict keys).
     """
 
     def __init__(
@@ -71,6 +71,7 @@ class LMModule(pl.LightningModule):
         checkpoint_every: int = 0,
         compile: bool = False,
         compile_mode: str | None = None,
+        liger: bool = False,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -80,6 +81,9 @@ class LMModule(pl.LightningModule):
         self.compile_model, self.compile_mode = compile, compile_mode
         self.model = Transformer(self.model_cfg)
         self.model.checkpoint_every = checkpoint_every
+        self.liger = liger
+        if liger:
+            apply_liger(self.model)
         self.lr_cooldown: tuple[int, int] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
         self._sharded = False
@@ -109,8 +113,12 @@ class LMModule(pl.LightningModule):
     def loss(self, window_BT1: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over a batch of windows of T+1 tokens."""
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
-        logits_BTV = self.model(inputs)
-        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets.flatten())
+        if self.liger:  # Liger's fused head + loss: the (B, T, V) logits are never materialised
+            hidden_BTD = self.model.hidden(inputs)
+            return fused_linear_cross_entropy(
+                hidden_BTD.flatten(0, 1), self.model.lm_head.weight, targets.flatten()
+            )
+        return eager_cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,14 @@ from lm.config import LMConfig, TrainerConfig, conf_dir, to_objects
 from lm.cost import load_catalog, price_per_hour, resolve_gpu
 from lm.data import LMDataModule
 from lm.doctor import Target, preflight
+from lm.knobs import (
+    CheckpointDecision,
+    check_kernels,
+    cuda_trial_probe,
+    free_device_memory,
+    resolve_activation_checkpointing,
+    sdpa_backends,
+)
 from lm.module import LMModule
 from lm.parallel import ResumeCheck, build_strategy, check_strategy, cluster_plugins
 from lm.report import write_report
@@ -50,6 +59,10 @@ def resolve_precision(mode: str, cuda: bool) -> str:
     if mode == "16-mixed" and not cuda:
         raise ValueError(
             "precision=fp16 (16-mixed) needs a CUDA GPU; on a CPU use precision=auto, bf16 or fp32"
+        )
+    if mode.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision {mode} needs a GPU with bf16 (Ampere or newer); this one has none: use precision=fp16"
         )
     if mode != "auto":
         return mode
@@ -141,6 +154,7 @@ def main(dcfg: DictConfig) -> float | None:
     cfg = to_objects(dcfg)
     cuda = uses_cuda(cfg.trainer)
     precision = resolve_precision(cfg.precision.mode, cuda)  # refuses an impossible precision before any I/O
+    check_kernels(cfg.kernels.liger, cuda)  # likewise Liger without CUDA or without liger_kernel
     device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
     price = price_per_hour(device.gpu, cfg.cost)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
@@ -156,17 +170,21 @@ def main(dcfg: DictConfig) -> float | None:
 
     compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
     torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
+    ac = activation_checkpointing(cfg, precision, cuda)
     log.info(
-        "run %s on %s (catalog: %s): precision %s, compile %s, activation checkpointing %s, tf32 %s",
+        "run %s on %s (catalog: %s): precision %s, tf32 %s, compile %s, liger %s, activation checkpointing %s "
+        "(%s)%s",
         run_dir,
         device.device_name,
         device.gpu.name,
         precision,
-        compile_model,
-        f"every {cfg.activation_checkpointing.every} block(s)"
-        if cfg.activation_checkpointing.every
-        else "off",
         cfg.precision.tf32,
+        compile_model,
+        cfg.kernels.liger,
+        ac.label,
+        ac.reason,
+        f", SDPA backends {sdpa_backends()}" if cuda else "",
     )
 
     pl.seed_everything(cfg.run.seed, workers=True)
@@ -174,9 +192,10 @@ def main(dcfg: DictConfig) -> float | None:
     module = LMModule(
         cfg.model,
         cfg.optim,
-        checkpoint_every=cfg.activation_checkpointing.every,
+        checkpoint_every=ac.every,
         compile=compile_model,
         compile_mode=cfg.kernels.compile_mode,
+        liger=cfg.kernels.liger,
     )
     n_params = module.model.num_parameters()
     fpt = cost.flops_per_token(
@@ -193,7 +212,7 @@ def main(dcfg: DictConfig) -> float | None:
         cfg.cost.pricing if cfg.cost.price_per_hour is None else "cost.price_per_hour",
         device.gpu.price_source or "no source",
     )
-    hparams = run_hparams(cfg, device, precision, compile_model, n_params, price)
+    hparams = run_hparams(cfg, device, precision, compile_model, n_params, price, ac)
     meter = CostMeter(
         tokens_per_device_step=tokens_per_device_step(cfg),
         flops_per_token=fpt,
@@ -222,6 +241,27 @@ def main(dcfg: DictConfig) -> float | None:
             experiment.flush()
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def activation_checkpointing(cfg: LMConfig, precision: str, cuda: bool) -> CheckpointDecision:
+    """The block stride to checkpoint: as configured, or for `auto` measured on this process's GPU."""
+    ac = cfg.activation_checkpointing
+    probe = budget = None
+    if ac.auto and cuda:
+        # Lightning has not picked the device yet: under DDP each local rank trains on GPU LOCAL_RANK.
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        budget = free_device_memory(gpu)
+        probe = cuda_trial_probe(
+            cfg.model,
+            batch_size=cfg.data.batch_size,
+            seq_len=cfg.data.seq_len,
+            precision=precision,
+            liger=cfg.kernels.liger,
+            device=gpu,
+        )
+    return resolve_activation_checkpointing(
+        ac.every, ac.auto, cfg.model.n_layer, probe=probe, budget_bytes=budget, headroom=ac.headroom
+    )
 
 
 def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> list[pl.Callback]:
@@ -269,15 +309,29 @@ def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> Di
     )
 
 
-def run_hparams(cfg: LMConfig, device, precision: str, compile_model: bool, n_params: int, price) -> dict:
+def run_hparams(
+    cfg: LMConfig,
+    device,
+    precision: str,
+    compile_model: bool,
+    n_params: int,
+    price,
+    ac: CheckpointDecision | None = None,
+) -> dict:
     """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
+    ac = ac or CheckpointDecision(cfg.activation_checkpointing.every, "configured")
     return {
         "params": n_params,
         "gpu": device.gpu.name,
         "device": device.device_name,
         "precision": precision,
         "compile": compile_model,
-        "activation_checkpointing": cfg.activation_checkpointing.every,
+        "activation_checkpointing": ac.every,
+        "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
+        "tf32": cfg.precision.tf32,
+        "liger": cfg.kernels.liger,
+        "fused_adamw": cfg.optim.fused if cfg.optim.fused is not None else uses_cuda(cfg.trainer),
+        "padded_vocab": cfg.model.padded_vocab_size,
         "tokens_per_device_step": tokens_per_device_step(cfg),
         "price_per_hour": price if price is not None else "unknown",
         "pricing": cfg.cost.pricing,
