@@ -8,6 +8,9 @@ lm report  RUN_DIR          write report.md and plots: loss against dollars, pha
 lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
+lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
+lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
+                            rank catalog GPUs by $/token for the config; write the SkyPilot task
 """
 
 from __future__ import annotations
@@ -85,6 +88,14 @@ def cmd_report(args: argparse.Namespace) -> None:
     from lm.report import write_report
 
     print(f"wrote {write_report(args.run_dir)}")
+
+
+def cmd_sweep_summary(args: argparse.Namespace) -> None:
+    from lm.sweep import write_summary
+
+    path, rows = write_summary(args.sweep_dir)
+    print(path.read_text(), end="")
+    print(f"wrote {path} and {path.with_suffix('.csv')} ({len(rows)} jobs)")
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:
@@ -172,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     train.set_defaults(fn=cmd_tokenizer)
     add_supervise(verbs)
+    summary = verbs.add_parser("sweep-summary", help="rebuild a multirun's sweep_summary.md and .csv")
+    summary.add_argument("sweep_dir", help="the sweep's folder: runs/<run.name>")
+    summary.set_defaults(fn=cmd_sweep_summary)
     sample = verbs.add_parser("sample", help="continue a prompt with a checkpoint (KV-cached generation)")
     sample.add_argument("ckpt", help="runs/<run.name>/checkpoints/last.ckpt")
     sample.add_argument("prompt", nargs="?", help="text to continue; omitted: one prompt per line of stdin")
