@@ -119,7 +119,7 @@ def read_job(run_dir: Path) -> JobRow:
         status, reason = "completed", f"max_steps ({max_steps})"
     else:
         status = "incomplete"
-        where = f"step {step} of {max_steps}" if step is not None else "no step finished"
+        where = f"step {step} of {max_steps}" if step is not None else "no cost ledger yet"
         reason = f"incomplete: {where} (interrupted, or still running)"
 
     val_loss = finite(record.get("objective"))
