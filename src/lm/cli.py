@@ -12,6 +12,9 @@ lm report  RUN_DIR          write report.md and plots: loss against dollars, pha
 lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
+lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
+lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
+                            rank catalog GPUs by $/token for the config; write the SkyPilot task
 """
 
 from __future__ import annotations
@@ -120,6 +123,37 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {write_report(args.run_dir)}")
 
 
+def cmd_sweep_summary(args: argparse.Namespace) -> None:
+    from lm.sweep import write_summary
+
+    path, rows = write_summary(args.sweep_dir)
+    print(path.read_text(), end="")
+    print(f"wrote {path} and {path.with_suffix('.csv')} ({len(rows)} jobs)")
+
+
+def cmd_sky(args: argparse.Namespace) -> None:
+    from lm.cost import load_catalog
+    from lm.sky import rank_gpus, render_task
+
+    overrides = args.overrides or ["+experiment=plan_1b"]
+    cfg = to_objects(compose_config(overrides))
+    ranked = rank_gpus(cfg, load_catalog(conf_dir()), args.pricing, args.mfu)
+    text = render_task(overrides, ranked, args.mfu)
+    out = Path(args.out)
+    if args.check:
+        if not out.is_file() or out.read_text() != text:
+            sys.exit(f"lm sky: {out} is stale; regenerate it: lm sky --out {out} {' '.join(overrides)}")
+        print(f"{out} is up to date")
+        return
+    from lm.atomic import write_atomic
+
+    write_atomic(out, text)
+    for c in ranked:
+        per_b = f"${c.usd_per_billion_tokens:.2f}/B tokens" if c.usd_per_billion_tokens else "unpriced"
+        print(f"{c.gpu.name:<13} {per_b:<18} {c.why_not or 'candidate: ' + str(c.sky_name)}")
+    print(f"wrote {out}: sky jobs launch -n lm {out} --env CKPT_BUCKET=<bucket>")
+
+
 def cmd_supervise(args: argparse.Namespace) -> None:
     from lm.supervise import supervise
 
@@ -220,6 +254,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     train.set_defaults(fn=cmd_tokenizer)
     add_supervise(verbs)
+    summary = verbs.add_parser("sweep-summary", help="rebuild a multirun's sweep_summary.md and .csv")
+    summary.add_argument("sweep_dir", help="the sweep's folder: runs/<run.name>")
+    summary.set_defaults(fn=cmd_sweep_summary)
+    sky = verbs.add_parser("sky", help="rank GPUs by $/token for a config; write the SkyPilot task")
+    sky.add_argument("--out", default="sky/train.yaml", help="the task file (default: sky/train.yaml)")
+    sky.add_argument("--mfu", type=float, default=0.45, help="assumed model FLOPs utilisation (0.45)")
+    sky.add_argument("--pricing", choices=["spot", "on_demand"], default="spot", help="price to rank by")
+    sky.add_argument("--check", action="store_true", help="only check that --out is up to date")
+    sky.add_argument("overrides", nargs="*", help="Hydra overrides (default: +experiment=plan_1b)")
+    sky.set_defaults(fn=cmd_sky)
     sample = verbs.add_parser("sample", help="continue a prompt with a checkpoint (KV-cached generation)")
     sample.add_argument("ckpt", help="runs/<run.name>/checkpoints/last.ckpt")
     sample.add_argument("prompt", nargs="?", help="text to continue; omitted: one prompt per line of stdin")

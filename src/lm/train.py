@@ -74,20 +74,39 @@ def resolve_precision(mode: str, cuda: bool) -> str:
 def run_directory(cfg: LMConfig) -> Path:
     """`<root>/<name>/`; in a multirun, one sub-directory per job named by its swept values (so a rerun
     of the same sweep resumes each job, and adding a value to the sweep never hands a job another's run)."""
-    run_dir = Path(cfg.run.root) / cfg.run.name
+    return run_directory_of(cfg.run.root, cfg.run.name)
+
+
+def run_directory_of(root: str, name: str) -> Path:
+    """`run_directory` from the run's root and name (what the sweep callback knows of a job)."""
+    run_dir = Path(root) / name
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        hc = HydraConfig.get()
-        excluded = set(hc.job.config.override_dirname.exclude_keys)
-        run_dir = run_dir / job_dirname(list(hc.overrides.task), sys.argv[1:], excluded)
+        run_dir = run_dir / job_dirname(swept_overrides())
     return run_dir
 
 
-def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] = frozenset()) -> str:
-    """A job's directory name: its values of the keys the command line sweeps (`optim.lr=0.0003`).
+def swept_overrides() -> list[str]:
+    """This multirun job's overrides of the keys its sweep varies (from the command line, or the sweeper's
+    `hydra.sweeper.params`, which experiments like sweep_lr and the Optuna sweeper use)."""
+    hc = HydraConfig.get()
+    params = OmegaConf.select(hc, "sweeper.params") or {}
+    return job_overrides(
+        list(hc.overrides.task),
+        sys.argv[1:],
+        set(hc.job.config.override_dirname.exclude_keys),
+        {str(k) for k in params},
+    )
 
-    Falls back to all of the job's overrides when the sweep is not on this process's command line (a
-    launcher that runs jobs elsewhere); a long name keeps a readable prefix and a hash of the whole.
-    """
+
+def job_overrides(
+    task_overrides: list[str],
+    argv: list[str],
+    excluded: set[str] = frozenset(),
+    sweeper_keys: set[str] = frozenset(),
+) -> list[str]:
+    """The overrides that tell a job apart: its values of the keys the command line (or the sweeper's params)
+    sweeps; all of its overrides when the sweep is not on this process's command line (a launcher that runs
+    jobs elsewhere)."""
 
     def key(override: str) -> str:
         return override.split("=", 1)[0].lstrip("+~")
@@ -97,8 +116,21 @@ def job_dirname(task_overrides: list[str], argv: list[str], excluded: set[str] =
         swept = {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
     except Exception:  # argv is another program's (a remote launcher): name by every override instead
         swept = set()
+    swept |= set(sweeper_keys)
     chosen = [o for o in task_overrides if key(o) in swept] or task_overrides
-    chosen = [o for o in chosen if key(o) not in excluded]
+    return sorted(o for o in chosen if key(o) not in excluded)
+
+
+def job_dirname(
+    task_overrides: list[str],
+    argv: list[str] | None = None,
+    excluded: set[str] = frozenset(),
+    sweeper_keys: set[str] = frozenset(),
+) -> str:
+    """A job's directory name: its values of the keys the sweep varies (`optim.lr=0.0003`), see
+    `job_overrides`; pass the chosen overrides alone (argv None) to name them as they are. A long name keeps
+    a readable prefix and a hash of the whole."""
+    chosen = task_overrides if argv is None else job_overrides(task_overrides, argv, excluded, sweeper_keys)
     name = ",".join(sorted(chosen)).replace("/", "_") or "default"
     if len(name) > 120:
         name = f"{name[:80]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
