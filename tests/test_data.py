@@ -6,6 +6,7 @@ import dataclasses
 import os
 import pickle
 import shutil
+import signal
 import time
 from itertools import islice
 from pathlib import Path
@@ -222,6 +223,23 @@ def test_datamodule_batches(cfg, data_dir, manifest):
     assert all(b.dtype == torch.int64 and b.shape[1] == cfg.seq_len + 1 for b in val)
     assert sum(len(b) for b in val) == len(dm.val_set)
     assert torch.equal(val[0][0], dm.val_set[0]), "validation is sequential"
+
+
+def test_loader_workers_leave_stop_signals_to_the_trainer(cfg, data_dir):
+    # A reclaim signals every process; a worker that died of it would fail the step before the save.
+    dm = LMDataModule(dataclasses.replace(cfg, num_workers=2, persistent_workers=False))
+    dm.prepare_data()
+    dm.setup("fit")
+    batches = iter(dm.val_dataloader())
+    next(batches)
+    workers = batches._workers
+    assert len(workers) == 2
+    for w in workers:
+        os.kill(w.pid, signal.SIGTERM)
+        os.kill(w.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers)
+    assert sum(1 for _ in batches) >= 0  # the remaining batches still come
 
 
 def test_truncated_bin_is_reported(data_dir, tmp_path):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
@@ -100,6 +102,7 @@ class LMDataModule(pl.LightningDataModule):
             num_workers=workers,
             pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.cfg.persistent_workers and workers > 0,
+            worker_init_fn=ignore_stop_signals if workers > 0 else None,
             **kwargs,
         )
 
@@ -140,3 +143,16 @@ class LMDataModule(pl.LightningDataModule):
             rank=trainer.global_rank if trainer else 0,
         )
         return self._loader(self.val_set, batch_sampler=batches)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave stop signals to the trainer, whenever they were started.
+
+    A spot reclaim or `kill -- -PGID` signals every process; a worker that dies of it fails the step before
+    the trainer can save. The trainer stops its workers itself, and a worker exits when its parent is gone.
+    Lightning's own per-worker seeding (`seed_everything(workers=True)`) runs as it would without us.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    if os.environ.get("PL_SEED_WORKERS") == "1":
+        pl_worker_init_function(worker_id)
