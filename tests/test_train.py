@@ -69,6 +69,24 @@ def test_smoke_run_leaves_the_run_directory_contract(tiny_cfg, tmp_path):
     assert module.model_cfg.n_layer == 2 and module.model_cfg.vocab_size == 512
 
 
+def test_clipping_by_the_shared_norm_equals_lightnings(tiny_cfg, tmp_path, monkeypatch):
+    # LMModule clips with the norm it computed once for the step; Lightning's default computes it again.
+    common = ["trainer.max_steps=6", "trainer.gradient_clip_val=0.05", "trainer.val_every_steps=100"]
+    common.append("trainer.log_every_n_steps=1")
+    main(tiny_cfg(*common, "run.name=shared"))
+    import lightning.pytorch as pl
+
+    monkeypatch.setattr(
+        LMModule, "configure_gradient_clipping", pl.LightningModule.configure_gradient_clipping
+    )
+    main(tiny_cfg(*common, "run.name=lightning"))
+    ours, theirs = (weights(tmp_path / f"runs/{n}/checkpoints/last.ckpt") for n in ("shared", "lightning"))
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7, msg=name)
+    norms = [v for _, v in scalars(tmp_path / "runs/shared", "train/grad_norm")]
+    assert norms and min(norms) > 0.05  # the clip really bit
+
+
 def test_resumed_run_ends_with_the_same_weights(tiny_cfg, tmp_path):
     common = [
         "trainer.val_every_steps=10",

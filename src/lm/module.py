@@ -85,6 +85,7 @@ class LMModule(pl.LightningModule):
         if liger:
             apply_liger(self.model)
         self.lr_cooldown: tuple[int, int] | None = None
+        self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
         self._sharded = False
 
@@ -138,12 +139,36 @@ class LMModule(pl.LightningModule):
         cooldown = checkpoint.get("lr_cooldown")
         self.lr_cooldown = tuple(cooldown) if cooldown is not None else None
 
+    def gradient_norm(self) -> torch.Tensor | None:
+        """The global pre-clip gradient norm of this optimizer step, computed once and shared by the
+        non-finite guard, the `train/grad_norm` log and clipping (each would otherwise read every gradient)."""
+        step = self.trainer.global_step
+        if self._norm_cache is None or self._norm_cache[0] != step:
+            self._norm_cache = (step, grad_norm(self.parameters()))
+        return self._norm_cache[1]
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after AMP unscaling and before clipping: this is the true pre-clip norm.
-        norm = grad_norm(self.parameters())
+        norm = self.gradient_norm()
         if norm is not None:
             self.log("train/grad_norm", norm)
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the global norm already computed for this step (Lightning's default would compute it again)."""
+        if not gradient_clip_val or gradient_clip_algorithm not in (None, "norm"):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for p in self.parameters() if p.grad is not None]
+        if any(hasattr(p.grad, "full_tensor") for p in params):  # FSDP2 shards: torch's DTensor-aware path
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.gradient_norm())
+        return None
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_cfg

@@ -137,7 +137,12 @@ class NonFiniteGuard(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self.settle(log_metric=True)  # the previous step's verdict, long computed by now
-        norm = grad_norm(pl_module.parameters())  # global: all-reduced (DDP) or combined over shards (FSDP)
+        # Global: all-reduced (DDP) or combined over shards (FSDP); LMModule computes it once per step.
+        norm = (
+            pl_module.gradient_norm()
+            if hasattr(pl_module, "gradient_norm")
+            else grad_norm(pl_module.parameters())
+        )
         if norm is None:
             return
         nonfinite = ~torch.isfinite(norm)
