@@ -8,6 +8,7 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
 from lm.config import register_configs
+from lm.train import main
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -55,3 +56,15 @@ def compose(tmp_path, data_cache):
 def tiny_cfg(compose):
     """compose for a tiny CPU run: tiny_cfg('trainer.max_steps=20', ...)."""
     return lambda *overrides: compose(*TINY, *overrides)
+
+
+def train_in_process(args: list[str]) -> int:
+    """`python train.py *args` in this process; the exit code it would leave with."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=args)
+    try:
+        main(cfg)
+    except SystemExit as e:
+        return e.code
+    return 0

@@ -17,16 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lm.checkpointing import resume_checkpoint
-from lm.config import register_configs
 from lm.data.dataset import StepSampler, val_batches
 from lm.parallel import check_strategy, cluster_plugins
-from lm.train import main
 
 from .conftest import CONF, TINY
+from .conftest import train_in_process as train_here
 from .test_train import scalars
 
 ROOT = CONF.parent
@@ -63,16 +61,17 @@ def overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [*RUN, f"run.root={root}", f"data.cache_dir={cache}", f"run.name={name}", *extra]
 
 
-def train_here(args: list[str]) -> int:
-    """`python train.py *args` in this process; the exit code it would leave with."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=args)
-    try:
-        main(cfg)
-    except SystemExit as e:
-        return e.code
-    return 0
+def torchrun(nproc: int) -> list[str]:
+    """`torchrun --standalone --nproc-per-node=N train.py`: torchrun starts the ranks, Lightning reads its
+    environment (TorchElasticEnvironment)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+    ]
 
 
 def launch(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
@@ -215,12 +214,7 @@ def test_fsdp_under_torchrun_matches_one_process_and_resumes_on_one(root, data_c
     # torchrun starts the ranks; Lightning reads its environment (TorchElasticEnvironment).
     launch(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={W}",
-            "train.py",
+            *torchrun(W),
             *overrides(
                 root,
                 data_cache,
@@ -337,12 +331,7 @@ def test_fsdp_bf16_compiled_on_gpus_trains_and_resumes_on_one(root, data_cache):
     gpu = ["trainer.accelerator=gpu", "precision=bf16", "kernels=compile", "activation_checkpointing=on"]
     launch(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={n}",
-            "train.py",
+            *torchrun(n),
             *overrides(
                 root,
                 data_cache,
@@ -372,12 +361,7 @@ def test_ranks_that_would_resume_from_different_steps_stop_before_training(root,
     ckpts = sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir())
     out = launch(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={W}",
-            "train.py",
+            *torchrun(W),
             *overrides(
                 root,
                 data_cache,

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
-from lm.config import register_configs
 from lm.supervise import backoff_s, supervise
-from lm.train import main
 
 from .conftest import CONF, TINY
+from .conftest import train_in_process as train
 
 ROOT = CONF.parent
 RUN = [
@@ -46,18 +44,6 @@ def fault(root: Path, action: str, step: int = 0, key: str = "fault", seconds: f
         f"{node}.seconds={seconds}",
         f"{node}.marker={root / f'{key}-{action}-{step}.fired'}",
     ]
-
-
-def train(args: list[str]) -> int:
-    """`python train.py *args` in this process; the exit code it would leave with."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=args)
-    try:
-        main(cfg)
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def train_process(args: list[str], supervised: bool = False) -> subprocess.CompletedProcess:
