@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lm.bench import Result, expand, is_oom, rank, recommendation, run_bench, run_one
+from lm.bench import Result, expand, is_oom, markdown, rank, recommendation, run_bench, run_one
 
 TINY_BENCH = [
     "trainer=cpu",
@@ -63,6 +63,13 @@ def test_a_failing_combination_is_an_error_row_with_its_message():
 def test_liger_without_cuda_is_an_error_row_naming_the_fix():
     r = run_one([*TINY_BENCH, "data.batch_size=2", "kernels=liger"], [], 300)
     assert r.status == "error" and "kernels=eager" in r.error and r.tokens_per_sec is None
+
+
+def test_auto_checkpointing_row_says_what_it_resolved_to():
+    r = run_one([*TINY_BENCH, "data.batch_size=2", "activation_checkpointing=auto"], [], 300)
+    assert r.status == "ok" and r.ac_every == 0 and r.note == "auto: off"  # no trial steps on a CPU
+    table = markdown([r, Result(["x=1"], status="error", error="boom")], "on_demand", "# t")
+    assert "| auto: off |" in table and "| boom |" in table
 
 
 def test_bad_combination_is_refused_before_any_run(tmp_path):

@@ -231,9 +231,10 @@ def test_loader_workers_leave_stop_signals_to_the_trainer(cfg, data_dir):
     dm.prepare_data()
     dm.setup("fit")
     batches = iter(dm.val_dataloader())
-    next(batches)
     workers = batches._workers
     assert len(workers) == 2
+    for _ in workers:  # batches come round-robin: once each worker has sent one, its worker_init_fn ran
+        next(batches)
     for w in workers:
         os.kill(w.pid, signal.SIGTERM)
         os.kill(w.pid, signal.SIGUSR1)

@@ -118,6 +118,7 @@ def test_adamw_is_fused_on_cuda():
 
 def test_auto_measures_real_trial_steps():
     cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8, max_seq_len=1024)
+    before = torch.cuda.memory_allocated(CUDA)
     probe = cuda_trial_probe(
         cfg, batch_size=8, seq_len=1024, precision="bf16-mixed", liger=False, device=CUDA
     )
@@ -129,5 +130,8 @@ def test_auto_measures_real_trial_steps():
         0, True, 4, probe=probe, budget_bytes=peaks[0] - 1, headroom=0.0
     )
     assert decision.every > 0 and decision.trials[0].every == 0 and not decision.trials[0].fits
-    # The trials leave nothing behind on the device.
-    assert torch.cuda.memory_allocated(CUDA) < 64 * 2**20
+    # The trials leave no model, gradients or optimizer state behind on the device. cuBLAS keeps its
+    # workspaces in the caching allocator (64 MiB on an H100), so the bound is half the fp32 weights.
+    left = torch.cuda.memory_allocated(CUDA) - before
+    weights = sum(p.numel() for p in LMModule(cfg, {}).parameters()) * 4
+    assert left < weights / 2, f"{left / 2**20:.0f} MiB left on the device after the trials"

@@ -66,6 +66,10 @@ class Result:
     """Catalog entry of the device (`a100_80gb`, `cpu`, ...): the doctor reads measured MFU by it."""
     precision: str = ""
     params: int | None = None
+    ac_every: int | None = None
+    """The activation checkpointing stride trained with (what `activation_checkpointing=auto` resolved to)."""
+    note: str = ""
+    """What the combination resolved to, where the configuration left it to be decided (`auto`)."""
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -156,7 +160,10 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
 
     try:
         check_kernels(cfg.kernels.liger, cuda)  # Liger without CUDA: an error row naming the fix
-        every = activation_checkpointing(cfg, precision, cuda).every  # `auto` measured as training would
+        decision = activation_checkpointing(cfg, precision, cuda)  # `auto` measured as training would
+        every = result.ac_every = decision.every
+        if cfg.activation_checkpointing.auto:
+            result.note = "auto: " + ("off" if every == 0 else f"every {every}")
         est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=precision, ac_every=every)
         result.estimate_gb = round(est.allocated / 1e9, 3)
         if cfg.bench.memory_limit_gb is not None:
@@ -279,7 +286,7 @@ def markdown(results: list[Result], pricing: str, header: str) -> str:
             f"{r.estimate_gb:.2f}" if r.estimate_gb is not None else "-",
         ]
         row += [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in price_cols]
-        row.append(r.error.replace("|", "/")[:120])
+        row.append("; ".join(filter(None, [r.note, r.error.replace("|", "/")[:120]])))
         lines.append("| " + " | ".join(row) + " |")
     kind = next((r.peak_mem_kind for r in results if r.peak_mem_kind), "")
     lines += ["", f"peak mem: {kind or 'n/a'}; est.: lm.memory's allocated bytes; ranked by $/Btok {pricing}"]

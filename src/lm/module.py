@@ -163,9 +163,9 @@ class LMModule(pl.LightningModule):
         """Clip by the global norm already computed for this step (Lightning's default would compute it again)."""
         if not gradient_clip_val or gradient_clip_algorithm not in (None, "norm"):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        # FSDP2 shards (DTensor gradients) scale by the same plain global norm, as torchtitan clips them.
+        # Lightning's own path is no fallback: under mixed precision it refuses a fused AdamW.
         params = [p for p in self.parameters() if p.grad is not None]
-        if any(hasattr(p.grad, "full_tensor") for p in params):  # FSDP2 shards: torch's DTensor-aware path
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.gradient_norm())
         return None

@@ -85,7 +85,13 @@ def shard_model(
 
     mp = MixedPrecisionPolicy()
     if precision.startswith("bf16-mixed"):
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False: FSDP would cast the fp32 RoPE tables a block receives to bf16 in its
+        # forward hook, a hook it skips when activation checkpointing recomputes the block in the backward
+        # pass, so the recomputed tensors would differ in dtype from the saved ones (a CheckpointError seen
+        # on an H100). Uncast, the tables stay fp32 in both passes, as under single-device bf16-mixed.
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         if compile:
