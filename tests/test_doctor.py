@@ -39,6 +39,8 @@ def test_clean_gpu_plan_has_no_findings(compose):
         ("precision=fp32", "precision", "precision=bf16"),
         ("data.num_workers=0", "num_workers", "data.num_workers="),
         ("kernels=eager", "compile", "kernels=compile"),
+        ("kernels=liger", "compile", "kernels=compile"),
+        ("kernels=liger_compile", "compile", "kernels=compile"),
         ("model.vocab_multiple=1", "vocab", "model.vocab_multiple=64"),
         ("trainer.max_steps=1000", "tokens/param", "trainer.max_steps="),
         ("checkpoint.keep_last=100000", "disk", "checkpoint.keep_last="),
