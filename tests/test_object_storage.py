@@ -6,10 +6,13 @@ the bucket, and still bitwise equal to a run that was never interrupted.
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ import torch
 from lm.callbacks.spot import EXIT_CONFIG, EXIT_PREEMPTED
 from lm.checkpointing import resume_checkpoint
 from lm.config import to_objects
-from lm.remote import POINTER, RemoteCheckpoints, RemoteError
+from lm.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.train import main
 
 from .conftest import TINY
@@ -185,6 +188,39 @@ def test_a_partial_upload_is_never_picked_and_a_corrupt_one_falls_back(s3, tmp_p
     objects = {p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/unit/checkpoints", refresh=True)}
     assert len([o for o in objects if o.endswith(".ckpt")]) == 3
     assert len([o for o in objects if o.startswith("archive-")]) == 1
+
+
+def test_a_hung_upload_does_not_hold_a_stopping_run(s3, tmp_path, caplog):
+    import s3fs
+
+    prefix = f"{BUCKET}/hung/checkpoints"
+    uploader = CheckpointUploader(RemoteCheckpoints(f"s3://{prefix}"))
+    uploader.submit(fake_checkpoint(tmp_path / "6.ckpt", 6), 6)
+    assert uploader.wait(timeout=60) and uploader.uploaded_step == 6
+
+    # The network goes dark: a server that accepts connections and never answers.
+    with socket.create_server(("127.0.0.1", 0)) as dark:
+        uploader.store.fs = s3fs.S3FileSystem(
+            skip_instance_cache=True,
+            endpoint_url=f"http://127.0.0.1:{dark.getsockname()[1]}",
+            config_kwargs={"read_timeout": 120, "retries": {"max_attempts": 1}},
+        )
+        uploader.submit(fake_checkpoint(tmp_path / "12.ckpt", 12), 12)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="lm.remote"):
+            finished = uploader.wait(timeout=1.0)
+        waited = time.monotonic() - t0
+    # Closing the dark server resets the hung connection: the upload thread fails and logs it.
+    assert not finished
+    assert 1.0 <= waited < 10, waited
+    assert "did not finish in 1 s" in caplog.text
+    assert "still resumes from step 6" in caplog.text
+    assert pointer_steps(s3, prefix) == [6]  # the bucket still describes the complete step 6
+
+
+def test_upload_timeout_must_be_positive(tiny_cfg):
+    with pytest.raises(ValueError, match="upload_timeout_s=0.0 must be > 0"):
+        to_objects(tiny_cfg("checkpoint.upload_timeout_s=0"))
 
 
 @pytest.mark.parametrize(

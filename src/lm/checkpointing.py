@@ -184,7 +184,7 @@ class RunCheckpoint(ModelCheckpoint):
     def wait_for_upload(self) -> None:
         """Block until the newest checkpoint is on object storage (a no-op without checkpoint.remote)."""
         if self.uploader is not None:
-            self.uploader.wait()
+            self.uploader.wait(self.cfg.upload_timeout_s)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

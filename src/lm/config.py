@@ -168,12 +168,21 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for `remote` (e.g. `endpoint_url`, `profile`); credentials are better left to the
     environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS)."""
+    upload_timeout_s: float | None = 600.0
+    """How long a stop signal, a crash or the end of the run waits for the upload in flight before the process
+    exits anyway (a hung connection must not hold a stopping run, nor a spot machine past its notice). The
+    bucket then still holds the previous complete checkpoint; the local one is intact. None waits forever."""
 
     def __post_init__(self) -> None:
         if self.remote is not None and not self.remote.partition("://")[2].strip("/"):
             raise ValueError(
                 f"checkpoint.remote={self.remote!r} is not a URL that names a bucket; use s3://bucket/prefix, "
                 f"gs://bucket/prefix or file:///path (or null to keep checkpoints local)"
+            )
+        if self.upload_timeout_s is not None and self.upload_timeout_s <= 0:
+            raise ValueError(
+                f"checkpoint.upload_timeout_s={self.upload_timeout_s} must be > 0 seconds, or null to wait for "
+                f"the upload however long it takes"
             )
         if self.every_n_steps < 1 or (self.keep_last < 1 and self.keep_last != -1):
             raise ValueError(

@@ -328,17 +328,34 @@ class CheckpointUploader:
                     self._busy = False
                     self._cond.notify_all()
 
-    def wait(self) -> None:
-        """Block until every submitted checkpoint is uploaded (or has failed)."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted checkpoint is uploaded (or has failed), or `timeout` seconds pass.
+
+        Returns False on a timeout. The process may then exit with the upload still in flight: the bucket
+        keeps its previous complete checkpoint (the pointer is written last), and the local file is intact.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._pending is not None or self._busy:
                 log.info("waiting for the checkpoint upload to %s to finish", self.store.url)
             while self._pending is not None or self._busy:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    step = self._pending[1] if self._pending is not None else "in flight"
+                    held = "nothing yet" if self.uploaded_step is None else f"step {self.uploaded_step}"
+                    log.error(
+                        "the checkpoint upload to %s did not finish in %.0f s (checkpoint.upload_timeout_s); "
+                        "exiting without it (newest pending: %s). The bucket still resumes from %s, written "
+                        "whole before this upload began; the local checkpoint is intact, and a restart on "
+                        "this machine resumes from it and uploads again", self.store.url, timeout, step, held,
+                    )  # fmt: skip
+                    return False
+                self._cond.wait(left)
         if self.failed:
             log.warning(
                 "the last checkpoint upload failed (%s); %s may be behind", self.failed, self.store.url
             )
+        return True
 
 
 # -- prepared data -------------------------------------------------------------------------------------
