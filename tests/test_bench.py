@@ -2,11 +2,27 @@
 out-of-memory combination is reported as "does not fit" and never recommended."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from lm.bench import Result, expand, is_oom, markdown, rank, recommendation, run_bench, run_one
+from lm.bench import (
+    Result,
+    compare,
+    expand,
+    is_oom,
+    markdown,
+    rank,
+    recommendation,
+    run_bench,
+    run_compare,
+    run_one,
+)
+from lm.config import conf_dir
+from lm.cost import load_catalog
+
+GPU_BENCHES = Path(__file__).parent.parent / "experiments/2026-11-23-gpu"
 
 TINY_BENCH = [
     "trainer=cpu",
@@ -52,6 +68,10 @@ def test_bench_tiny_marks_out_of_memory_and_recommends_what_fits(tmp_path, capsy
     md = (out / "bench.md").read_text()
     assert "does not fit" in md and "recommended (cheapest that fits): data.batch_size=4" in md
     assert "recommended" in capsys.readouterr().out
+
+    # A bench of another model (the 1b on an H100) is not compared with this one.
+    with pytest.raises(ValueError, match="different models"):
+        compare([out, GPU_BENCHES / "bench-compile"], "on_demand")
 
 
 def test_a_failing_combination_is_an_error_row_with_its_message():
@@ -116,3 +136,58 @@ def test_bench_gpu_caps_memory(tmp_path):
     assert rows["data.batch_size=256"]["status"] == "does not fit"
     ok = rows["data.batch_size=2"]
     assert ok["status"] == "ok" and ok["peak_mem_kind"] == "cuda max allocated" and ok["mfu"] is not None
+
+
+def test_compare_ranks_gpus_by_dollars_per_token_at_todays_catalog_prices(tmp_path, capsys):
+    """The real H100 and H200 benches of the 1b model (experiments/2026-11-23-gpu) in one ranking."""
+    catalog = load_catalog(conf_dir())
+    benches = [
+        GPU_BENCHES / "bench-eager",
+        GPU_BENCHES / "bench-compile/bench.json",
+        GPU_BENCHES / "bench-auto",
+    ]
+    rows, text = compare(benches, "on_demand", catalog)
+    assert len(rows) == 10 and {row["result"].gpu for row in rows} == {"h100_sxm", "h200"}
+    first = rows[0]["result"]
+    assert (first.gpu, first.combo) == ("h100_sxm", ["kernels=compile", "activation_checkpointing=off"])
+    prices = [row["result"].usd_per_btok["on_demand"] for row in rows]
+    assert prices == sorted(prices)
+    for row in rows:  # $/Btok from the measured tokens/s at the catalog's price, not the recorded one
+        r = row["result"]
+        assert r.usd_per_btok["on_demand"] == pytest.approx(
+            catalog[r.gpu].price_on_demand / 3600 / r.tokens_per_sec * 1e9, rel=1e-3
+        )
+    # The H200 bench fixed overrides the others did not: its rows say so.
+    h200 = [row["label"] for row in rows if row["result"].gpu == "h200"]
+    assert sorted(h200) == [
+        "activation_checkpointing=auto kernels=compile data.batch_size=16",
+        "activation_checkpointing=auto kernels=compile data.batch_size=8",
+    ]
+    assert (
+        "cheapest that fits at on_demand prices: gpu=h100_sxm kernels=compile activation_checkpointing=off"
+        in text
+    )
+    assert "not a same-run ratio" in text
+
+    # Spot: the H200 has no spot price in the catalog, so its rows rank after every priced row.
+    rows, text = compare(benches, "spot", catalog)
+    assert [row["result"].gpu for row in rows] == ["h100_sxm"] * 8 + ["h200"] * 2
+    assert "spot" not in rows[-1]["result"].usd_per_btok
+
+    assert run_compare([str(b) for b in benches], "on_demand", str(tmp_path / "cmp.md")) == 0
+    written = json.loads((tmp_path / "cmp.json").read_text())
+    assert written["pricing"] == "on_demand" and len(written["rows"]) == 10
+    assert (tmp_path / "cmp.md").read_text() in capsys.readouterr().out
+
+
+def test_compare_refuses_what_is_not_a_bench(tmp_path):
+    with pytest.raises(ValueError, match="no bench.json there"):
+        compare([tmp_path], "on_demand")
+    with pytest.raises(ValueError, match="looks like a Hydra override"):
+        compare([GPU_BENCHES / "bench-auto", Path("kernels=eager")], "on_demand")
+    (tmp_path / "bench.json").write_text("{half a file")
+    with pytest.raises(ValueError, match="not a bench.json"):
+        compare([tmp_path], "on_demand")
+    (tmp_path / "bench.json").write_text(json.dumps({"results": "no"}))
+    with pytest.raises(ValueError, match="no `results` list"):
+        compare([tmp_path / "bench.json"], "on_demand")

@@ -347,6 +347,144 @@ def run_bench(overrides: list[str], pricing: str | None = None) -> int:
     return 0 if payload["recommended"] is not None else 1
 
 
+# -- comparing benches from several machines ---------------------------------------------------------------
+
+SWEEP_ONLY = ("bench.",)
+"""Override prefixes that say how a bench ran, not what it measured: left out of a row's label."""
+
+
+def load_bench(path: Path) -> dict:
+    """A bench.json (or the folder holding one), checked enough to compare; a clear error otherwise."""
+    file = path / "bench.json" if path.is_dir() else path
+    if "=" in path.name and not path.exists():
+        raise ValueError(
+            f"{path}: looks like a Hydra override; --compare takes only bench.json files or folders"
+        )
+    if not file.is_file():
+        raise ValueError(
+            f"{path}: no bench.json there; run `lm bench ... bench.out_dir={path}` on that machine"
+        )
+    try:
+        payload = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not a bench.json written by lm bench ({e})") from e
+    if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
+        raise ValueError(f"{file}: not a bench.json written by lm bench (no `results` list)")
+    return payload
+
+
+def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tuple[list[dict], str]:
+    """Merge `lm bench` results from several machines into one table ranked by $/Btok at `pricing`.
+
+    Each GPU's $/Btok is recomputed from its measured tokens/s at the catalog's current prices (the catalog
+    given, else what the bench recorded); `price_per_hour` stays what that bench was given. A row's label is
+    its combination plus the fixed overrides that differ between the benches. Benches of different models
+    (parameter counts) are refused: their $/token answer different questions.
+    """
+    from lm import cost
+
+    if len(paths) < 1:
+        raise ValueError("lm bench --compare needs at least one bench.json (or its folder)")
+    benches = [(p, load_bench(p)) for p in paths]
+    known = {f.name for f in Result.__dataclass_fields__.values()}
+
+    def label_of(fixed: list[str]) -> set[str]:
+        return {o for o in fixed if not o.lstrip("+~").startswith(SWEEP_ONLY)}
+
+    common = set.intersection(*(label_of(b.get("fixed", [])) for _, b in benches))
+    rows = []
+    for path, bench in benches:
+        extra = sorted(label_of(bench.get("fixed", [])) - common)
+        for raw in bench["results"]:
+            r = Result(**{k: v for k, v in raw.items() if k in known})
+            gpu = catalog.get(r.gpu) if catalog and r.gpu else None
+            if gpu is not None and r.tokens_per_sec:
+                for name, price in (("on_demand", gpu.price_on_demand), ("spot", gpu.price_spot)):
+                    r.usd_per_btok.pop(name, None)
+                    if price:
+                        r.usd_per_btok[name] = round(
+                            cost.usd_per_billion_tokens(r.tokens_per_sec, price, 1), 4
+                        )
+            rows.append(
+                {"result": r, "label": " ".join([*extra, *r.combo]) or "(as configured)", "from": str(path)}
+            )
+    models = {r["result"].params for r in rows if r["result"].params}
+    if len(models) > 1:
+        raise ValueError(
+            "these benches measured different models ("
+            + ", ".join(f"{n:,}" for n in sorted(models))
+            + " parameters): compare benches of one model (the same model= and data.vocab_size=)"
+        )
+    order = {"ok": 0, "does not fit": 1, "error": 2}
+
+    def key(row: dict):
+        r = row["result"]
+        price = r.usd_per_btok.get(pricing)
+        return (order.get(r.status, 2), price is None, price or 0.0, -(r.tokens_per_sec or 0.0))
+
+    rows.sort(key=key)
+    prices = sorted(
+        {k for row in rows for k in row["result"].usd_per_btok},
+        key=["on_demand", "spot", "price_per_hour"].index,
+    )
+    cols = ["#", "gpu", "combination", "status", "tokens/s", "MFU", "peak mem GB"]
+    cols += [f"$/Btok {p}" for p in prices] + ["note", "from"]
+    lines = [
+        f"# lm bench --compare ({len(benches)} benches, ranked by $/Btok {pricing})",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for i, row in enumerate(rows, 1):
+        r = row["result"]
+        cells = [
+            str(i),
+            r.gpu or r.device or "?",
+            row["label"],
+            r.status,
+            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "-",
+            f"{r.mfu:.1%}" if r.mfu is not None else "n/a",
+            f"{r.peak_mem_gb:.2f}" if r.peak_mem_gb is not None and r.status == "ok" else "-",
+        ]
+        cells += [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in prices]
+        cells += ["; ".join(filter(None, [r.note, r.error.replace("|", "/")[:120]])), row["from"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Rows from different benches ran on different machines at different times: a tokens/s ratio between "
+        "them is not a same-run ratio. $/Btok is at the catalog's prices (conf/gpu/) as of now; a row with no "
+        f"{pricing} price ranks after the priced ones.",
+    ]
+    best = next(
+        (row for row in rows if row["result"].status == "ok" and pricing in row["result"].usd_per_btok), None
+    )
+    if best is None:
+        lines.append(f"no row that fits has a {pricing} price: nothing to recommend")
+    else:
+        r = best["result"]
+        lines.append(
+            f"cheapest that fits at {pricing} prices: gpu={r.gpu} {best['label']} "
+            f"(${r.usd_per_btok[pricing]:.2f}/Btok, {r.tokens_per_sec:,.0f} tokens/s)"
+        )
+    return rows, "\n".join(lines) + "\n"
+
+
+def run_compare(paths: list[str], pricing: str, out: str | None) -> int:
+    """`lm bench --compare`: print the merged table and write it (with a JSON twin) when `out` is given."""
+    from lm import cost
+    from lm.config import conf_dir
+
+    rows, text = compare([Path(p) for p in paths], pricing, cost.load_catalog(conf_dir()))
+    print(text, end="")
+    if out:
+        md = Path(out)
+        write_atomic(md, text)
+        payload = [{**asdict(row["result"]), "label": row["label"], "from": row["from"]} for row in rows]
+        write_atomic(md.with_suffix(".json"), json.dumps({"pricing": pricing, "rows": payload}, indent=2))
+        print(f"wrote {md} and {md.with_suffix('.json')}")
+    return 0 if any(row["result"].status == "ok" for row in rows) else 1
+
+
 def worker_main(argv: list[str]) -> None:
     """`python -m lm.bench --worker OVERRIDES_JSON COMBO_JSON OUT`: measure and write the result."""
     logging.basicConfig(level=logging.WARNING)

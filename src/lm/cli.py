@@ -102,8 +102,16 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from lm.bench import run_bench
+    from lm.bench import run_bench, run_compare
 
+    if args.compare:
+        if args.overrides:
+            raise SystemExit(
+                f"lm bench --compare takes bench.json files or folders, not overrides: {args.overrides}"
+            )
+        sys.exit(run_compare(args.compare, args.pricing or "on_demand", args.out))
+    if args.out:
+        raise SystemExit("lm bench --out goes with --compare; a bench writes to bench.out_dir=")
     sys.exit(run_bench(args.overrides, pricing=args.pricing))
 
 
@@ -237,6 +245,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="rank at this price (default: cost.price_per_hour if set, else cost.pricing)",
     )
+    bench.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="BENCH",
+        help="merge bench.json files (or their folders) from several machines into one $/token ranking",
+    )
+    bench.add_argument("--out", default=None, help="with --compare: also write the table here (.md + .json)")
     bench.add_argument(
         "overrides", nargs="*", help="Hydra overrides; comma lists are swept: kernels=eager,compile"
     )
