@@ -4,8 +4,9 @@ import pickle
 
 import pytest
 
+from lm import cost
 from lm.cli import main as lm
-from lm.config import to_objects
+from lm.config import LMConfig, to_objects
 from lm.doctor import Target, check_pickles, diagnose, planned_tokens, resolve_target, table
 from lm.train import main as train_main
 
@@ -148,7 +149,7 @@ def test_target_is_an_input(tiny_cfg):
 
 
 def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
-    """A bench.json for this GPU replaces the assumed MFU in its $/token (here: measured 60% vs 40%)."""
+    """A bench.json for this GPU replaces the assumed MFU in its $/token (here: measured 60% vs 45%)."""
     import json
 
     args = [*PLAN_1B, f"bench.out_dir={tmp_path}"]
@@ -156,9 +157,10 @@ def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
     row = {"combo": [], "status": "ok", "gpu": "a100_80gb", "mfu": 0.6}
     (tmp_path / "bench.json").write_text(json.dumps({"results": [row, {**row, "gpu": "a40", "mfu": 0.9}]}))
     _, measured = findings(compose, *args)
-    assert "40% assumed" in assumed["$/token"].what and "60% measured" in measured["$/token"].what
+    assert "45% assumed" in assumed["$/token"].what and "60% measured" in measured["$/token"].what
 
     def price(f):
         return float(f.what.split("$")[1].split("/")[0])
 
-    assert price(measured["$/token"]) == pytest.approx(price(assumed["$/token"]) * 0.4 / 0.6, rel=0.01)
+    assert price(measured["$/token"]) == pytest.approx(price(assumed["$/token"]) * 0.45 / 0.6, rel=0.01)
+    assert LMConfig().doctor.assumed_mfu == cost.ASSUMED_MFU  # the doctor and `lm sky` assume the same

@@ -386,8 +386,9 @@ class DoctorConfig:
     """Run the checks before training starts (errors always refuse the run; warnings are logged)."""
     strict: bool = False
     """Treat warnings as errors: the run refuses to start until every finding is fixed."""
-    assumed_mfu: float = 0.4
-    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given."""
+    assumed_mfu: float = 0.45
+    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given (the
+    same as `lm sky`'s, lm.cost.ASSUMED_MFU, where the evidence for it is)."""
     headroom: float = 0.05
     """Share of device memory kept free when deciding whether a run fits."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from lm import cost, memory
 from lm.config import GpuConfig, LMConfig
 
-ASSUMED_MFU = 0.45
+ASSUMED_MFU = cost.ASSUMED_MFU
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
 
 # Catalog entry -> SkyPilot accelerator name (`sky show-gpus -a`). Left out on purpose: `cpu`; `h100_pcie`
