@@ -29,6 +29,8 @@ def test_clean_gpu_plan_has_no_findings(compose):
     bad = problems(found)
     # The only remark on the seed's own plan is the catalog's cheaper $/token GPU (the seed's lesson).
     assert set(bad) <= {"$/token"}, table(list(found.values()))
+    # An estimate from datasheet peaks (the L40S at the catalog's price): it says so and asks for a measurement.
+    assert "unmeasured there" in found["$/token"].gain and "lm bench --compare" in found["$/token"].gain
     assert "fits" not in found["memory"].what and "GiB" in found["memory"].what
 
 

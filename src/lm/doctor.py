@@ -416,7 +416,8 @@ def check_price(t: Target) -> list[Finding]:
                 "$/token",
                 "warn",
                 f"{here}; {best} ~${options[best][0]:.2f}/Btok{options[best][1]}",
-                f"-{saving:.0%} $/token (check availability first: seed 000)",
+                f"-{saving:.0%} $/token at the same MFU, unmeasured there: check availability, then "
+                f"`lm bench` on it and `lm bench --compare` (seed 000)",
                 f"gpu={best} (rent one)",
             )
         ]
