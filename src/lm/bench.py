@@ -267,26 +267,36 @@ def rank(results: list[Result], pricing: str) -> list[Result]:
     return sorted(results, key=key)
 
 
-def markdown(results: list[Result], pricing: str, header: str) -> str:
-    """The ranked table and the recommendation."""
-    price_cols = sorted(
+def measured_cells(r: Result, prices: list[str]) -> list[str]:
+    """A row's measured columns: tokens/s, MFU, peak memory, the estimate, $/Btok at each of `prices`."""
+    cells = [
+        f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "-",
+        f"{r.mfu:.1%}" if r.mfu is not None else "n/a",
+        f"{r.peak_mem_gb:.2f}" if r.peak_mem_gb is not None and r.status == "ok" else "-",
+        f"{r.estimate_gb:.2f}" if r.estimate_gb is not None else "-",
+    ]
+    return cells + [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in prices]
+
+
+def note_cell(r: Result) -> str:
+    return "; ".join(filter(None, [r.note, r.error.replace("|", "/")[:120]]))
+
+
+def price_columns(results: list[Result]) -> list[str]:
+    return sorted(
         {k for r in results for k in r.usd_per_btok}, key=["on_demand", "spot", "price_per_hour"].index
     )
+
+
+def markdown(results: list[Result], pricing: str, header: str) -> str:
+    """The ranked table and the recommendation."""
+    price_cols = price_columns(results)
     cols = ["#", "combination", "status", "tokens/s", "MFU", "peak mem GB", "est. GB"]
     cols += [f"$/Btok {p}" for p in price_cols] + ["note"]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for i, r in enumerate(results, 1):
-        row = [
-            str(i),
-            " ".join(r.combo) or "(as configured)",
-            r.status,
-            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "-",
-            f"{r.mfu:.1%}" if r.mfu is not None else "n/a",
-            f"{r.peak_mem_gb:.2f}" if r.peak_mem_gb is not None and r.status == "ok" else "-",
-            f"{r.estimate_gb:.2f}" if r.estimate_gb is not None else "-",
-        ]
-        row += [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in price_cols]
-        row.append("; ".join(filter(None, [r.note, r.error.replace("|", "/")[:120]])))
+        row = [str(i), " ".join(r.combo) or "(as configured)", r.status, *measured_cells(r, price_cols)]
+        row.append(note_cell(r))
         lines.append("| " + " | ".join(row) + " |")
     kind = next((r.peak_mem_kind for r in results if r.peak_mem_kind), "")
     lines += ["", f"peak mem: {kind or 'n/a'}; est.: lm.memory's allocated bytes; ranked by $/Btok {pricing}"]
@@ -423,11 +433,8 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
         return (order.get(r.status, 2), price is None, price or 0.0, -(r.tokens_per_sec or 0.0))
 
     rows.sort(key=key)
-    prices = sorted(
-        {k for row in rows for k in row["result"].usd_per_btok},
-        key=["on_demand", "spot", "price_per_hour"].index,
-    )
-    cols = ["#", "gpu", "combination", "status", "tokens/s", "MFU", "peak mem GB"]
+    prices = price_columns([row["result"] for row in rows])
+    cols = ["#", "gpu", "combination", "status", "tokens/s", "MFU", "peak mem GB", "est. GB"]
     cols += [f"$/Btok {p}" for p in prices] + ["note", "from"]
     lines = [
         f"# lm bench --compare ({len(benches)} benches, ranked by $/Btok {pricing})",
@@ -437,17 +444,8 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
     ]
     for i, row in enumerate(rows, 1):
         r = row["result"]
-        cells = [
-            str(i),
-            r.gpu or r.device or "?",
-            row["label"],
-            r.status,
-            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "-",
-            f"{r.mfu:.1%}" if r.mfu is not None else "n/a",
-            f"{r.peak_mem_gb:.2f}" if r.peak_mem_gb is not None and r.status == "ok" else "-",
-        ]
-        cells += [f"{r.usd_per_btok[p]:.2f}" if p in r.usd_per_btok else "-" for p in prices]
-        cells += ["; ".join(filter(None, [r.note, r.error.replace("|", "/")[:120]])), row["from"]]
+        cells = [str(i), r.gpu or r.device or "?", row["label"], r.status, *measured_cells(r, prices)]
+        cells += [note_cell(r), row["from"]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
