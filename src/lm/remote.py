@@ -288,6 +288,10 @@ class CheckpointUploader:
         self._busy = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._gave_up = False
+        self._in_flight: int | None = None
+        """A wait timed out: the process is on its way out, so later waits (teardown after on_exception)
+        return at once instead of waiting for the same hung upload again."""
 
     def submit(self, path: Path, step: int) -> None:
         f = open(path, "rb")  # noqa: SIM115 (closed by the upload thread; open now to pin the file)
@@ -307,7 +311,7 @@ class CheckpointUploader:
                 while self._pending is None:
                     self._cond.wait()
                 f, step = self._pending
-                self._pending, self._busy = None, True
+                self._pending, self._busy, self._in_flight = None, True, step
             t0 = time.monotonic()
             try:
                 entry = self.store.upload(f, step)
@@ -336,19 +340,22 @@ class CheckpointUploader:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if self._gave_up and (self._pending is not None or self._busy):
+                return False
             if self._pending is not None or self._busy:
                 log.info("waiting for the checkpoint upload to %s to finish", self.store.url)
             while self._pending is not None or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    step = self._pending[1] if self._pending is not None else "in flight"
+                    step = self._pending[1] if self._pending is not None else self._in_flight
                     held = "nothing yet" if self.uploaded_step is None else f"step {self.uploaded_step}"
                     log.error(
                         "the checkpoint upload to %s did not finish in %.0f s (checkpoint.upload_timeout_s); "
-                        "exiting without it (newest pending: %s). The bucket still resumes from %s, written "
+                        "exiting without step %s. The bucket still resumes from %s, written "
                         "whole before this upload began; the local checkpoint is intact, and a restart on "
                         "this machine resumes from it and uploads again", self.store.url, timeout, step, held,
                     )  # fmt: skip
+                    self._gave_up = True
                     return False
                 self._cond.wait(left)
         if self.failed:
