@@ -63,7 +63,18 @@ def test_each_seeded_bad_config_is_reported(compose, override, check, fix):
 def test_run_that_does_not_fit_gets_checkpointing_then_an_error(compose):
     # An A40 (48 GB) holds the 1B plan only with checkpointing (the seed's experience) ...
     _, found = findings(compose, *PLAN_1B, "gpu=a40")
-    assert found["memory"].level == "warn" and found["memory"].fix == "activation_checkpointing=on"
+    assert found["memory"].level == "warn" and found["memory"].fix == "activation_checkpointing=auto"
+    assert "the estimate expects every block to fit" in found["memory"].what
+    # A micro-batch of 4 without checkpointing fits too (the estimate): the doctor names the bench that decides.
+    accum = compose(*PLAN_1B).trainer.accumulate_grad_batches * 2
+    assert f"data.batch_size=4 trainer.accumulate_grad_batches={accum} without" in found["memory"].what
+    assert "lm bench data.batch_size=8,4 activation_checkpointing=auto,off" in found["memory"].what
+    # With less to hold, the least recompute that fits is less than every block; tokens per step stay exact.
+    _, found = findings(
+        compose, *PLAN_1B, "gpu=a40", "data.batch_size=6", "trainer.accumulate_grad_batches=1"
+    )
+    assert "expects 1 block in 2 to fit" in found["memory"].what
+    assert "data.batch_size=3 trainer.accumulate_grad_batches=2 without" in found["memory"].what
     # ... and nothing holds a micro-batch of 64 x 2048 on it: halve the batch, keep the tokens per step.
     _, found = findings(compose, *PLAN_1B, "gpu=a40", "data.batch_size=64", "activation_checkpointing=on")
     assert found["memory"].level == "error"
