@@ -81,6 +81,16 @@ def estimate_for(
     )
 
 
+def least_checkpointing(t: Target) -> tuple[int, memory.MemoryEstimate] | None:
+    """The estimate's least activation checkpointing that fits this device (off first, every block last),
+    with its estimate; None when not even every block checkpointed fits."""
+    for k in checkpoint_candidates(t.cfg.model.n_layer):
+        est = estimate_for(t, ac_every=k)
+        if memory.fits(est, t.memory_bytes, t.cfg.doctor.headroom):
+            return k, est
+    return None
+
+
 def smaller_micro_batch(t: Target) -> tuple[int, int] | None:
     """The largest smaller micro-batch that keeps the tokens per optimizer step exact, with its accumulation
     (8 -> 4 x 2, 6 -> 3 x 2, 5 -> 1 x 5), or None at a micro-batch of 1."""
@@ -112,17 +122,15 @@ def check_memory(t: Target) -> list[Finding]:
     device = f"{t.gpu.memory_gb:g} GB {t.gpu.name}"
     if t.cfg.activation_checkpointing.auto:
         # `auto` measures at start; the model says where its search should end up, or that it cannot.
-        for k in checkpoint_candidates(t.cfg.model.n_layer):
-            guess = estimate_for(t, ac_every=k)
-            if memory.fits(guess, t.memory_bytes, headroom):
-                return [
-                    Finding(
-                        "activation_checkpointing",
-                        "ok",
-                        f"auto: the estimate expects {describe_every(k)} (~{gib(guess.total)} of {device}); "
-                        "measured at start",
-                    )
-                ]
+        if least := least_checkpointing(t):
+            return [
+                Finding(
+                    "activation_checkpointing",
+                    "ok",
+                    f"auto: the estimate expects {describe_every(least[0])} (~{gib(least[1].total)} of "
+                    f"{device}); measured at start",
+                )
+            ]
         every = 1  # nothing fits even with every block checkpointed: the refusal below
         est = estimate_for(t, ac_every=1)
     off = estimate_for(t, ac_every=0)
@@ -142,13 +150,10 @@ def check_memory(t: Target) -> list[Finding]:
     if not every and memory.fits(on, t.memory_bytes, headroom):
         # The least recompute that fits: `auto` measures it at start (the estimate errs high, so the
         # measurement may need even less); a smaller micro-batch without recompute may be cheaper still.
-        least = next(
-            k for k in checkpoint_candidates(t.cfg.model.n_layer)[1:]
-            if memory.fits(estimate_for(t, ac_every=k), t.memory_bytes, headroom)
-        )  # fmt: skip
+        least, least_est = least_checkpointing(t)  # not off (it does not fit), at most every block
         what = (
             f"~{gib(est.total)} estimated does not fit {device} without activation checkpointing; the "
-            f"estimate expects {describe_every(least)} to fit (~{gib(estimate_for(t, ac_every=least).total)})"
+            f"estimate expects {describe_every(least)} to fit (~{gib(least_est.total)})"
         )
         smaller = smaller_micro_batch(t)
         if smaller and memory.fits(
