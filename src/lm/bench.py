@@ -221,13 +221,24 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
     fpt = cost.flops_per_token(cfg.model, t)
     mfu = cost.mfu(result.tokens_per_sec, fpt, cost.peak_flops(device.gpu, precision, cfg.precision.tf32), 1)
     result.mfu = round(mfu, 4) if mfu is not None else None
-    prices = {"on_demand": device.gpu.price_on_demand, "spot": device.gpu.price_spot}
-    if cfg.cost.price_per_hour is not None:
-        prices["price_per_hour"] = cfg.cost.price_per_hour
-    for name, price in prices.items():
-        if price:
-            result.usd_per_btok[name] = round(cost.usd_per_billion_tokens(result.tokens_per_sec, price, 1), 4)
+    result.usd_per_btok = catalog_usd_per_btok(result.tokens_per_sec, device.gpu)
+    if cfg.cost.price_per_hour:
+        result.usd_per_btok["price_per_hour"] = round(
+            cost.usd_per_billion_tokens(result.tokens_per_sec, cfg.cost.price_per_hour, 1), 4
+        )
     return result
+
+
+def catalog_usd_per_btok(tokens_per_sec: float, gpu) -> dict[str, float]:
+    """$/10^9 tokens at each price the catalog has for `gpu` (`on_demand`, `spot`)."""
+    from lm import cost
+
+    prices = {"on_demand": gpu.price_on_demand, "spot": gpu.price_spot}
+    return {
+        name: round(cost.usd_per_billion_tokens(tokens_per_sec, price, 1), 4)
+        for name, price in prices.items()
+        if price
+    }
 
 
 def run_one(overrides: list[str], combo: list[str], timeout: float) -> Result:
@@ -256,15 +267,19 @@ def run_one(overrides: list[str], combo: list[str], timeout: float) -> Result:
         return Result(combo, error=f"{why}: {' | '.join(tail)}")
 
 
+STATUS_ORDER = {"ok": 0, "does not fit": 1, "error": 2}
+
+
+def rank_key(r: Result, pricing: str) -> tuple:
+    """ok rows by $/Btok at `pricing`, rows without that price after the priced ones (by tokens/s), then
+    `does not fit`, then errors."""
+    price = r.usd_per_btok.get(pricing)
+    return (STATUS_ORDER.get(r.status, 2), price is None, price or 0.0, -(r.tokens_per_sec or 0.0))
+
+
 def rank(results: list[Result], pricing: str) -> list[Result]:
-    """ok rows by $/Btok at `pricing` (tokens/s where no price), then `does not fit`, then errors."""
-    order = {"ok": 0, "does not fit": 1, "error": 2}
-
-    def key(r: Result):
-        price = r.usd_per_btok.get(pricing)
-        return (order[r.status], price if price is not None else 0.0, -(r.tokens_per_sec or 0.0))
-
-    return sorted(results, key=key)
+    """`results` in `rank_key` order."""
+    return sorted(results, key=lambda r: rank_key(r, pricing))
 
 
 def measured_cells(r: Result, prices: list[str]) -> list[str]:
@@ -391,8 +406,6 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
     its combination plus the fixed overrides that differ between the benches. Benches of different models
     (parameter counts) are refused: their $/token answer different questions.
     """
-    from lm import cost
-
     if len(paths) < 1:
         raise ValueError("lm bench --compare needs at least one bench.json (or its folder)")
     benches = [(p, load_bench(p)) for p in paths]
@@ -408,13 +421,9 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
         for raw in bench["results"]:
             r = Result(**{k: v for k, v in raw.items() if k in known})
             gpu = catalog.get(r.gpu) if catalog and r.gpu else None
-            if gpu is not None and r.tokens_per_sec:
-                for name, price in (("on_demand", gpu.price_on_demand), ("spot", gpu.price_spot)):
-                    r.usd_per_btok.pop(name, None)
-                    if price:
-                        r.usd_per_btok[name] = round(
-                            cost.usd_per_billion_tokens(r.tokens_per_sec, price, 1), 4
-                        )
+            if gpu is not None and r.tokens_per_sec:  # today's catalog prices; the user's own rate stays
+                own = {k: v for k, v in r.usd_per_btok.items() if k == "price_per_hour"}
+                r.usd_per_btok = catalog_usd_per_btok(r.tokens_per_sec, gpu) | own
             rows.append(
                 {"result": r, "label": " ".join([*extra, *r.combo]) or "(as configured)", "from": str(path)}
             )
@@ -425,14 +434,7 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
             + ", ".join(f"{n:,}" for n in sorted(models))
             + " parameters): compare benches of one model (the same model= and data.vocab_size=)"
         )
-    order = {"ok": 0, "does not fit": 1, "error": 2}
-
-    def key(row: dict):
-        r = row["result"]
-        price = r.usd_per_btok.get(pricing)
-        return (order.get(r.status, 2), price is None, price or 0.0, -(r.tokens_per_sec or 0.0))
-
-    rows.sort(key=key)
+    rows.sort(key=lambda row: rank_key(row["result"], pricing))
     prices = price_columns([row["result"] for row in rows])
     cols = ["#", "gpu", "combination", "status", "tokens/s", "MFU", "peak mem GB", "est. GB"]
     cols += [f"$/Btok {p}" for p in prices] + ["note", "from"]
