@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from lm import cost
+from lm import sky
 from lm.cli import main as lm
 from lm.config import LMConfig, to_objects
 from lm.doctor import Target, check_pickles, diagnose, planned_tokens, resolve_target, table
@@ -176,4 +176,4 @@ def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
         return float(f.what.split("$")[1].split("/")[0])
 
     assert price(measured["$/token"]) == pytest.approx(price(assumed["$/token"]) * 0.45 / 0.6, rel=0.01)
-    assert LMConfig().doctor.assumed_mfu == cost.ASSUMED_MFU  # the doctor and `lm sky` assume the same
+    assert LMConfig().doctor.assumed_mfu == sky.ASSUMED_MFU  # the doctor and `lm sky` assume the same

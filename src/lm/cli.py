@@ -28,7 +28,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from lm.config import LMConfig, conf_dir, register_configs, to_objects
+from lm.config import ASSUMED_MFU, LMConfig, conf_dir, register_configs, to_objects
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -140,14 +140,13 @@ def cmd_sweep_summary(args: argparse.Namespace) -> None:
 
 
 def cmd_sky(args: argparse.Namespace) -> None:
-    from lm.cost import ASSUMED_MFU, load_catalog
+    from lm.cost import load_catalog
     from lm.sky import rank_gpus, render_task
 
     overrides = args.overrides or ["+experiment=plan_1b"]
     cfg = to_objects(compose_config(overrides))
-    mfu = args.mfu or ASSUMED_MFU
-    ranked = rank_gpus(cfg, load_catalog(conf_dir()), args.pricing, mfu)
-    text = render_task(overrides, ranked, mfu)
+    ranked = rank_gpus(cfg, load_catalog(conf_dir()), args.pricing, args.mfu)
+    text = render_task(overrides, ranked, args.mfu)
     out = Path(args.out)
     if args.check:
         if not out.is_file() or out.read_text() != text:
@@ -275,7 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     summary.set_defaults(fn=cmd_sweep_summary)
     sky = verbs.add_parser("sky", help="rank GPUs by $/token for a config; write the SkyPilot task")
     sky.add_argument("--out", default="sky/train.yaml", help="the task file (default: sky/train.yaml)")
-    sky.add_argument("--mfu", type=float, default=None, help="assumed model FLOPs utilisation (0.45)")
+    sky.add_argument(
+        "--mfu", type=float, default=ASSUMED_MFU, help=f"assumed model FLOPs utilisation ({ASSUMED_MFU})"
+    )
     sky.add_argument("--pricing", choices=["spot", "on_demand"], default="spot", help="price to rank by")
     sky.add_argument("--check", action="store_true", help="only check that --out is up to date")
     sky.add_argument("overrides", nargs="*", help="Hydra overrides (default: +experiment=plan_1b)")

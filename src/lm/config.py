@@ -378,6 +378,12 @@ class EarlyStoppingConfig:
             raise ValueError("early_stopping.patience must be a positive count of validation points or null")
 
 
+ASSUMED_MFU = 0.45
+"""MFU assumed where none was measured on a GPU (the doctor's and `lm sky`'s $/token): the 1b model measured
+50.8% on an H100 with compile (experiments/2026-11-23-gpu) and the seed's A100 run ~60% under this FLOPs count;
+0.45 leaves room for a cloud VM's slower data path and for configurations that are not the default."""
+
+
 @dataclass
 class DoctorConfig:
     """The preflight doctor (lm.doctor): run at the start of every training run and by `lm doctor`."""
@@ -386,9 +392,9 @@ class DoctorConfig:
     """Run the checks before training starts (errors always refuse the run; warnings are logged)."""
     strict: bool = False
     """Treat warnings as errors: the run refuses to start until every finding is fixed."""
-    assumed_mfu: float = 0.45
+    assumed_mfu: float = ASSUMED_MFU
     """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given (the
-    same as `lm sky`'s, lm.cost.ASSUMED_MFU, where the evidence for it is)."""
+    same as `lm sky`'s, ASSUMED_MFU above, where the evidence for it is)."""
     headroom: float = 0.05
     """Share of device memory kept free when deciding whether a run fits."""
 

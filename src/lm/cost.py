@@ -84,12 +84,6 @@ def usd(seconds: float, price: float, n_devices: int) -> float:
     return seconds * price * n_devices / 3600.0
 
 
-ASSUMED_MFU = 0.45
-"""MFU assumed where none was measured on a GPU (the doctor's and `lm sky`'s $/token): the 1b model measured
-50.8% on an H100 with compile (experiments/2026-11-23-gpu) and the seed's A100 run ~60% under this FLOPs count;
-0.45 leaves room for a cloud VM's slower data path and for configurations that are not the default."""
-
-
 def usd_per_billion_tokens(tokens_per_sec: float, price: float, n_devices: int) -> float | None:
     """$ per 10^9 tokens at a sustained throughput."""
     if tokens_per_sec <= 0:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lm import cost, memory
-from lm.config import GpuConfig, LMConfig
+from lm.config import ASSUMED_MFU, GpuConfig, LMConfig
 
-ASSUMED_MFU = cost.ASSUMED_MFU
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
 
 # Catalog entry -> SkyPilot accelerator name (`sky show-gpus -a`). Left out on purpose: `cpu`; `h100_pcie`
