@@ -288,8 +288,9 @@ class CheckpointUploader:
         self._busy = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._gave_up = False
         self._in_flight: int | None = None
+        """Step of the upload the thread is working on (named in a timeout's log)."""
+        self._gave_up = False
         """A wait timed out: the process is on its way out, so later waits (teardown after on_exception)
         return at once instead of waiting for the same hung upload again."""
 
