@@ -9,10 +9,11 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm import cost
-from lm.callbacks.phase_tracker import read_csv
+from lm.callbacks.cost_meter import CostMeter
 from lm.config import CostConfig, GpuConfig, PhaseConfig
 from lm.model import ModelConfig
-from lm.phases import phase_at
+from lm.plan import phase_at
+from lm.rundir import read_phases, write_ledger
 from lm.train import main
 
 from .conftest import CONF
@@ -128,7 +129,7 @@ def check_rows(run_dir, rows):
 def test_three_phases_priced_and_checked_against_the_logs(tiny_cfg, tmp_path):
     main(tiny_cfg(*RUN, "run.name=straight", "trainer.max_steps=30"))
     run = tmp_path / "runs/straight"
-    rows = read_csv(run / "phases.csv")
+    rows = read_phases(run)
     assert [(r["name"], r["status"], r["start_step"], r["end_step"]) for r in rows] == [
         ("one", "done", 0, 10),
         ("two", "done", 10, 20),
@@ -148,7 +149,7 @@ def test_three_phases_priced_and_checked_against_the_logs(tiny_cfg, tmp_path):
     main(tiny_cfg(*RUN, "run.name=split", "trainer.max_steps=15"))
     main(tiny_cfg(*RUN, "run.name=split", "trainer.max_steps=30"))
     split = tmp_path / "runs/split"
-    split_rows = read_csv(split / "phases.csv")
+    split_rows = read_phases(split)
     check_rows(split, split_rows)
     for a, b in zip(rows, split_rows, strict=True):
         assert (a["start_loss"], a["end_loss"], a["tokens"]) == (b["start_loss"], b["end_loss"], b["tokens"])
@@ -206,3 +207,32 @@ def test_gpu_auto_resolution_and_an_unknown_gpu(caplog):
     assert "not in the catalog" in caplog.text and "conf/gpu/<name>.yaml" in caplog.text
     assert cost.peak_flops(unknown.gpu, "bf16-mixed", True) is None
     assert cost.price_per_hour(unknown.gpu, CostConfig()) is None
+
+
+def meter_resumed_from(tmp_path, ckpt_seconds: dict, ckpt_step: int, ledger_seconds: dict, ledger_step: int):
+    """A CostMeter restored from a checkpoint's state beside the ledger the previous process left."""
+    write_ledger(tmp_path, {"seconds": ledger_seconds, "tokens": 0, "step": ledger_step})
+    meter = CostMeter(
+        tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=3.6, log_every=1,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    meter.load_state_dict({"seconds": ckpt_seconds, "tokens": 0, "step": ckpt_step, "restarts": 0})
+    return meter.state.seconds
+
+
+def test_the_final_saves_write_time_is_checkpoint_time_not_a_restart(tmp_path):
+    """The checkpoint's copy of the meter is taken as the save begins, so the ledger (written after it) holds
+    the write's seconds; a resume used to book them under `restart` although no work was lost."""
+    before = {"startup": 1.0, "train": 50.0, "eval": 5.0, "checkpoint": 2.0, "restart": 0.0}
+    after_save = {**before, "checkpoint": 9.0}  # the final save took 7 s, nothing trained since
+    seconds = meter_resumed_from(tmp_path, before, 100, after_save, 100)
+    assert seconds["checkpoint"] == pytest.approx(9.0)
+    assert seconds["restart"] < 1.0  # only this process's own start-up (milliseconds here)
+
+
+def test_work_done_after_the_checkpoint_is_paid_as_a_restart(tmp_path):
+    before = {"startup": 1.0, "train": 50.0, "eval": 5.0, "checkpoint": 2.0, "restart": 0.0}
+    crashed = {**before, "train": 80.0, "eval": 6.0}  # 31 s of work after the checkpoint, redone on resume
+    seconds = meter_resumed_from(tmp_path, before, 100, crashed, 160)
+    assert seconds["train"] == 50.0 and seconds["checkpoint"] == 2.0
+    assert seconds["restart"] == pytest.approx(31.0, abs=1.0)

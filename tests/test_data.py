@@ -326,3 +326,16 @@ def test_lightning_resume_sees_the_same_batches(cfg, data_dir, tmp_path):
 def test_default_cache_dir_resolves_without_hydra(tmp_path, monkeypatch):
     monkeypatch.setenv("LM_CACHE", str(tmp_path))
     assert dataset_dir(DataConfig()).parent == tmp_path
+
+
+def test_a_trained_tokenizer_ends_documents_with_data_eot_token(tmp_path):
+    """data.eot_token names the separator of a trained tokenizer too (it used to be ignored: the trained
+    tokenizer always had <|endoftext|>, and preparation then refused its own tokenizer)."""
+    cfg = DataConfig(cache_dir=str(tmp_path), num_workers=0, eot_token="<|eot|>", **TINY)
+    folder = prepare(cfg)
+    manifest = load_manifest(folder)
+    tok = load_tokenizer(folder)
+    assert manifest["eot_token"] == "<|eot|>" and tok.token_to_id("<|eot|>") == manifest["eot_id"] == 0
+    assert tok.token_to_id(EOT) is None
+    ids = tokens(folder, "train", manifest)
+    assert (ids == 0).sum() == manifest["splits"]["train"]["documents"]

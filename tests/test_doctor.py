@@ -1,13 +1,15 @@
 """The preflight doctor: each seeded bad configuration is reported with its fix; a clean run is left alone."""
 
+import json
 import pickle
+from dataclasses import asdict
 
 import pytest
 
-from lm import sky
+from lm import memory, sky
 from lm.cli import main as lm
 from lm.config import LMConfig, to_objects
-from lm.doctor import Target, check_pickles, diagnose, planned_tokens, resolve_target, table
+from lm.doctor import Target, check_pickles, diagnose, resolve_target, table
 from lm.train import main as train_main
 
 # The seed's 1B plan, checked as if for an A100 80GB from this CPU machine (`gpu=` names the target).
@@ -125,12 +127,6 @@ def test_prepared_dataset_pickles_and_reads(tiny_cfg):
     assert len(pickle.loads(pickle.dumps(dm.train_set))) == len(dm.train_set)
 
 
-def test_planned_tokens_follow_the_plan(compose):
-    cfg = to_objects(compose(*PLAN_1B))
-    tokens, source = planned_tokens(cfg)
-    assert tokens == 90_000 * 8 * 8 * 2048 and "90,000" in source
-
-
 def test_cli_strict_turns_warnings_into_errors(compose, capsys, tmp_path):
     args = [f"run.root={tmp_path}", *PLAN_1B, "kernels=eager"]
     lm(["doctor", *args])  # warnings only: exit 0
@@ -162,13 +158,13 @@ def test_target_is_an_input(tiny_cfg):
 
 
 def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
-    """A bench.json for this GPU replaces the assumed MFU in its $/token (here: measured 60% vs 45%)."""
-    import json
-
+    """A bench.json of this model on this GPU replaces the assumed MFU in its $/token (measured 60% vs 45%)."""
     args = [*PLAN_1B, f"bench.out_dir={tmp_path}"]
-    _, assumed = findings(compose, *args)
+    target, assumed = findings(compose, *args)
+    model = asdict(target.cfg.model)
     row = {"combo": [], "status": "ok", "gpu": "a100_80gb", "mfu": 0.6}
-    (tmp_path / "bench.json").write_text(json.dumps({"results": [row, {**row, "gpu": "a40", "mfu": 0.9}]}))
+    bench = {"model": model, "results": [row, {**row, "gpu": "a40", "mfu": 0.9}]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
     _, measured = findings(compose, *args)
     assert "45% assumed" in assumed["$/token"].what and "60% measured" in measured["$/token"].what
 
@@ -177,3 +173,22 @@ def test_price_uses_the_mfu_lm_bench_measured(compose, tmp_path):
 
     assert price(measured["$/token"]) == pytest.approx(price(assumed["$/token"]) * 0.45 / 0.6, rel=0.01)
     assert LMConfig().doctor.assumed_mfu == sky.ASSUMED_MFU  # the doctor and `lm sky` assume the same
+
+
+def test_a_bench_of_another_model_does_not_price_this_one(compose, tmp_path):
+    """`lm bench model=tiny` then `lm doctor +experiment=plan_1b`: the tiny model's MFU says nothing of the 1B
+    plan's (it used to be read by GPU alone, and under doctor.strict refused the run)."""
+    args = [*PLAN_1B, f"bench.out_dir={tmp_path}"]
+    tiny = to_objects(compose("model=tiny")).model
+    row = {"combo": [], "status": "ok", "gpu": "a100_80gb", "mfu": 0.02, "params": 1000}
+    (tmp_path / "bench.json").write_text(json.dumps({"model": asdict(tiny), "results": [row]}))
+    _, found = findings(compose, *args)
+    assert "45% assumed" in found["$/token"].what
+    # A bench.json from before the model was recorded is matched by parameter count.
+    (tmp_path / "bench.json").write_text(json.dumps({"results": [row]}))
+    target, found = findings(compose, *args)
+    assert "45% assumed" in found["$/token"].what
+    n_params, _ = memory.parameter_count(target.cfg.model)
+    (tmp_path / "bench.json").write_text(json.dumps({"results": [{**row, "params": n_params, "mfu": 0.6}]}))
+    _, found = findings(compose, *args)
+    assert "60% measured" in found["$/token"].what

@@ -14,11 +14,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lm.activation_checkpointing import allowed_bytes, candidates, resolve
 from lm.config import register_configs, to_objects
-from lm.knobs import check_kernels, checkpoint_candidates, resolve_activation_checkpointing
+from lm.kernels import check_liger
 from lm.model import ModelConfig
 from lm.module import LMModule
-from lm.train import main, resolve_precision
+from lm.runtime import resolve_precision
+from lm.train import main
 
 from .conftest import CONF
 
@@ -49,20 +51,20 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
             # What a CPU run does with it: fp16 and Liger are refused with their fix, the rest resolve.
             if cfg.precision.mode == "16-mixed":
                 with pytest.raises(ValueError, match="needs a CUDA GPU"):
-                    resolve_precision(cfg.precision.mode, cuda=False)
+                    resolve_precision(cfg.precision.mode, cuda=False, bf16=False)
             else:
-                assert resolve_precision(cfg.precision.mode, cuda=False) in (
+                assert resolve_precision(cfg.precision.mode, cuda=False, bf16=False) in (
                     "bf16-mixed",
                     "bf16-true",
                     "32-true",
                 )
             if cfg.kernels.liger:
                 with pytest.raises(ValueError, match="kernels=eager or kernels=compile"):
-                    check_kernels(cfg.kernels.liger, cuda=False)
+                    check_liger(cfg.kernels.liger, cuda=False)
             else:
-                check_kernels(cfg.kernels.liger, cuda=False)
+                check_liger(cfg.kernels.liger, cuda=False)
             a = cfg.activation_checkpointing
-            decision = resolve_activation_checkpointing(a.every, a.auto, cfg.model.n_layer)
+            decision = resolve(a.every, a.auto, cfg.model.n_layer)
             assert decision.every == (0 if a.auto else a.every)
     assert len(combos) >= 5 * 4 * 5
 
@@ -134,7 +136,7 @@ def test_liger_refusal_exits_78_from_the_command_line(tmp_path, data_cache):
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger_kernel is installed")
 def test_liger_on_cuda_without_the_package_names_the_install():
     with pytest.raises(ValueError, match=r"pip install -e '\.\[gpu\]'"):
-        check_kernels(True, cuda=True)
+        check_liger(True, cuda=True)
 
 
 # ------------------------------------------------------------------------------- activation checkpointing
@@ -148,7 +150,7 @@ def tiny_module(n_layer: int = 4) -> LMModule:
 
 def loss_and_grads(module: LMModule, batch: torch.Tensor, every: int):
     module.zero_grad(set_to_none=True)
-    module.model.checkpoint_every = every
+    module.model.ac_every = every
     loss = module.loss(batch)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
@@ -171,7 +173,7 @@ def saved_activation_probe(module: LMModule, batch: torch.Tensor, calls: list[in
 
     def probe(every: int) -> int:
         calls.append(every)
-        module.model.checkpoint_every = every
+        module.model.ac_every = every
         saved = 0
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -190,17 +192,17 @@ def saved_activation_probe(module: LMModule, batch: torch.Tensor, calls: list[in
 
 def test_auto_tries_least_checkpointing_first_and_takes_the_first_that_fits():
     module, batch = tiny_module(), torch.randint(0, 100, (2, 17))
-    assert checkpoint_candidates(4) == [0, 4, 3, 1]  # off, 1 block, 2 blocks, all 4
-    assert checkpoint_candidates(18) == [0, 18, 17, 8, 5, 4, 3, 2, 1]
+    assert candidates(4) == [0, 4, 3, 1]  # off, 1 block, 2 blocks, all 4
+    assert candidates(18) == [0, 18, 17, 8, 5, 4, 3, 2, 1]
     calls: list[int] = []
     probe = saved_activation_probe(module, batch, calls)
-    peaks = {k: probe(k) for k in checkpoint_candidates(4)}
+    peaks = {k: probe(k) for k in candidates(4)}
     assert peaks[0] > peaks[4] > peaks[3] > peaks[1]  # more checkpointing, less memory: the search's premise
 
     calls.clear()
     # Room for 1 block in 3 but not for 1 in 4: the search stops at the first candidate that fits.
     budget = (peaks[3] + peaks[4]) // 2
-    decision = resolve_activation_checkpointing(0, True, 4, probe=probe, budget_bytes=budget, headroom=0.0)
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=budget, headroom=0.0)
     assert decision.every == 3 and calls == [0, 4, 3]
     assert [(t.every, t.fits) for t in decision.trials] == [(0, False), (4, False), (3, True)]
     assert [t.peak_bytes for t in decision.trials] == [peaks[0], peaks[4], peaks[3]]
@@ -208,12 +210,12 @@ def test_auto_tries_least_checkpointing_first_and_takes_the_first_that_fits():
 
     # The headroom is kept free: a peak that fits the budget but not the budget minus 10% does not fit.
     calls.clear()
-    decision = resolve_activation_checkpointing(0, True, 4, probe=probe, budget_bytes=peaks[0], headroom=0.1)
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0], headroom=0.1)
     assert decision.every == 4 and calls == [0, 4]
 
     # Plenty of memory: off, after one trial. `every` is ignored under auto.
     calls.clear()
-    decision = resolve_activation_checkpointing(2, True, 4, probe=probe, budget_bytes=10 * peaks[0])
+    decision = resolve(2, True, 4, probe=probe, budget_bytes=10 * peaks[0])
     assert decision.every == 0 and calls == [0]
 
 
@@ -225,7 +227,7 @@ def test_auto_skips_out_of_memory_trials_and_refuses_when_nothing_fits():
     def oom_below_every_block(every: int) -> int | None:
         return measure(every) if every == 1 else None  # torch.OutOfMemoryError in the real probe
 
-    decision = resolve_activation_checkpointing(0, True, 4, probe=oom_below_every_block, budget_bytes=10**9)
+    decision = resolve(0, True, 4, probe=oom_below_every_block, budget_bytes=10**9)
     assert decision.every == 1 and [t.peak_bytes is None for t in decision.trials] == [
         True,
         True,
@@ -236,13 +238,13 @@ def test_auto_skips_out_of_memory_trials_and_refuses_when_nothing_fits():
     with pytest.raises(
         ValueError, match=r"not even checkpointing every block fits.*data\.batch_size.*accumulate"
     ):
-        resolve_activation_checkpointing(0, True, 4, probe=measure, budget_bytes=1000)
+        resolve(0, True, 4, probe=measure, budget_bytes=1000)
 
 
 def test_auto_without_a_device_limit_is_off_and_configured_values_stand():
-    decision = resolve_activation_checkpointing(1, True, 4, probe=None, budget_bytes=None)
+    decision = resolve(1, True, 4, probe=None, budget_bytes=None)
     assert decision.every == 0 and "no device memory limit" in decision.reason and not decision.trials
-    assert resolve_activation_checkpointing(2, False, 4).every == 2
+    assert resolve(2, False, 4).every == 2
 
 
 def test_headroom_is_validated(compose):
@@ -256,8 +258,19 @@ def test_headroom_is_validated(compose):
 @pytest.mark.parametrize("every", [0, 2])
 def test_the_training_loss_compiles_without_graph_breaks(every):
     module = tiny_module()
-    module.model.checkpoint_every = every
+    module.model.ac_every = every
     torch._dynamo.reset()
     explained = torch._dynamo.explain(module.loss)(torch.randint(0, 100, (2, 17)))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_auto_sees_a_memory_cap_that_mem_get_info_does_not():
+    """`lm bench bench.memory_limit_gb=24` on an 80 GB GPU caps the process with a memory fraction, which
+    `torch.cuda.mem_get_info` ignores: `auto` used to budget the whole free device (and decided before the cap
+    was even set), so the capped bench misstated what a smaller GPU does."""
+    gb = 10**9
+    assert allowed_bytes(free=79 * gb, total=80 * gb, fraction=0.3, reserved=0) == 24 * gb
+    assert allowed_bytes(free=79 * gb, total=80 * gb, fraction=0.3, reserved=4 * gb) == 20 * gb
+    assert allowed_bytes(free=10 * gb, total=80 * gb, fraction=1.0, reserved=4 * gb) == 10 * gb  # others' use
+    assert allowed_bytes(free=79 * gb, total=80 * gb, fraction=0.01, reserved=4 * gb) == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lm.knobs import cuda_trial_probe, resolve_activation_checkpointing
+from lm.activation_checkpointing import cuda_trial_probe, free_device_memory, resolve
 from lm.model import ModelConfig
 from lm.module import LMModule
 
@@ -92,7 +92,7 @@ def test_compile_fullgraph_has_no_graph_breaks_and_the_eager_loss():
 @pytest.mark.parametrize("every", [0, 1])
 def test_compile_with_bf16_autocast_and_checkpointing(every):
     torch.manual_seed(0)
-    module = LMModule(SMALL, {}, checkpoint_every=every).to(CUDA).train()
+    module = LMModule(SMALL, {}, ac_every=every).to(CUDA).train()
     torch._dynamo.reset()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(module.loss)(batch())
@@ -126,12 +126,20 @@ def test_auto_measures_real_trial_steps():
     assert all(p is not None and p > 0 for p in peaks.values())
     assert peaks[1] < peaks[0]  # checkpointing every block saves real memory
     # A budget just below "off" makes auto pick some checkpointing, measured, not guessed.
-    decision = resolve_activation_checkpointing(
-        0, True, 4, probe=probe, budget_bytes=peaks[0] - 1, headroom=0.0
-    )
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0] - 1, headroom=0.0)
     assert decision.every > 0 and decision.trials[0].every == 0 and not decision.trials[0].fits
     # The trials leave no model, gradients or optimizer state behind on the device. cuBLAS keeps its
     # workspaces in the caching allocator (64 MiB on an H100), so the bound is half the fp32 weights.
     left = torch.cuda.memory_allocated(CUDA) - before
     weights = sum(p.numel() for p in LMModule(cfg, {}).parameters()) * 4
     assert left < weights / 2, f"{left / 2**20:.0f} MiB left on the device after the trials"
+
+
+def test_free_memory_respects_the_process_memory_fraction():
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.1, 0)
+        assert free_device_memory(CUDA) <= 0.1 * total
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, 0)

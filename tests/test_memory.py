@@ -18,7 +18,7 @@ def saved_bytes(cfg: ModelConfig, precision: str, ac_every: int, batch: int, seq
     net = Transformer(cfg)
     if PRECISIONS[precision] == "weights":
         net = net.to(torch.bfloat16)
-    net.checkpoint_every = ac_every
+    net.ac_every = ac_every
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     seen: dict[int, tuple[int, tuple]] = {}
 
@@ -100,7 +100,7 @@ def test_estimate_matches_cuda_peak(ac_every):
     cfg = ModelConfig(vocab_size=8192, n_layer=6, d_model=512, n_head=8, max_seq_len=512)
     batch, seq = 8, 512
     net = Transformer(cfg).cuda()
-    net.checkpoint_every = ac_every
+    net.ac_every = ac_every
     opt = torch.optim.AdamW(net.parameters(), fused=True)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda")
     for _ in range(2):

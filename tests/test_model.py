@@ -94,7 +94,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
     def grads(every: int) -> list[torch.Tensor]:
         model.zero_grad()
-        model.checkpoint_every = every
+        model.ac_every = every
         model(x).float().pow(2).mean().backward()
         return [p.grad.clone() for p in model.parameters()]
 

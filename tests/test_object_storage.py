@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.callbacks.spot import EXIT_CONFIG, EXIT_PREEMPTED
 from lm.checkpointing import resume_checkpoint
 from lm.config import to_objects
+from lm.exits import EXIT_CONFIG, EXIT_PREEMPTED
 from lm.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.train import main
 

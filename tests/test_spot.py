@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
+from lm.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.supervise import backoff_s, supervise
 
 from .conftest import CONF, TINY

@@ -11,11 +11,11 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from lm.callbacks.spot import EXIT_CONFIG
 from lm.cli import main as lm
 from lm.config import conf_dir, register_configs, to_objects
 from lm.cost import flops_per_token, load_catalog, non_embedding_params
-from lm.report import load_scalars
+from lm.exits import EXIT_CONFIG
+from lm.rundir import read_scalars
 from lm.sky import ASSUMED_MFU, memory_needed_gb, rank_gpus, render_task
 from lm.sweep import read_job, write_summary
 from lm.train import main as train_main
@@ -48,7 +48,7 @@ def test_multirun_summary_has_one_row_per_job_with_each_runs_numbers(tmp_path, d
     for row in done:
         run = sweep / row["job"]
         ledger = json.loads((run / "cost.json").read_text())
-        tb_loss = load_scalars(run / "tb")["val/loss"].values[-1]
+        tb_loss = read_scalars(run)["val/loss"].values[-1]
         assert float(row["val_loss"]) == pytest.approx(tb_loss, rel=1e-6)
         assert json.loads((run / "job.json").read_text())["objective"] == pytest.approx(tb_loss, rel=1e-6)
         assert float(row["usd"]) == pytest.approx(ledger["usd"]) and ledger["usd"] > 0

@@ -30,46 +30,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
+import lightning.pytorch as pl
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
+from lm import activation_checkpointing, cost, memory, runtime
 from lm.atomic import write_atomic
+from lm.bench_results import Result, load_bench, write_bench
+from lm.callbacks.steps import StepWatch
+from lm.config import LMConfig, compose, conf_dir, to_objects
+from lm.module import LMModule
 
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
-
-
-@dataclass
-class Result:
-    """One combination's measurement."""
-
-    combo: list[str]
-    """The swept overrides that define this combination (`kernels=compile`, ...)."""
-    status: str = "error"
-    """`ok`, `does not fit` (out of memory) or `error`."""
-    error: str = ""
-    tokens_per_sec: float | None = None
-    step_seconds: float | None = None
-    mfu: float | None = None
-    peak_mem_gb: float | None = None
-    peak_mem_kind: str = ""
-    """What peak_mem_gb measures: `cuda max allocated` or `cpu peak RSS`."""
-    estimate_gb: float | None = None
-    """lm.memory's estimate of the same step (allocated bytes, no CUDA overhead)."""
-    usd_per_btok: dict[str, float] = field(default_factory=dict)
-    """$/10^9 tokens at each price for this device (`on_demand`, `spot`, `price_per_hour`)."""
-    device: str = ""
-    gpu: str = ""
-    """Catalog entry of the device (`a100_80gb`, `cpu`, ...): the doctor reads measured MFU by it."""
-    precision: str = ""
-    params: int | None = None
-    ac_every: int | None = None
-    """The activation checkpointing stride trained with (what `activation_checkpointing=auto` resolved to)."""
-    note: str = ""
-    """What the combination resolved to, where the configuration left it to be decided (`auto`)."""
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -85,19 +63,7 @@ def expand(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
     return fixed, [list(c) for c in itertools.product(*sweeps)]
 
 
-def measured_mfu(out_dir: Path, gpu: str) -> float | None:
-    """The best MFU `lm bench` measured on this catalog GPU (its bench.json in `out_dir`), or None."""
-    try:
-        results = json.loads((Path(out_dir) / "bench.json").read_text())["results"]
-    except (OSError, ValueError, KeyError):
-        return None
-    mfus = [r["mfu"] for r in results if r.get("gpu") == gpu and r.get("status") == "ok" and r.get("mfu")]
-    return max(mfus) if mfus else None
-
-
 def is_oom(e: BaseException) -> bool:
-    import torch
-
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
     return any(m in str(e).lower() for m in OOM_MARKERS)
@@ -105,8 +71,6 @@ def is_oom(e: BaseException) -> bool:
 
 def limit_memory(limit_gb: float, cuda: bool) -> None:
     """Cap what this process may allocate: a fraction of the GPU, or the CPU address space it may grow by."""
-    import torch
-
     limit = limit_gb * 1e9
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -120,108 +84,116 @@ def limit_memory(limit_gb: float, cuda: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (int(vm + limit), resource.RLIM_INFINITY))
 
 
+class Clock(pl.Callback):
+    """Wall clock at each optimizer step's end, after the device has finished it."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.stamps: list[float] = []
+        self.steps = StepWatch()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.steps.ended(trainer):
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.stamps.append(time.perf_counter())
+
+
 def measure(overrides: list[str], combo: list[str]) -> Result:
     """Run one combination in this process (the worker side) and measure it."""
-    import lightning.pytorch as pl
-    import torch
-
-    from lm import cost, memory
-    from lm.cli import compose_config
-    from lm.config import conf_dir, to_objects
-    from lm.knobs import check_kernels
-    from lm.module import LMModule
-    from lm.train import activation_checkpointing, resolve_precision, uses_cuda
-
     result = Result(combo)
-    cfg = to_objects(compose_config(overrides))
-    cuda = uses_cuda(cfg.trainer)
-    precision = resolve_precision(cfg.precision.mode, cuda)
-    device = cost.resolve_gpu(cfg.gpu, torch.cuda.get_device_name() if cuda else None, conf_dir())
-    result.device, result.gpu, result.precision = device.device_name, device.gpu.name, precision
-    torch.set_float32_matmul_precision("high" if cfg.precision.tf32 else "highest")
-    compile_model = cfg.kernels.compile if cfg.kernels.compile is not None else cuda
-    b, t = cfg.data.batch_size, cfg.data.seq_len
-    every = cfg.activation_checkpointing.every
-    accumulate = cfg.trainer.accumulate_grad_batches
-    tokens_per_step = b * t * accumulate
-    total = cfg.bench.warmup_steps + cfg.bench.steps
-    torch.manual_seed(cfg.run.seed)
-    batches = [torch.randint(0, cfg.model.vocab_size, (b, t + 1)) for _ in range(4)]
-    stamps: list[float] = []
-
-    class Clock(pl.Callback):
-        """Wall clock at each optimizer step's end, after the device has finished it."""
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if (batch_idx + 1) % accumulate == 0:
-                if cuda:
-                    torch.cuda.synchronize()
-                stamps.append(time.perf_counter())
-
+    cfg = to_objects(compose(overrides))
+    cuda = False
     try:
-        check_kernels(cfg.kernels.liger, cuda)  # Liger without CUDA: an error row naming the fix
-        decision = activation_checkpointing(cfg, precision, cuda)  # `auto` measured as training would
-        every = result.ac_every = decision.every
-        if cfg.activation_checkpointing.auto:
-            result.note = "auto: " + ("off" if every == 0 else f"every {every}")
-        est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=precision, ac_every=every)
-        result.estimate_gb = round(est.allocated / 1e9, 3)
-        if cfg.bench.memory_limit_gb is not None:
+        rt = runtime.resolve(cfg)  # Liger without CUDA: an error row naming the fix
+        cuda = rt.cuda
+        result.device, result.gpu, result.precision = rt.device_name, rt.gpu.name, rt.precision
+        runtime.set_matmul_precision(cfg.precision.tf32)
+        if cfg.bench.memory_limit_gb is not None:  # before `auto` decides: its trials must see the cap
             limit_memory(cfg.bench.memory_limit_gb, cuda)
-        module = LMModule(
-            cfg.model,
-            cfg.optim,
-            total_steps=max(total, cfg.optim.warmup_steps + 1),
-            checkpoint_every=every,
-            compile=compile_model,
-            compile_mode=cfg.kernels.compile_mode,
-            liger=cfg.kernels.liger,
-        )
-        result.params = module.model.num_parameters()
-        trainer = pl.Trainer(
-            accelerator=cfg.trainer.accelerator,
-            devices=1,
-            precision=precision,
-            max_steps=total,
-            accumulate_grad_batches=accumulate,
-            gradient_clip_val=cfg.trainer.gradient_clip_val,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[Clock()],
-            default_root_dir=tempfile.mkdtemp(prefix="lm-bench-"),
-        )
-        loader = torch.utils.data.DataLoader(
-            [batches[i % len(batches)] for i in range(total * accumulate)], batch_size=None
-        )
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        trainer.fit(module, train_dataloaders=loader)
+        clock = fit_steps(cfg, rt, result)
     except Exception as e:  # classify: out of memory is a result, anything else an error with its message
         result.status = "does not fit" if is_oom(e) else "error"
         result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         return result
     finally:
-        if cuda:
-            result.peak_mem_gb = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-            result.peak_mem_kind = "cuda max allocated"
-        else:
-            result.peak_mem_gb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
-            result.peak_mem_kind = "cpu peak RSS"
-    timed = stamps[cfg.bench.warmup_steps - 1 :] if cfg.bench.warmup_steps else stamps
-    if len(timed) < 2:
+        result.peak_mem_gb, result.peak_mem_kind = peak_memory(cuda)
+    return timed(cfg, rt, result, clock.stamps)
+
+
+def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
+    """Train warmup_steps + steps optimizer steps on random tokens with a real Trainer, as training would."""
+    decision = activation_checkpointing.decide(
+        cfg, rt.precision, rt.cuda
+    )  # `auto` measured as training would
+    result.ac_every = decision.every
+    if cfg.activation_checkpointing.auto:
+        result.note = "auto: " + activation_checkpointing.describe(decision.every)
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=rt.precision, ac_every=decision.every)
+    result.estimate_gb = round(est.allocated / 1e9, 3)
+    total = cfg.bench.warmup_steps + cfg.bench.steps
+    module = LMModule(
+        cfg.model,
+        cfg.optim,
+        total_steps=max(total, cfg.optim.warmup_steps + 1),
+        ac_every=decision.every,
+        compile=rt.compile,
+        compile_mode=cfg.kernels.compile_mode,
+        liger=cfg.kernels.liger,
+    )
+    result.params = module.model.num_parameters()
+    clock = Clock(rt.cuda)
+    trainer = pl.Trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=1,
+        precision=rt.precision,
+        max_steps=total,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+        default_root_dir=tempfile.mkdtemp(prefix="lm-bench-"),
+    )
+    torch.manual_seed(cfg.run.seed)
+    batches = [torch.randint(0, cfg.model.vocab_size, (b, t + 1)) for _ in range(4)]
+    n = total * cfg.trainer.accumulate_grad_batches
+    loader = torch.utils.data.DataLoader([batches[i % len(batches)] for i in range(n)], batch_size=None)
+    if rt.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, train_dataloaders=loader)
+    return clock
+
+
+def peak_memory(cuda: bool) -> tuple[float, str]:
+    """(GB, what it measures): CUDA's allocated high-water mark, or the process's peak resident set."""
+    if cuda:
+        return round(torch.cuda.max_memory_allocated() / 1e9, 3), "cuda max allocated"
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3), "cpu peak RSS"
+
+
+def timed(cfg: LMConfig, rt: runtime.Runtime, result: Result, stamps: list[float]) -> Result:
+    """Tokens/s, MFU and $/Btok from the timed steps' clock stamps (the warm-up ones left out)."""
+    timed_stamps = stamps[cfg.bench.warmup_steps - 1 :] if cfg.bench.warmup_steps else stamps
+    if len(timed_stamps) < 2:
         result.error = f"only {len(stamps)} steps were timed"
         return result
-    seconds = (timed[-1] - timed[0]) / (len(timed) - 1)
+    seconds = (timed_stamps[-1] - timed_stamps[0]) / (len(timed_stamps) - 1)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches
     result.status, result.step_seconds = "ok", round(seconds, 5)
     result.tokens_per_sec = round(tokens_per_step / seconds, 1)
-    fpt = cost.flops_per_token(cfg.model, t)
-    mfu = cost.mfu(result.tokens_per_sec, fpt, cost.peak_flops(device.gpu, precision, cfg.precision.tf32), 1)
+    fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)
+    mfu = cost.mfu(result.tokens_per_sec, fpt, cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32), 1)
     result.mfu = round(mfu, 4) if mfu is not None else None
-    result.usd_per_btok = catalog_usd_per_btok(result.tokens_per_sec, device.gpu)
+    result.usd_per_btok = catalog_usd_per_btok(result.tokens_per_sec, rt.gpu)
     if cfg.cost.price_per_hour:
         result.usd_per_btok["price_per_hour"] = round(
             cost.usd_per_billion_tokens(result.tokens_per_sec, cfg.cost.price_per_hour, 1), 4
@@ -230,14 +202,10 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
 
 
 def catalog_usd_per_btok(tokens_per_sec: float, gpu) -> dict[str, float]:
-    """$/10^9 tokens at each price the catalog has for `gpu` (`on_demand`, `spot`)."""
-    from lm import cost
-
-    prices = {"on_demand": gpu.price_on_demand, "spot": gpu.price_spot}
+    """$/10^9 tokens at each price the catalog records for `gpu` (`on_demand`, `spot`)."""
     return {
         name: round(cost.usd_per_billion_tokens(tokens_per_sec, price, 1), 4)
-        for name, price in prices.items()
-        if price
+        for name, price in cost.catalog_prices(gpu).items()
     }
 
 
@@ -328,16 +296,11 @@ def recommendation(ranked: list[Result]) -> str:
 
 def run_bench(overrides: list[str], pricing: str | None = None) -> int:
     """Validate every combination, measure each in its own process, write bench.json/.md; exit status."""
-    from omegaconf import OmegaConf
-
-    from lm.cli import compose_config
-    from lm.config import to_objects
-    from lm.train import resolve_precision, uses_cuda
-
     fixed, combos = expand(overrides)
-    cfgs = [to_objects(compose_config(fixed + combo)) for combo in combos]  # bad input fails before any run
-    for cfg in cfgs:
-        resolve_precision(cfg.precision.mode, uses_cuda(cfg.trainer))
+    cfgs = [to_objects(compose(fixed + combo)) for combo in combos]  # bad input fails before any run
+    for cfg in cfgs:  # Liger on a CPU is left to its row, which names the fix
+        cuda = runtime.uses_cuda(cfg.trainer)
+        runtime.resolve_precision(cfg.precision.mode, cuda, cuda and torch.cuda.is_bf16_supported())
     base = cfgs[0]
     # Rank by the user's own rate when given (cost.price_per_hour), else by the catalog's chosen price.
     pricing = pricing or ("price_per_hour" if base.cost.price_per_hour is not None else base.cost.pricing)
@@ -362,11 +325,11 @@ def run_bench(overrides: list[str], pricing: str | None = None) -> int:
         "pricing": pricing,
         "fixed": fixed,
         "config": OmegaConf.to_container(OmegaConf.structured(base.bench)),
+        "model": asdict(base.model),
         "results": [asdict(r) for r in ranked],
         "recommended": next((r.combo for r in ranked if r.status == "ok"), None),
     }
-    write_atomic(out_dir / "bench.json", json.dumps(payload, indent=2))
-    write_atomic(out_dir / "bench.md", text)
+    write_bench(out_dir, payload, text)
     print(text, end="")
     print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'}")
     return 0 if payload["recommended"] is not None else 1
@@ -376,26 +339,6 @@ def run_bench(overrides: list[str], pricing: str | None = None) -> int:
 
 SWEEP_ONLY = ("bench.",)
 """Override prefixes that say how a bench ran, not what it measured: left out of a row's label."""
-
-
-def load_bench(path: Path) -> dict:
-    """A bench.json (or the folder holding one), checked enough to compare; a clear error otherwise."""
-    file = path / "bench.json" if path.is_dir() else path
-    if "=" in path.name and not path.exists():
-        raise ValueError(
-            f"{path}: looks like a Hydra override; --compare takes only bench.json files or folders"
-        )
-    if not file.is_file():
-        raise ValueError(
-            f"{path}: no bench.json there; run `lm bench ... bench.out_dir={path}` on that machine"
-        )
-    try:
-        payload = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not a bench.json written by lm bench ({e})") from e
-    if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
-        raise ValueError(f"{file}: not a bench.json written by lm bench (no `results` list)")
-    return payload
 
 
 def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tuple[list[dict], str]:
@@ -409,7 +352,6 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
     if len(paths) < 1:
         raise ValueError("lm bench --compare needs at least one bench.json (or its folder)")
     benches = [(p, load_bench(p)) for p in paths]
-    known = {f.name for f in Result.__dataclass_fields__.values()}
 
     def label_of(fixed: list[str]) -> set[str]:
         return {o for o in fixed if not o.lstrip("+~").startswith(SWEEP_ONLY)}
@@ -419,7 +361,7 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
     for path, bench in benches:
         extra = sorted(label_of(bench.get("fixed", [])) - common)
         for raw in bench["results"]:
-            r = Result(**{k: v for k, v in raw.items() if k in known})
+            r = Result.from_dict(raw)
             gpu = catalog.get(r.gpu) if catalog and r.gpu else None
             if gpu is not None and r.tokens_per_sec:  # today's catalog prices; the user's own rate stays
                 own = {k: v for k, v in r.usd_per_btok.items() if k == "price_per_hour"}
@@ -435,11 +377,16 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
             + " parameters): compare benches of one model (the same model= and data.vocab_size=)"
         )
     rows.sort(key=lambda row: rank_key(row["result"], pricing))
+    return rows, compare_markdown(rows, pricing, len(benches))
+
+
+def compare_markdown(rows: list[dict], pricing: str, n_benches: int) -> str:
+    """The merged, ranked table of `compare`, with its caveat and the recommendation."""
     prices = price_columns([row["result"] for row in rows])
     cols = ["#", "gpu", "combination", "status", "tokens/s", "MFU", "peak mem GB", "est. GB"]
     cols += [f"$/Btok {p}" for p in prices] + ["note", "from"]
     lines = [
-        f"# lm bench --compare ({len(benches)} benches, ranked by $/Btok {pricing})",
+        f"# lm bench --compare ({n_benches} benches, ranked by $/Btok {pricing})",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -466,14 +413,11 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
             f"cheapest that fits at {pricing} prices: gpu={r.gpu} {best['label']} "
             f"(${r.usd_per_btok[pricing]:.2f}/Btok, {r.tokens_per_sec:,.0f} tokens/s)"
         )
-    return rows, "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def run_compare(paths: list[str], pricing: str, out: str | None) -> int:
     """`lm bench --compare`: print the merged table and write it (with a JSON twin) when `out` is given."""
-    from lm import cost
-    from lm.config import conf_dir
-
     rows, text = compare([Path(p) for p in paths], pricing, cost.load_catalog(conf_dir()))
     print(text, end="")
     if out:

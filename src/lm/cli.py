@@ -25,37 +25,32 @@ import logging
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import OmegaConf
 
-from lm.config import ASSUMED_MFU, LMConfig, conf_dir, register_configs, to_objects
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """conf/train.yaml with command-line style overrides, as `python train.py` would compose it."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("train", overrides=overrides)
+from lm import plan
+from lm.atomic import write_atomic
+from lm.bench import run_bench, run_compare
+from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
+from lm.cost import load_catalog
+from lm.data import implied_epochs, load_manifest, prepare
+from lm.data.shards import sample_tokenizer
+from lm.doctor import diagnose, level_of, resolve_target, table
+from lm.generate import complete, load_for_sampling
+from lm.report import write_report
+from lm.sky import rank_gpus, render_task
+from lm.supervise import supervise
+from lm.sweep import write_summary
 
 
 def cmd_config(args: argparse.Namespace) -> None:
-    cfg = compose_config(args.overrides)
+    cfg = compose(args.overrides)
     to_objects(cfg)  # run the cross-field checks too
     print(OmegaConf.to_yaml(cfg, resolve=True), end="")
 
 
-def planned_tokens(cfg: LMConfig) -> int:
-    """Training tokens the composed config plans: max_steps x tokens per optimizer step."""
-    trainer = cfg.trainer
-    devices = trainer.devices if isinstance(trainer.devices, int) else 1  # `auto`: assume one device
-    per_step = cfg.data.batch_size * cfg.data.seq_len * trainer.accumulate_grad_batches * devices
-    return trainer.max_steps * per_step * trainer.num_nodes
-
-
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from lm.data import implied_epochs, load_manifest, prepare
-
-    cfg = to_objects(compose_config(args.overrides))
+    cfg = to_objects(compose(args.overrides))
     data_dir = prepare(cfg.data)
     manifest = load_manifest(data_dir)
     print(f"prepared {data_dir}")
@@ -67,9 +62,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     )
     if manifest["skipped_count"]:
         print(f"skipped {manifest['skipped_count']} input(s): see `skipped` in {data_dir / 'manifest.json'}")
-    budget = planned_tokens(cfg)
-    epochs = implied_epochs(manifest, budget)
-    line = f"the plan (trainer.max_steps={cfg.trainer.max_steps}) trains on {budget:,} tokens: {epochs:.2f} epochs"
+    end = plan.plan_end(cfg)
+    epochs = implied_epochs(manifest, end.tokens)
+    line = f"the plan ({end.source}) trains on {end.tokens:,} tokens: {epochs:.2f} epochs"
     if epochs > 1:
         line += " of this corpus (more than one: repeated data; bring more text or plan fewer steps)"
     print(line)
@@ -83,9 +78,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> None:
-    from lm.doctor import diagnose, level_of, resolve_target, table
-
-    cfg = to_objects(compose_config(args.overrides))
+    cfg = to_objects(compose(args.overrides))
     target = resolve_target(cfg)
     strict = args.strict or cfg.doctor.strict
     findings = diagnose(target)
@@ -102,8 +95,6 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from lm.bench import run_bench, run_compare
-
     if args.compare:
         if args.overrides:
             raise SystemExit(
@@ -116,9 +107,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
-    from lm.data.shards import sample_tokenizer
-
-    cfg = to_objects(compose_config(args.overrides)).data
+    cfg = to_objects(compose(args.overrides)).data
     out = Path(args.out)
     sha = sample_tokenizer(cfg, out)
     print(f"wrote {out} (vocabulary {cfg.vocab_size}, sha256 {sha})")
@@ -126,25 +115,18 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from lm.report import write_report
-
     print(f"wrote {write_report(args.run_dir)}")
 
 
 def cmd_sweep_summary(args: argparse.Namespace) -> None:
-    from lm.sweep import write_summary
-
     path, rows = write_summary(args.sweep_dir)
     print(path.read_text(), end="")
     print(f"wrote {path} and {path.with_suffix('.csv')} ({len(rows)} jobs)")
 
 
 def cmd_sky(args: argparse.Namespace) -> None:
-    from lm.cost import load_catalog
-    from lm.sky import rank_gpus, render_task
-
     overrides = args.overrides or ["+experiment=plan_1b"]
-    cfg = to_objects(compose_config(overrides))
+    cfg = to_objects(compose(overrides))
     ranked = rank_gpus(cfg, load_catalog(conf_dir()), args.pricing, args.mfu)
     text = render_task(overrides, ranked, args.mfu)
     out = Path(args.out)
@@ -153,8 +135,6 @@ def cmd_sky(args: argparse.Namespace) -> None:
             sys.exit(f"lm sky: {out} is stale; regenerate it: lm sky --out {out} {' '.join(overrides)}")
         print(f"{out} is up to date")
         return
-    from lm.atomic import write_atomic
-
     write_atomic(out, text)
     for c in ranked:
         per_b = f"${c.usd_per_billion_tokens:.2f}/B tokens" if c.usd_per_billion_tokens else "unpriced"
@@ -163,8 +143,6 @@ def cmd_sky(args: argparse.Namespace) -> None:
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:
-    from lm.supervise import supervise
-
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise ValueError("nothing to supervise; usage: lm supervise [options] -- python train.py [overrides]")
@@ -197,10 +175,6 @@ def add_supervise(verbs) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    import torch
-
-    from lm.generate import complete, load_for_sampling
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_for_sampling(args.ckpt, device)
     dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
@@ -219,24 +193,31 @@ def cmd_sample(args: argparse.Namespace) -> None:
         print(prompt + text, flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(
-        prog="lm", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    verbs = parser.add_subparsers(dest="verb", required=True)
+def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
+    verb.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
+
+
+def add_config_verbs(verbs) -> None:
     for name, fn, help_ in [
         ("config", cmd_config, "print the composed, validated config"),
         ("prepare", cmd_prepare, "build the tokenizer and token shards for the configured data"),
     ]:
         verb = verbs.add_parser(name, help=help_)
-        verb.add_argument(
-            "overrides", nargs="*", help="Hydra overrides, e.g. +experiment=phase1 data.vocab_size=8192"
-        )
+        add_overrides(verb, "+experiment=phase1 data.vocab_size=8192")
         verb.set_defaults(fn=fn)
+    tokenizer = verbs.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
+        dest="action", required=True
+    )
+    train = tokenizer.add_parser("train", help="train a byte-level BPE on a sample of the configured corpus")
+    train.add_argument("--out", default="tokenizer.json", help="where to write it (default: tokenizer.json)")
+    add_overrides(train, "data=text data.paths='corpus/*.txt'")
+    train.set_defaults(fn=cmd_tokenizer)
+
+
+def add_doctor_and_bench(verbs) -> None:
     doctor = verbs.add_parser("doctor", help="preflight checks of a config (what train.py runs first)")
     doctor.add_argument("--strict", action="store_true", help="warnings are errors (exit 1)")
-    doctor.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=plan_1b gpu=a40")
+    add_overrides(doctor, "+experiment=plan_1b gpu=a40")
     doctor.set_defaults(fn=cmd_doctor)
     bench = verbs.add_parser("bench", help="benchmark knob combinations on this machine, ranked by $/token")
     bench.add_argument(
@@ -252,35 +233,17 @@ def main(argv: list[str] | None = None) -> None:
         help="merge bench.json files (or their folders) from several machines into one $/token ranking",
     )
     bench.add_argument("--out", default=None, help="with --compare: also write the table here (.md + .json)")
-    bench.add_argument(
-        "overrides", nargs="*", help="Hydra overrides; comma lists are swept: kernels=eager,compile"
-    )
+    add_overrides(bench, "kernels=eager,compile (comma lists are swept)")
     bench.set_defaults(fn=cmd_bench)
+
+
+def add_run_readers(verbs) -> None:
     report = verbs.add_parser("report", help="write report.md and plots for a run directory")
     report.add_argument("run_dir", help="runs/<run.name>")
     report.set_defaults(fn=cmd_report)
-    tokenizer = verbs.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
-        dest="action", required=True
-    )
-    train = tokenizer.add_parser("train", help="train a byte-level BPE on a sample of the configured corpus")
-    train.add_argument("--out", default="tokenizer.json", help="where to write it (default: tokenizer.json)")
-    train.add_argument(
-        "overrides", nargs="*", help="Hydra overrides, e.g. data=text data.paths='corpus/*.txt'"
-    )
-    train.set_defaults(fn=cmd_tokenizer)
-    add_supervise(verbs)
     summary = verbs.add_parser("sweep-summary", help="rebuild a multirun's sweep_summary.md and .csv")
     summary.add_argument("sweep_dir", help="the sweep's folder: runs/<run.name>")
     summary.set_defaults(fn=cmd_sweep_summary)
-    sky = verbs.add_parser("sky", help="rank GPUs by $/token for a config; write the SkyPilot task")
-    sky.add_argument("--out", default="sky/train.yaml", help="the task file (default: sky/train.yaml)")
-    sky.add_argument(
-        "--mfu", type=float, default=ASSUMED_MFU, help=f"assumed model FLOPs utilisation ({ASSUMED_MFU})"
-    )
-    sky.add_argument("--pricing", choices=["spot", "on_demand"], default="spot", help="price to rank by")
-    sky.add_argument("--check", action="store_true", help="only check that --out is up to date")
-    sky.add_argument("overrides", nargs="*", help="Hydra overrides (default: +experiment=plan_1b)")
-    sky.set_defaults(fn=cmd_sky)
     sample = verbs.add_parser("sample", help="continue a prompt with a checkpoint (KV-cached generation)")
     sample.add_argument("ckpt", help="runs/<run.name>/checkpoints/last.ckpt")
     sample.add_argument("prompt", nargs="?", help="text to continue; omitted: one prompt per line of stdin")
@@ -290,7 +253,33 @@ def main(argv: list[str] | None = None) -> None:
     sample.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     sample.set_defaults(fn=cmd_sample)
-    args = parser.parse_args(argv)
+
+
+def add_sky(verbs) -> None:
+    sky = verbs.add_parser("sky", help="rank GPUs by $/token for a config; write the SkyPilot task")
+    sky.add_argument("--out", default="sky/train.yaml", help="the task file (default: sky/train.yaml)")
+    sky.add_argument(
+        "--mfu", type=float, default=ASSUMED_MFU, help=f"assumed model FLOPs utilisation ({ASSUMED_MFU})"
+    )
+    sky.add_argument("--pricing", choices=["spot", "on_demand"], default="spot", help="price to rank by")
+    sky.add_argument("--check", action="store_true", help="only check that --out is up to date")
+    sky.add_argument("overrides", nargs="*", help="Hydra overrides (default: +experiment=plan_1b)")
+    sky.set_defaults(fn=cmd_sky)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lm", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for add in (add_config_verbs, add_doctor_and_bench, add_run_readers, add_supervise, add_sky):
+        add(verbs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, ImportError) as e:

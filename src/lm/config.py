@@ -12,15 +12,110 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from lm.data.config import DataConfig
 from lm.model import ModelConfig
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
 PRICINGS = ("on_demand", "spot")
 SCHEDULES = ("wsd", "cosine", "constant")
+
+
+SOURCES = ("stdlib", "text", "hf", "tokens")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are batched."""
+
+    source: str = "stdlib"
+    """`stdlib` (the interpreter's standard library source, bundled with every Python), `text` (local files:
+    .txt/.md, .jsonl, .parquet, optionally .gz), `hf` (a Hugging Face dataset, streamed) or `tokens` (a folder
+    that `lm prepare` already wrote)."""
+    paths: Any = None
+    """`text`: a glob or a list of globs (`corpus/**/*.jsonl`); `hf`: optional data files for the builder."""
+    text_field: str = "text"
+    """Field (.jsonl) or column (.parquet, `hf`) that holds each document's text."""
+    name: str | None = None
+    """`hf`: the dataset name (`HuggingFaceFW/fineweb-edu`, or a builder such as `json`)."""
+    subset: str | None = None
+    """`hf`: the dataset configuration (`sample-10BT`)."""
+    split: str = "train"
+    """`hf`: the split to read; validation is carved out of it by document."""
+    dir: str | None = None
+    """Folder of the prepared shards. `tokens`: required; other sources: None uses cache_dir/<source>-<hash>.
+    A URL (`s3://bucket/tokens`) is object storage: `tokens` downloads it into cache_dir (every shard checked
+    against the manifest's sha256); other sources prepare into cache_dir and upload there."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for a `dir` URL (e.g. `endpoint_url`); credentials come from the environment."""
+    tokenizer: str | None = None
+    """A tokenizer.json path or a Hugging Face tokenizer name; None trains a byte-level BPE on the corpus.
+    With `tokens`, the shards must have been made by this tokenizer (checked by sha256)."""
+    eot_token: str = "<|endoftext|>"
+    """End-of-text token appended to every document; a loaded tokenizer must have it."""
+    cache_dir: str = "${oc.env:LM_CACHE,${oc.env:HOME}/.cache/lm}"
+    """Folder for trained tokenizers and token shards; one sub-folder per prepared dataset."""
+    vocab_size: int = 4096
+    """Id space of the model's embedding (padded up from it); a trained BPE gets exactly this many tokens."""
+    seq_len: int = 256
+    """Tokens per training window (the model sees seq_len inputs and predicts seq_len targets)."""
+    batch_size: int = 16
+    """Windows per micro-batch per device; tokens per optimizer step = batch_size x seq_len x accumulation x devices."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation, chosen by a hash of each document's name."""
+    max_bytes: int | None = None
+    """Read at most about this many bytes of the corpus (whole files or documents); None reads all of it."""
+    tokenizer_sample_bytes: int = 8_000_000
+    """The tokenizer is trained on at most this many bytes of the training documents."""
+    shard_bytes: int = 256_000_000
+    """Input bytes per unit of work; each unit writes one train and one val shard and is resumed as a whole."""
+    num_proc: int | None = None
+    """Processes that tokenize in `prepare`; None uses every core."""
+    max_line_chars: int = 1_000_000
+    """Documents with a longer line (minified code, base64 blobs) are skipped and reported: BPE on one giant
+    pre-token is slow and they are rarely language."""
+    num_workers: int = 2
+    """DataLoader worker processes; 0 loads batches in the training process and stalls the GPU."""
+    pin_memory: bool = True
+    """Page-locked host buffers for faster host-to-GPU copies (ignored without CUDA)."""
+    persistent_workers: bool = True
+    """Keep workers alive between validation and training instead of re-forking them."""
+    seed: int = 0
+    """Seed of the window order; order is a pure function of (seed, global step)."""
+
+    def check_inputs(self) -> None:
+        """The source's required fields; checked when data is prepared, so every data=* option composes."""
+        if self.source == "text" and not self.paths:
+            raise ValueError("data=text needs data.paths, e.g. data.paths='corpus/**/*.txt'")
+        if self.source == "hf" and not self.name:
+            raise ValueError("data=hf needs data.name, e.g. data.name=HuggingFaceFW/fineweb-edu")
+        if self.source == "tokens" and not self.dir:
+            raise ValueError("data=tokens needs data.dir, the folder `lm prepare` wrote")
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(
+                f"data.source {self.source!r} is unknown; use one of {', '.join(SOURCES)} (e.g. data=text)"
+            )
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        if self.paths is not None and not (
+            isinstance(self.paths, (list, tuple)) and all(isinstance(p, str) for p in self.paths)
+        ):
+            raise ValueError(f"data.paths={self.paths!r} must be a glob or a list of globs")
+        if self.seq_len < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1"
+            )
+        if self.shard_bytes < 1 or (self.num_proc is not None and self.num_proc < 1):
+            raise ValueError(
+                "data.shard_bytes and data.num_proc must be positive (num_proc null = every core)"
+            )
+        if self.max_line_chars < 1:
+            raise ValueError(f"data.max_line_chars={self.max_line_chars} must be positive")
 
 
 @dataclass
@@ -468,6 +563,13 @@ def conf_dir() -> Path:
 def register_configs() -> None:
     """Make the schemas visible to Hydra (idempotent)."""
     ConfigStore.instance().store(name="lm_schema", node=LMConfig)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """conf/train.yaml with command-line style overrides, as `python train.py` would compose it."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
 
 
 def to_objects(cfg: DictConfig) -> LMConfig:

@@ -21,7 +21,6 @@ from lm.model import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
 
-CHINCHILLA_TOKENS_PER_PARAM = 20
 FLOPS_FORMULA = "6*N_non_embedding + 12*n_layer*d_model*seq_len FLOPs/token (no causal discount)"
 
 
@@ -35,11 +34,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int | None = None)
     """Training FLOPs (forward + backward) per token; see the module docstring for the formula."""
     n = non_embedding_params(cfg) if n_params is None else n_params
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * seq_len
-
-
-def chinchilla_tokens(n_params: int) -> int:
-    """The compute-optimal token budget of Hoffmann et al.: ~20 tokens per parameter."""
-    return CHINCHILLA_TOKENS_PER_PARAM * n_params
 
 
 def peak_flops(gpu: GpuConfig, precision: str, tf32: bool) -> float | None:
@@ -60,23 +54,47 @@ def mfu(tokens_per_sec: float, flops_per_tok: float, peak: float | None, n_devic
     return tokens_per_sec * flops_per_tok / (peak * n_devices)
 
 
-def price_per_hour(gpu: GpuConfig, cost: CostConfig) -> float | None:
-    """$/hour per device: the override, else the catalog's price for the chosen pricing.
+def catalog_prices(gpu: GpuConfig) -> dict[str, float]:
+    """Every price the catalog records for `gpu`, by pricing (`on_demand`, `spot`)."""
+    prices = {"on_demand": gpu.price_on_demand, "spot": gpu.price_spot}
+    return {k: v for k, v in prices.items() if v is not None}
 
-    None for an uncatalogued GPU (the run is metered in seconds, not dollars, and was warned about); a
-    catalogued GPU without the requested price is an error, since the user asked for a price that is not there.
+
+def catalog_price(gpu: GpuConfig, pricing: str, strict: bool = False) -> tuple[float, str] | None:
+    """$/hour per GPU at `pricing`, and the pricing that price really is; the one policy for every caller.
+
+    The catalog's `pricing` price when it has one. Where it has no spot price, comparisons (the doctor's
+    $/token, `lm sky`'s ranking) take the on-demand price, labelled `on_demand`: an upper bound on spot, so a
+    GPU is never ranked cheaper than it is. A run's meter passes `strict=True` and is refused instead, since
+    metering a spot run at the on-demand rate would overstate every dollar figure without a word. None when
+    the catalog has no price at all (an uncatalogued GPU, the CPU entry).
+    """
+    prices = catalog_prices(gpu)
+    if pricing in prices:
+        return prices[pricing], pricing
+    if strict and prices:
+        other = "on_demand" if pricing == "spot" else "spot"
+        raise ValueError(
+            f"the catalog has no {pricing} price for gpu={gpu.name}; set cost.price_per_hour=<$/h per GPU> "
+            f"or cost.pricing={other}"
+        )
+    if pricing == "spot" and "on_demand" in prices:
+        return prices["on_demand"], "on_demand"
+    return None
+
+
+def price_per_hour(gpu: GpuConfig, cost: CostConfig) -> float | None:
+    """$/hour per device a run is metered at: `cost.price_per_hour`, else the catalog's price for
+    `cost.pricing` (strict: a missing spot price is refused, see `catalog_price`).
+
+    None for a GPU without any catalogued price (the run is metered in seconds, not dollars, and was warned).
     """
     if cost.price_per_hour is not None:
         return cost.price_per_hour
     if gpu.name == "unknown":
         return None
-    price = gpu.price_spot if cost.pricing == "spot" else gpu.price_on_demand
-    if price is None:
-        raise ValueError(
-            f"the catalog has no {cost.pricing} price for gpu={gpu.name}; set cost.price_per_hour=<$/h per GPU> "
-            f"or cost.pricing={'on_demand' if cost.pricing == 'spot' else 'spot'}"
-        )
-    return price
+    found = catalog_price(gpu, cost.pricing, strict=True)
+    return found[0] if found else None
 
 
 def usd(seconds: float, price: float, n_devices: int) -> float:

@@ -22,10 +22,14 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lm import cost, memory
+from lm import activation_checkpointing as ac
+from lm import cost, memory, plan, rundir, runtime
+from lm.bench_results import measured_mfu
 from lm.checkpointing import checkpoint_space, estimate_checkpoint_bytes, gib
-from lm.config import GpuConfig, LMConfig
-from lm.knobs import checkpoint_candidates, describe_every
+from lm.config import GpuConfig, LMConfig, conf_dir
+from lm.data import LMDataModule, sources
+from lm.data.dataset import TokenWindows
+from lm.data.manifest import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +88,9 @@ def estimate_for(
 def least_checkpointing(t: Target) -> tuple[int, memory.MemoryEstimate] | None:
     """The estimate's least activation checkpointing that fits this device (off first, every block last),
     with its estimate; None when not even every block checkpointed fits."""
-    for k in checkpoint_candidates(t.cfg.model.n_layer):
+    for k in ac.candidates(t.cfg.model.n_layer):
         est = estimate_for(t, ac_every=k)
-        if memory.fits(est, t.memory_bytes, t.cfg.doctor.headroom):
+        if fits(t, est):
             return k, est
     return None
 
@@ -103,38 +107,19 @@ def smaller_micro_batch(t: Target) -> tuple[int, int] | None:
 
 def check_memory(t: Target) -> list[Finding]:
     """Activation checkpointing on while the run would fit without it; a run that does not fit at all."""
-    every = t.cfg.activation_checkpointing.every
     est = estimate_for(t)
     if not t.cuda or t.memory_bytes is None:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-        if ram and est.total > ram:
-            return [
-                Finding(
-                    "memory",
-                    "warn",
-                    f"~{gib(est.total)} estimated, more than this machine's {gib(ram)} of RAM",
-                    "no swapping",
-                    f"data.batch_size={max(1, t.cfg.data.batch_size // 2)}",
-                )
-            ]
-        return [Finding("memory", "ok", f"~{est.summary()} estimated on the CPU")]
-    headroom = t.cfg.doctor.headroom
+        return check_host_memory(t, est)
     device = f"{t.gpu.memory_gb:g} GB {t.gpu.name}"
+    every = t.cfg.activation_checkpointing.every
     if t.cfg.activation_checkpointing.auto:
         # `auto` measures at start; the model says where its search should end up, or that it cannot.
         if least := least_checkpointing(t):
-            return [
-                Finding(
-                    "activation_checkpointing",
-                    "ok",
-                    f"auto: the estimate expects {describe_every(least[0])} (~{gib(least[1].total)} of "
-                    f"{device}); measured at start",
-                )
-            ]
-        every = 1  # nothing fits even with every block checkpointed: the refusal below
-        est = estimate_for(t, ac_every=1)
+            what = f"auto: the estimate expects {ac.describe(least[0])} (~{gib(least[1].total)} of {device})"
+            return [Finding("activation_checkpointing", "ok", f"{what}; measured at start")]
+        every, est = 1, estimate_for(t, ac_every=1)  # nothing fits even with every block checkpointed
     off = estimate_for(t, ac_every=0)
-    if every and memory.fits(off, t.memory_bytes, headroom):
+    if every and fits(t, off):
         return [
             Finding(
                 "activation_checkpointing",
@@ -144,52 +129,69 @@ def check_memory(t: Target) -> list[Finding]:
                 "activation_checkpointing=off",
             )
         ]
-    if memory.fits(est, t.memory_bytes, headroom):
+    if fits(t, est):
         return [Finding("memory", "ok", f"~{est.summary()} of {device}")]
     on = estimate_for(t, ac_every=1)
-    if not every and memory.fits(on, t.memory_bytes, headroom):
-        # The least recompute that fits: `auto` measures it at start (the estimate errs high, so the
-        # measurement may need even less); a smaller micro-batch without recompute may be cheaper still.
-        least, least_est = least_checkpointing(t)  # not off (it does not fit), at most every block
-        what = (
-            f"~{gib(est.total)} estimated does not fit {device} without activation checkpointing; the "
-            f"estimate expects {describe_every(least)} to fit (~{gib(least_est.total)})"
-        )
-        smaller = smaller_micro_batch(t)
-        if smaller and memory.fits(
-            estimate_for(t, ac_every=0, batch_size=smaller[0]), t.memory_bytes, headroom
-        ):
-            what += (
-                f"; data.batch_size={smaller[0]} trainer.accumulate_grad_batches={smaller[1]} without "
-                f"checkpointing also fits (same tokens per step): `lm bench "
-                f"data.batch_size={t.cfg.data.batch_size},{smaller[0]} activation_checkpointing=auto,off` "
-                "says which is cheaper"
-            )
-        return [
-            Finding(
-                "memory",
-                "warn",
-                what,
-                "no out-of-memory crash at the least recompute (checkpointing every block costs 18-22% "
-                "tokens/s; auto measures the least that fits at start)",
-                "activation_checkpointing=auto",
-            )
-        ]
+    if not every and fits(t, on):
+        return [needs_checkpointing(t, est, device)]
     smaller = smaller_micro_batch(t)
     fix = "a GPU with more memory, or a smaller model"
     if smaller:
         fix = f"data.batch_size={smaller[0]} trainer.accumulate_grad_batches={smaller[1]} (same tokens per step)"
         fix += " activation_checkpointing=on" if not every else ""
+    what = (
+        f"~{gib(on.total if not every else est.total)} estimated does not fit {device} even with activation"
+    )
     return [
-        Finding(
-            "memory",
-            "error",
-            f"~{gib(on.total if not every else est.total)} estimated does not fit {device} even with "
-            f"activation checkpointing ({est.summary()})",
-            "a run that starts at all",
-            fix,
-        )
+        Finding("memory", "error", f"{what} checkpointing ({est.summary()})", "a run that starts at all", fix)
     ]
+
+
+def fits(t: Target, est: memory.MemoryEstimate) -> bool:
+    return memory.fits(est, t.memory_bytes, t.cfg.doctor.headroom)
+
+
+def check_host_memory(t: Target, est: memory.MemoryEstimate) -> list[Finding]:
+    """A CPU run (or an uncatalogued device): the estimate against this machine's RAM."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    if ram and est.total > ram:
+        return [
+            Finding(
+                "memory",
+                "warn",
+                f"~{gib(est.total)} estimated, more than this machine's {gib(ram)} of RAM",
+                "no swapping",
+                f"data.batch_size={max(1, t.cfg.data.batch_size // 2)}",
+            )
+        ]
+    return [Finding("memory", "ok", f"~{est.summary()} estimated on the CPU")]
+
+
+def needs_checkpointing(t: Target, est: memory.MemoryEstimate, device: str) -> Finding:
+    """A run that fits only with recompute: the least that fits (`auto` measures it at start, and the
+    estimate errs high, so the measurement may need even less); a smaller micro-batch without recompute may
+    be cheaper still."""
+    least, least_est = least_checkpointing(t)  # not off (it does not fit), at most every block
+    what = (
+        f"~{gib(est.total)} estimated does not fit {device} without activation checkpointing; the "
+        f"estimate expects {ac.describe(least)} to fit (~{gib(least_est.total)})"
+    )
+    smaller = smaller_micro_batch(t)
+    if smaller and fits(t, estimate_for(t, ac_every=0, batch_size=smaller[0])):
+        what += (
+            f"; data.batch_size={smaller[0]} trainer.accumulate_grad_batches={smaller[1]} without "
+            f"checkpointing also fits (same tokens per step): `lm bench "
+            f"data.batch_size={t.cfg.data.batch_size},{smaller[0]} activation_checkpointing=auto,off` "
+            "says which is cheaper"
+        )
+    return Finding(
+        "memory",
+        "warn",
+        what,
+        "no out-of-memory crash at the least recompute (checkpointing every block costs 18-22% "
+        "tokens/s; auto measures the least that fits at start)",
+        "activation_checkpointing=auto",
+    )
 
 
 def check_precision(t: Target) -> list[Finding]:
@@ -314,10 +316,6 @@ def check_disk(t: Target) -> list[Finding]:
 def prepared_dataset(cfg: LMConfig):
     """The training split's Dataset if the data is prepared already, else None. Preflight stays cheap and
     offline: it never tokenizes, and never lists a Hugging Face dataset (found only through data.dir)."""
-    from lm.data import sources
-    from lm.data.dataset import TokenWindows
-    from lm.data.shards import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
-
     data = cfg.data
     if data.dir:
         folder = Path(data.dir).expanduser()
@@ -336,8 +334,6 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
     """What the DataLoader sends to its worker processes must pickle (and still work once unpickled)."""
     if t.cfg.data.num_workers == 0:
         return []
-    from lm.data import LMDataModule
-
     if dataset is None:
         try:
             dataset = prepared_dataset(t.cfg)
@@ -363,42 +359,21 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
         ]
 
 
-def tokens_per_step(cfg: LMConfig) -> int:
-    """Tokens of one optimizer step over every device."""
-    t = cfg.trainer
-    devices = t.devices if isinstance(t.devices, int) else 1  # `auto`: one device
-    return cfg.data.batch_size * cfg.data.seq_len * t.accumulate_grad_batches * devices * t.num_nodes
-
-
-def planned_tokens(cfg: LMConfig) -> tuple[int, str]:
-    """Tokens the whole plan trains on, and where that number comes from."""
-    per_step = tokens_per_step(cfg)
-    last = cfg.phases.phases[-1] if cfg.phases.phases else None
-    if last is not None and last.end_tokens:
-        return last.end_tokens, f"phase '{last.name}' end_tokens"
-    steps, source = cfg.trainer.max_steps, "trainer.max_steps"
-    if cfg.optim.total_steps and cfg.optim.total_steps > steps:
-        steps, source = cfg.optim.total_steps, "optim.total_steps"
-    if last is not None and last.end_step and last.end_step > steps:
-        steps, source = last.end_step, f"phase '{last.name}' end_step"
-    return steps * per_step, f"{source}={steps:,} x {per_step:,} tokens/step"
-
-
 def check_plan(t: Target) -> list[Finding]:
     """The plan's tokens per parameter against Chinchilla's ~20."""
     n_params, _ = memory.parameter_count(t.cfg.model)
-    tokens, source = planned_tokens(t.cfg)
-    ratio = tokens / n_params
-    what = f"{tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({source}); Chinchilla ~20"
-    optimal = cost.chinchilla_tokens(n_params)
-    if t.cuda and ratio < cost.CHINCHILLA_TOKENS_PER_PARAM / 2:
+    end = plan.plan_end(t.cfg)
+    ratio = end.tokens / n_params
+    what = f"{end.tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({end.source}); Chinchilla ~20"
+    optimal = plan.chinchilla_tokens(n_params)
+    if t.cuda and ratio < plan.CHINCHILLA_TOKENS_PER_PARAM / 2:
         return [
             Finding(
                 "tokens/param",
                 "warn",
                 what,
                 "a lower loss per $: train longer, or a smaller model for this compute (Hoffmann et al. 2022)",
-                f"trainer.max_steps={math.ceil(optimal / tokens_per_step(t.cfg))}",
+                f"trainer.max_steps={math.ceil(optimal / plan.tokens_per_step(t.cfg))}",
             )
         ]
     return [Finding("tokens/param", "ok", what)]
@@ -406,16 +381,18 @@ def check_plan(t: Target) -> list[Finding]:
 
 def usd_per_btok(gpu: GpuConfig, t: Target, fpt: float, mfu: float, pricing: str) -> tuple[float, str] | None:
     """Estimated $/10^9 tokens of this run on `gpu` (with checkpointing if it only fits that way), or None
-    when the catalog lacks its price, peak or memory, or the run does not fit it."""
-    price = gpu.price_spot if pricing == "spot" else gpu.price_on_demand
+    when the catalog lacks its price, peak or memory, or the run does not fit it. A GPU without a spot price
+    is priced on demand (`cost.catalog_price`: an upper bound), and the note says so."""
+    found = cost.catalog_price(gpu, pricing)
     peak = cost.peak_flops(gpu, t.precision, t.cfg.precision.tf32)
-    if not price or not peak or not gpu.memory_gb:
+    if not found or not found[0] or not peak or not gpu.memory_gb:
         return None
-    slow, note = 1.0, ""
+    price, priced_at = found
+    slow, note = 1.0, "" if priced_at == pricing else f" ({priced_at}: no {pricing} price)"
     if not memory.fits(estimate_for(t, ac_every=0), gpu.memory_gb * 1e9, t.cfg.doctor.headroom):
         if not memory.fits(estimate_for(t, ac_every=1), gpu.memory_gb * 1e9, t.cfg.doctor.headroom):
             return None
-        slow, note = AC_SLOWDOWN, " with activation checkpointing"
+        slow, note = AC_SLOWDOWN, f" with activation checkpointing{note}"
     tokens_per_sec = peak * mfu * slow / fpt
     return cost.usd_per_billion_tokens(tokens_per_sec, price, 1), note
 
@@ -423,19 +400,18 @@ def usd_per_btok(gpu: GpuConfig, t: Target, fpt: float, mfu: float, pricing: str
 def check_price(t: Target) -> list[Finding]:
     """This GPU's $/token against the catalog's cheapest GPU that fits the model: the others at
     doctor.assumed_mfu, this one at the MFU `lm bench` measured on it (bench.out_dir/bench.json) if any."""
-    from lm.bench import measured_mfu
-
     if not t.cuda or not t.catalog:
         return []
     pricing = t.cfg.cost.pricing
     fpt = cost.flops_per_token(t.cfg.model, t.cfg.data.seq_len)
     mfu = t.cfg.doctor.assumed_mfu
-    bench_mfu = measured_mfu(Path(t.cfg.bench.out_dir), t.gpu.name)
+    n_params, _ = memory.parameter_count(t.cfg.model)
+    bench_mfu = measured_mfu(Path(t.cfg.bench.out_dir), t.gpu.name, t.cfg.model, n_params)
     # A measured MFU prices this GPU better; the others stay at the assumed one (no bench ran on them).
     mine = usd_per_btok(t.gpu, t, fpt, bench_mfu or mfu, pricing)
     if t.cfg.cost.price_per_hour is not None and mine is not None:  # the user's own rate
         peak = cost.peak_flops(t.gpu, t.precision, t.cfg.precision.tf32)
-        rate = peak * (bench_mfu or mfu) * (AC_SLOWDOWN if mine[1] else 1.0) / fpt
+        rate = peak * (bench_mfu or mfu) * (AC_SLOWDOWN if "checkpointing" in mine[1] else 1.0) / fpt
         mine = (cost.usd_per_billion_tokens(rate, t.cfg.cost.price_per_hour, 1), mine[1])
     options = {name: r for name, g in t.catalog.items() if (r := usd_per_btok(g, t, fpt, mfu, pricing))}
     if mine is None or not options:
@@ -520,22 +496,7 @@ def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
 
 def resolve_target(cfg: LMConfig) -> Target:
     """The target `lm doctor` checks: this machine's GPU if it has one; else the catalog GPU named by `gpu=`
-    (planning a GPU run from a laptop); else this CPU."""
-    import torch
-
-    from lm.config import conf_dir
-    from lm.cost import load_catalog, resolve_gpu
-    from lm.train import resolve_precision, run_directory, uses_cuda
-
-    catalog = load_catalog(conf_dir())
-    if uses_cuda(cfg.trainer):
-        device = resolve_gpu(cfg.gpu, torch.cuda.get_device_name(), conf_dir())
-        gpu, cuda, precision = device.gpu, True, resolve_precision(cfg.precision.mode, True)
-    elif cfg.gpu.name not in ("auto", "cpu", "unknown") and cfg.trainer.accelerator != "cpu":
-        gpu, cuda, precision = cfg.gpu, True, cfg.precision.mode
-        if precision == "auto":
-            precision = "bf16-mixed" if cfg.gpu.peak_bf16_tflops else "32-true"
-    else:
-        gpu, cuda = catalog["cpu"], False
-        precision = resolve_precision(cfg.precision.mode, False)
-    return Target(cfg, gpu, cuda, precision, run_directory(cfg), catalog)
+    (planning a GPU run from a laptop, `runtime.planning_gpu`); else this CPU."""
+    rt = runtime.resolve(cfg, runtime.planning_gpu(cfg))
+    run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
+    return Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir()))

@@ -14,7 +14,11 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
+from lm import rundir
+from lm.data import DataConfig, load_tokenizer, prepare
+from lm.data.tokenizer import EOT_ID
 from lm.model import KVCache, Transformer
+from lm.module import LMModule
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +115,6 @@ def complete(
     `fit_context` keeps only the prompt's last tokens when it would leave the model no room to write (a
     milestone sampler must never stop a training run over a long prompt); otherwise that is an error.
     """
-    from lm.data.tokenizer import EOT_ID
-
     ids = tokenizer.encode(prompt).ids
     if fit_context:
         keep = model.cfg.max_seq_len - max(1, min(max_new_tokens, model.cfg.max_seq_len // 2))
@@ -145,19 +147,17 @@ def load_for_sampling(ckpt: str | Path, device: str = "cpu") -> tuple[Transforme
     The run's `config.yaml` sits two levels above `checkpoints/*.ckpt` and names the data config; preparing
     that config finds the cached dataset folder holding `tokenizer.json` (or rebuilds it, deterministically).
     """
-    from lm.data import DataConfig, load_tokenizer, prepare
-    from lm.module import LMModule
-
     ckpt = Path(ckpt)
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint at {ckpt}; pass runs/<name>/checkpoints/last.ckpt")
-    config = ckpt.resolve().parents[1] / "config.yaml"
-    if not config.is_file():
+    run_dir = ckpt.resolve().parents[1]
+    config = rundir.read_config(run_dir)
+    if config is None:
         raise FileNotFoundError(
-            f"no {config}: the tokenizer is found through the run's config.yaml, two levels above the "
-            "checkpoint; sample a checkpoint that sits in <run dir>/checkpoints/"
+            f"no {run_dir / rundir.CONFIG}: the tokenizer is found through the run's config.yaml, two levels "
+            "above the checkpoint; sample a checkpoint that sits in <run dir>/checkpoints/"
         )
-    data = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(config).data)
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig), config.data)
     tokenizer = load_tokenizer(prepare(OmegaConf.to_object(data)))
     module = LMModule.load_from_checkpoint(ckpt, map_location=device)
     return module.model.eval(), tokenizer

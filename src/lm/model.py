@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so checkpoints stay small and never disagree with it.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.checkpoint_every = 0
+        self.ac_every = 0
         """Activation checkpointing: 0 off, k recomputes every k-th block in the backward pass."""
         self.reset_parameters()
 
@@ -263,7 +263,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             if kv_cache is not None:
                 x_BTD = block(x_BTD, cos, sin, (kv_cache, i))
-            elif self.checkpoint_every and self.training and i % self.checkpoint_every == 0:
+            elif self.ac_every and self.training and i % self.ac_every == 0:
                 x_BTD = checkpoint(block, x_BTD, cos, sin, use_reentrant=False)
             else:
                 x_BTD = block(x_BTD, cos, sin)

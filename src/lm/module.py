@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -9,11 +10,26 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 
 from lm.config import OptimConfig
-from lm.knobs import apply_liger, eager_cross_entropy, fused_linear_cross_entropy
+from lm.kernels import apply_liger
 from lm.model import ModelConfig, Transformer
 from lm.parallel import grad_norm, shard_model
+
+
+def fused_linear_cross_entropy(
+    hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against targets, computed chunk by chunk by Liger: the
+    (N, V) logits tensor (2 GB in fp32 at 16K tokens x 32K vocabulary) is never materialised."""
+    lf = importlib.import_module("liger_kernel.transformers.functional")
+    return lf.liger_fused_linear_cross_entropy(hidden_ND, weight_VD, targets_N)
+
+
+def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """The eager loss, in fp32 (a bf16 log-softmax over 32K classes loses the small probabilities)."""
+    return F.cross_entropy(logits_NV.float(), targets_N)
 
 
 def lr_lambda(
@@ -68,7 +84,7 @@ class LMModule(pl.LightningModule):
         optim: OptimConfig | dict[str, Any],
         *,
         total_steps: int | None = None,
-        checkpoint_every: int = 0,
+        ac_every: int = 0,
         compile: bool = False,
         compile_mode: str | None = None,
         liger: bool = False,
@@ -80,7 +96,7 @@ class LMModule(pl.LightningModule):
         self.total_steps = total_steps or self.optim_cfg.total_steps
         self.compile_model, self.compile_mode = compile, compile_mode
         self.model = Transformer(self.model_cfg)
-        self.model.checkpoint_every = checkpoint_every
+        self.model.ac_every = ac_every
         self.liger = liger
         if liger:
             apply_liger(self.model)

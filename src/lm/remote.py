@@ -12,16 +12,14 @@ A reader only trusts objects a pointer lists, and checks their size and sha256 o
 kill interrupted (an object without a pointer update, or no object at all) is never picked. Rotation
 deletes only objects that no pointer lists, after the new pointer is written.
 
-Prepared data (`lm prepare` output) is mirrored file by file: `manifest.json` is uploaded last and
-downloaded first, and every shard is checked against the sha256 the manifest records.
+The storage primitives (URLs, errors that name the fix, verified downloads) are `lm.storage`'s; prepared
+data is mirrored by `lm.data.mirror`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -30,123 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from lm.storage import CHUNK, RemoteError, download_verified, explain, hash_stream, open_fs
+
 log = logging.getLogger(__name__)
 
 POINTER = "latest.json"
 POINTER_FORMAT = 1
-CHUNK = 16 << 20  # bytes per read/write while streaming (and hashing) a file
-PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-CREDENTIALS = {
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and AWS_ENDPOINT_URL for an "
-    "S3-compatible store (R2, MinIO, B2, ...)",
-    "gs": "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run "
-    "`gcloud auth application-default login`",
-}
-
-
-class RemoteError(ValueError):
-    """Object storage refused or cannot be reached; the message names the URL and the fix."""
-
-
-def is_url(path: str | None) -> bool:
-    """True for `scheme://...` (s3://, gs://, file://, ...): a location reached through fsspec."""
-    return isinstance(path, str) and "://" in path
-
-
-def protocol(url: str) -> str:
-    return url.split("://", 1)[0].lower()
-
-
-def open_fs(url: str, storage_options: dict[str, Any] | None = None):
-    """(filesystem, path inside it) for `url`; a missing package or a malformed URL is a RemoteError."""
-    import fsspec
-
-    proto = protocol(url)
-    options = dict(storage_options or {})
-    if proto == "file":
-        options.setdefault("auto_mkdir", True)  # object stores have no folders to create first
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
-    except ImportError as e:
-        package = PACKAGES.get(proto, f"the fsspec implementation of {proto}://")
-        raise RemoteError(
-            f"{url}: {proto}:// needs the `{package}` package, which is not installed: "
-            f"pip install {package} (or pip install -e '.[cloud]')"
-        ) from e
-    except ValueError as e:  # fsspec: "Protocol not known"
-        raise RemoteError(f"{url}: {e}; use s3://bucket/prefix, gs://bucket/prefix or file:///path") from e
-    path = path.rstrip("/")
-    if proto != "file" and not path.strip("/"):
-        raise RemoteError(f"{url} names no bucket; use {proto}://bucket/prefix")
-    return fs, path
-
-
-def explain(error: BaseException, url: str, doing: str) -> RemoteError:
-    """Turn a storage client's exception into a RemoteError that says what to change."""
-    proto = protocol(url)
-    name = type(error).__name__
-    creds = CREDENTIALS.get(proto, "check the credentials for this store")
-    if "Credential" in name or "credential" in str(error).lower():
-        fix = f"no usable credentials: {creds}"
-    elif isinstance(error, PermissionError):
-        fix = f"access denied: give these credentials read and write access to the prefix ({creds})"
-    elif isinstance(error, FileNotFoundError):
-        fix = "the bucket does not exist (or is in another account): create it or fix the URL"
-    else:
-        fix = (
-            "the store cannot be reached or refused the request: check the URL, the network and the "
-            f"endpoint ({creds})"
-        )
-    return RemoteError(f"{doing} {url} failed ({name}: {error}); {fix}")
-
-
-def check_writable(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Write and delete a small probe object under `url`: credentials, bucket and permissions are checked
-    before a cent is spent on training."""
-    fs, path = open_fs(url, storage_options)
-    probe = f"{path}/.lm-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        fs.pipe_file(probe, b"lm write probe\n")
-        fs.rm_file(probe)
-    except RemoteError:
-        raise
-    except Exception as e:
-        raise explain(e, url, "writing a probe object to") from e
-
-
-def _hash_stream(src: IO[bytes], dst: IO[bytes]) -> tuple[int, str]:
-    """Copy src to dst in chunks; (bytes, sha256) of what was copied."""
-    sha, size = hashlib.sha256(), 0
-    while chunk := src.read(CHUNK):
-        sha.update(chunk)
-        dst.write(chunk)
-        size += len(chunk)
-    return size, sha.hexdigest()
-
-
-def download_verified(fs, src: str, dst: Path, size: int | None, sha256: str | None) -> str | None:
-    """Download `src` to `dst` atomically (a hidden temporary, fsync, rename); None, or why it was refused.
-
-    A copy whose size or sha256 differs from the expected one is deleted and never renamed into place.
-    """
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    try:
-        with fs.open(src, "rb", block_size=CHUNK) as r, open(tmp, "wb") as w:
-            got_size, got_sha = _hash_stream(r, w)
-            w.flush()
-            os.fsync(w.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if size is not None and got_size != size:
-        tmp.unlink()
-        return f"{got_size} bytes where {size} were recorded"
-    if sha256 is not None and got_sha != sha256:
-        tmp.unlink()
-        return f"sha256 {got_sha[:12]}... where {sha256[:12]}... was recorded"
-    os.replace(tmp, dst)
-    return None
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -214,7 +101,7 @@ class RemoteCheckpoints:
         name = f"step-{step}.{secrets.token_hex(4)}.ckpt"  # never overwrites an object a pointer lists
         f.seek(0)
         with self.fs.open(self._key(name), "wb", block_size=CHUNK) as w:  # multipart: complete or absent
-            size, sha = _hash_stream(f, w)
+            size, sha = hash_stream(f, w)
         entry = Entry(name, step, size, sha)
         # Listed steps beyond this one belong to an abandoned future (the run resumed from an older
         # checkpoint because a newer one was corrupt or lost): the run's present is this upload.
@@ -364,102 +251,3 @@ class CheckpointUploader:
                 "the last checkpoint upload failed (%s); %s may be behind", self.failed, self.store.url
             )
         return True
-
-
-# -- prepared data -------------------------------------------------------------------------------------
-
-
-def dataset_cache(url: str, cache_dir: Path) -> Path:
-    """Local folder that mirrors the prepared dataset at `url`."""
-    tail = url.rstrip("/").rsplit("/", 1)[-1] or "root"
-    return cache_dir / f"remote-{tail}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
-
-
-def fetch_dataset(url: str, local: Path, storage_options: dict[str, Any] | None = None) -> Path:
-    """Mirror a prepared dataset folder from `url` into `local`, verifying every file; returns `local`.
-
-    The manifest is read first and written locally last. A file already present with the recorded size and
-    sha256 is kept (an interrupted download resumes); each other one is downloaded atomically and must hash
-    to the manifest's sha256, or the download stops naming it.
-    """
-    import numpy as np
-
-    from lm.data.shards import MANIFEST, SPLITS, TOKENIZER
-    from lm.data.tokenizer import file_sha256
-
-    fs, path = open_fs(url, storage_options)
-    try:
-        raw = fs.cat_file(f"{path}/{MANIFEST}")
-    except FileNotFoundError:
-        raise RemoteError(
-            f"no {MANIFEST} in {url}: it is not a prepared dataset (or its upload did not finish); upload the "
-            f"folder `lm prepare` wrote, manifest.json last (`lm prepare ... data.dir={url}` does)"
-        ) from None
-    except Exception as e:
-        raise explain(e, url, f"reading {MANIFEST} from") from e
-    if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == raw:
-        return local  # complete and verified when its manifest was written; load_manifest checks sizes
-    (local / MANIFEST).unlink(missing_ok=True)
-    manifest = json.loads(raw)
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    files = [(TOKENIZER, None, manifest["tokenizer_sha256"])]
-    files += [
-        (s["file"], s["tokens"] * itemsize, s["sha256"])
-        for sp in SPLITS
-        for s in manifest["splits"][sp]["shards"]
-    ]
-    todo = [
-        f
-        for f in files
-        if not ((local / f[0]).is_file() and file_sha256(local / f[0]) == f[2])  # resumed: already here
-    ]
-    total = sum(f[1] or 0 for f in todo)
-    log.info(
-        "downloading %d of %d files (%.1f MB) of %s into %s", len(todo), len(files), total / 1e6, url, local
-    )
-    for name, size, sha in todo:
-        try:
-            why = download_verified(fs, f"{path}/{name}", local / name, size, sha)
-        except FileNotFoundError:
-            why = "it is missing"
-        except Exception as e:
-            raise explain(e, url, f"downloading {name} from") from e
-        if why is not None:
-            raise RemoteError(
-                f"{url}/{name} does not match the manifest ({why}): the remote copy is corrupt or from "
-                f"another preparation; upload the folder again (`lm prepare ... data.dir={url}`)"
-            )
-    (local / MANIFEST).write_bytes(raw)  # last: a folder with a manifest is complete
-    return local
-
-
-def upload_dataset(local: Path, url: str, storage_options: dict[str, Any] | None = None) -> int:
-    """Upload a prepared dataset folder to `url`, manifest.json last; returns the files uploaded.
-
-    Files already there with the same size are skipped (a rerun resumes an interrupted upload); training
-    from `url` checks every shard's sha256, so a stale same-size object cannot slip through.
-    """
-    from lm.data.shards import MANIFEST, SPLITS, TOKENIZER
-
-    fs, path = open_fs(url, storage_options)
-    manifest = json.loads((local / MANIFEST).read_text())
-    try:
-        if (
-            fs.exists(f"{path}/{MANIFEST}")
-            and fs.cat_file(f"{path}/{MANIFEST}") == (local / MANIFEST).read_bytes()
-        ):
-            return 0
-        names = [TOKENIZER, *(s["file"] for sp in SPLITS for s in manifest["splits"][sp]["shards"])]
-        fs.invalidate_cache(path)
-        there = {Path(p["name"]).name: p["size"] for p in fs.ls(path, detail=True)} if fs.exists(path) else {}
-        sent = 0
-        for name in names:
-            if there.get(name) != (local / name).stat().st_size:
-                fs.put_file(str(local / name), f"{path}/{name}")
-                sent += 1
-        fs.put_file(str(local / MANIFEST), f"{path}/{MANIFEST}")
-    except RemoteError:
-        raise
-    except Exception as e:
-        raise explain(e, url, "uploading the dataset to") from e
-    return sent + 1

@@ -6,7 +6,6 @@ works on a finished run, a running one, or one copied off a dead machine.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -15,45 +14,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a training box
 import matplotlib.pyplot as plt
 import numpy as np
-from omegaconf import OmegaConf
 
+from lm import rundir
 from lm.atomic import write_atomic
-from lm.callbacks.cost_meter import BUCKETS
-from lm.callbacks.phase_tracker import fmt_money, markdown_table, read_csv
-from lm.callbacks.sampler import cell, read_samples
 from lm.cost import FLOPS_FORMULA
+from lm.rundir import BUCKETS, Series
+from lm.tables import cell, fmt_money, phases_markdown
 
 log = logging.getLogger(__name__)
-
-
-class Series:
-    """One TensorBoard scalar: steps, values and wall-clock times (seconds since the epoch)."""
-
-    def __init__(self, events: list) -> None:
-        # A resumed run logs some steps twice (work redone after a restart): keep the latest write of each.
-        latest = {e.step: e for e in sorted(events, key=lambda e: e.wall_time)}
-        ordered = [latest[s] for s in sorted(latest)]
-        self.steps = np.array([e.step for e in ordered], dtype=np.int64)
-        self.values = np.array([e.value for e in ordered], dtype=np.float64)
-        self.times = np.array([e.wall_time for e in ordered], dtype=np.float64)
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def at(self, steps: np.ndarray) -> np.ndarray:
-        """Values interpolated at other steps (e.g. dollars at the steps validation ran)."""
-        return np.interp(steps, self.steps, self.values)
-
-
-def load_scalars(tb_dir: Path) -> dict[str, Series]:
-    """Every scalar of a run's TensorBoard events, across all its event files."""
-    if not tb_dir.is_dir():
-        return {}
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: Series(acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -61,10 +29,10 @@ def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a run directory; pass runs/<run.name>")
-    scalars = load_scalars(run_dir / "tb")
-    rows = read_csv(run_dir / "phases.csv")
-    ledger = json.loads((run_dir / "cost.json").read_text()) if (run_dir / "cost.json").is_file() else None
-    cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    scalars = rundir.read_scalars(run_dir)
+    rows = rundir.read_phases(run_dir)
+    ledger = rundir.read_ledger(run_dir)
+    cfg = rundir.read_config(run_dir)
 
     plots = [
         plot_loss_vs(scalars, "cost/usd", "dollars spent", run_dir / "loss_vs_usd.png", rows),
@@ -73,8 +41,9 @@ def write_report(run_dir: str | Path) -> Path:
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
     ]
     text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None])
-    text += stopping_section(read_json(run_dir / "stop.json"), read_json(run_dir / "forecast.json"))
-    text += samples_section(read_samples(run_dir / "samples.jsonl"))
+    stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
+    text += stopping_section(stop, forecast)
+    text += samples_section(rundir.read_samples(run_dir))
     path = run_dir / "report.md"
     write_atomic(path, text)
     return path
@@ -89,7 +58,7 @@ def render(name, cfg, scalars, rows, ledger, plots: list[Path]) -> str:
     if plots and plots[0].name == "loss_vs_usd.png":
         lines += [f"![validation loss against dollars]({plots[0].name})", ""]
     lines += ["## Phases", ""]
-    lines += [markdown_table(rows), ""] if rows else ["No phase has finished yet.", ""]
+    lines += [phases_markdown(rows), ""] if rows else ["No phase has finished yet.", ""]
     if ledger:
         lines += [
             "## Where the money went",
@@ -223,10 +192,6 @@ def smooth(values: np.ndarray) -> np.ndarray:
     cumsum = np.cumsum(np.insert(values, 0, 0.0))
     counts = np.minimum(np.arange(1, len(values) + 1), window)
     return (cumsum[1:] - cumsum[np.arange(len(values)) + 1 - counts]) / counts
-
-
-def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def stopping_section(stop: dict | None, forecast: dict | None) -> str:

@@ -75,21 +75,13 @@ def rank_gpus(
     cfg: LMConfig, catalog: dict[str, GpuConfig], pricing: str = "spot", mfu: float = ASSUMED_MFU
 ) -> list[Candidate]:
     """Every catalogued GPU with its $/10^9 tokens for `cfg`, cheapest first (unpriceable ones last)."""
-    import torch
-
-    from lm.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len, model.num_parameters(exclude_embedding=True))
+    fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)
     need = memory_needed_gb(cfg)
     out = []
     for key, gpu in catalog.items():
         if key == "cpu":
             continue
-        price, kind = (gpu.price_spot, "spot") if pricing == "spot" else (gpu.price_on_demand, "on_demand")
-        if price is None:
-            price, kind = gpu.price_on_demand, "on_demand"
+        price, kind = cost.catalog_price(gpu, pricing) or (None, pricing)
         per_b = None
         if price is not None and gpu.peak_bf16_tflops:
             tokens_per_sec = gpu.peak_bf16_tflops * 1e12 * mfu / fpt

@@ -23,8 +23,9 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from lm.callbacks.spot import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,45 @@ def backoff_s(failures: int, base: float, cap: float) -> float:
     return min(cap, base * 2 ** max(0, failures - 1))
 
 
+def exit_status(code: int) -> int:
+    """A shell's exit status for a child's return code (killed by signal N: 128 + N)."""
+    return code if code >= 0 else 128 - code
+
+
+@dataclass
+class RestartPolicy:
+    """When to rerun a child that left with a non-zero code, and how long to wait first."""
+
+    max_failures: int = 5
+    max_restarts: int = 1000
+    backoff: float = 5.0
+    max_backoff: float = 300.0
+    start_secs: float = 60.0
+    restarts: int = 0
+    failures: int = 0
+    """Crashes in a row, each within start_secs of starting."""
+
+    def after(self, code: int, uptime: float, what: str) -> tuple[int | None, float]:
+        """(exit status to leave with, or None to restart; seconds to wait before the restart)."""
+        if code in FINAL:
+            log.error("lm supervise: %s (%s); not restarting", FINAL[code], what)
+            return code, 0.0
+        if self.restarts >= self.max_restarts:
+            log.error("lm supervise: %d restarts, the limit (--max-restarts); giving up", self.restarts)
+            return exit_status(code), 0.0
+        if code == EXIT_PREEMPTED:
+            self.failures = 0
+            return None, 0.0
+        self.failures = self.failures + 1 if uptime < self.start_secs else 1
+        if self.failures > self.max_failures:
+            log.error(
+                "lm supervise: %d crashes in a row within %.0f s of starting (last: %s); giving up",
+                self.failures, self.start_secs, what,
+            )  # fmt: skip
+            return exit_status(code), 0.0
+        return None, backoff_s(self.failures, self.backoff, self.max_backoff)
+
+
 def supervise(
     cmd: Sequence[str],
     *,
@@ -55,7 +95,7 @@ def supervise(
 
     The child gets `LM_RESTARTS=<n>` in its environment (restarts so far) so a run can report it.
     """
-    restarts = failures = 0
+    policy = RestartPolicy(max_failures, max_restarts, backoff, max_backoff, start_secs)
     stopping: list[int] = []  # a signal the supervisor itself received: pass it on, then do not restart
     child: subprocess.Popen | None = None
 
@@ -68,48 +108,25 @@ def supervise(
     try:
         while True:
             start = time.monotonic()
-            child = subprocess.Popen(list(cmd), env={**os.environ, "LM_RESTARTS": str(restarts)})
+            child = subprocess.Popen(list(cmd), env={**os.environ, "LM_RESTARTS": str(policy.restarts)})
             code = child.wait()
             uptime = time.monotonic() - start
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
             if code == 0:
-                log.info("lm supervise: finished after %d restart(s)", restarts)
+                log.info("lm supervise: finished after %d restart(s)", policy.restarts)
                 return 0
             if stopping:
-                log.warning(
-                    "lm supervise: stopped by %s; the child left with %s",
-                    signal.Signals(stopping[0]).name,
-                    what,
-                )
-                return EXIT_PREEMPTED if code == EXIT_PREEMPTED else (code if code > 0 else 128 - code)
-            if code in FINAL:
-                log.error("lm supervise: %s (%s); not restarting", FINAL[code], what)
-                return code
-            if restarts >= max_restarts:
-                log.error("lm supervise: %d restarts, the limit (--max-restarts); giving up", restarts)
-                return code if code > 0 else 128 - code
-            if code == EXIT_PREEMPTED:
-                failures = 0
-                wait = 0.0
-            else:
-                failures = failures + 1 if uptime < start_secs else 1
-                if failures > max_failures:
-                    log.error(
-                        "lm supervise: %d crashes in a row within %.0f s of starting (last: %s); giving up",
-                        failures,
-                        start_secs,
-                        what,
-                    )
-                    return code if code > 0 else 128 - code
-                wait = backoff_s(failures, backoff, max_backoff)
-            restarts += 1
+                name = signal.Signals(stopping[0]).name
+                log.warning("lm supervise: stopped by %s; the child left with %s", name, what)
+                return exit_status(code)
+            status, wait = policy.after(code, uptime, what)
+            if status is not None:
+                return status
+            policy.restarts += 1
             log.warning(
                 "lm supervise: child left with %s after %.1f s; restart %d in %.1f s",
-                what,
-                uptime,
-                restarts,
-                wait,
-            )
+                what, uptime, policy.restarts, wait,
+            )  # fmt: skip
             time.sleep(wait)
     finally:
         for sig, handler in previous.items():

@@ -1,7 +1,7 @@
 """What a sweep found: `sweep_summary.md` and `.csv`, one row per job, best validation loss first.
 
 A multirun gives each job its own run directory under the sweep's folder `<run.root>/<run.name>/` (named by
-its swept values, see `lm.train.job_dirname`). `SweepSummary`, a Hydra callback, writes `job.json` into each
+its swept values, see `lm.rundir.job_dirname`). `SweepSummary`, a Hydra callback, writes `job.json` into each
 job's directory when the job starts and when it ends (its overrides, status, objective, error) and rebuilds
 the summary from disk after every job, so a sweep that dies half-way still leaves a summary of what ran. The
 rows are read from what the runs left on disk (`job.json`, `cost.json`, `stop.json`, `config.yaml`, TensorBoard
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import math
 import sys
@@ -26,25 +25,15 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lm import rundir
 from lm.atomic import write_atomic
+from lm.exits import JobFailed
+from lm.rundir import JOB, read_record
 
 log = logging.getLogger(__name__)
 
-JOB_RECORD = "job.json"
 SUMMARY_MD = "sweep_summary.md"
 SUMMARY_CSV = "sweep_summary.csv"
-
-
-class JobFailed(Exception):
-    """A job of a sweep that failed for a reason a rerun would meet again (a refusal, a divergence).
-
-    `train.py` raises it instead of exiting in a multirun, so Hydra records the job as failed and runs the next
-    one; `SweepSummary` turns it into a `failed` row and ends the sweep with `exit_code`.
-    """
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -75,22 +64,13 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(
         d
         for d in sweep_dir.iterdir()
-        if d.is_dir() and ((d / JOB_RECORD).is_file() or (d / "config.yaml").is_file())
+        if d.is_dir() and ((d / JOB).is_file() or (d / rundir.CONFIG).is_file())
     )
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def last_val_loss(run_dir: Path) -> float | None:
     """The last `val/loss` TensorBoard holds for a run (for jobs whose return value was not recorded)."""
-    from lm.report import load_scalars
-
-    series = load_scalars(run_dir / "tb").get("val/loss")
+    series = rundir.read_scalars(run_dir).get("val/loss")
     return float(series.values[-1]) if series is not None and len(series) else None
 
 
@@ -100,10 +80,10 @@ def finite(x: Any) -> float | None:
 
 def read_job(run_dir: Path) -> JobRow:
     """A job's row from its run directory."""
-    record = read_json(run_dir / JOB_RECORD) or {}
-    ledger = read_json(run_dir / "cost.json") or {}
-    stop = read_json(run_dir / "stop.json") or {}
-    cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    record = read_record(run_dir / JOB) or {}
+    ledger = rundir.read_ledger(run_dir) or {}
+    stop = read_record(run_dir / rundir.STOP) or {}
+    cfg = rundir.read_config(run_dir)
     max_steps = OmegaConf.select(cfg, "trainer.max_steps") if cfg is not None else None
     swept = dict(o.split("=", 1) for o in record.get("swept", []) if "=" in o)
     if not swept and "=" in run_dir.name:  # a job from before job records: its name is its swept values
@@ -238,7 +218,7 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, list[JobRow]]:
     if not dirs:
         hint = (
             " (it is a single run's directory: pass the folder of a multirun)"
-            if (sweep_dir / "config.yaml").is_file()
+            if (sweep_dir / rundir.CONFIG).is_file()
             else ""
         )
         raise FileNotFoundError(f"{sweep_dir} holds no job directories of a sweep{hint}")
@@ -266,30 +246,26 @@ class SweepSummary(Callback):
 
     @staticmethod
     def job_dir(config: DictConfig) -> Path:
-        from lm.train import run_directory_of
-
-        return run_directory_of(config.run.root, config.run.name)
+        return rundir.run_directory(config.run.root, config.run.name)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.in_multirun():
+        if not rundir.in_multirun():
             return
-        from lm.train import swept_overrides
-
         run_dir = self.job_dir(config)
         record = {
             "status": "running",
             "job_num": config.hydra.job.num,
             "overrides": list(config.hydra.overrides.task),
-            "swept": swept_overrides(),
+            "swept": rundir.swept_overrides(),
             "started": time.time(),
         }
-        write_atomic(run_dir / JOB_RECORD, json.dumps(record, indent=1))
+        rundir.write_record(run_dir / JOB, record)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not self.in_multirun():
+        if not rundir.in_multirun():
             return
         run_dir = self.job_dir(config)
-        record = read_json(run_dir / JOB_RECORD) or {}
+        record = read_record(run_dir / JOB) or {}
         record["finished"] = time.time()
         if job_return.status == JobStatus.COMPLETED:
             value = job_return.return_value
@@ -304,7 +280,7 @@ class SweepSummary(Callback):
                 self.exit_code = self.exit_code or error.exit_code
                 # Keep the sweep going: Optuna records NaN as a failed trial; the basic sweeper moves on.
                 job_return.status, job_return.return_value = JobStatus.COMPLETED, math.nan
-        write_atomic(run_dir / JOB_RECORD, json.dumps(record, indent=1))
+        rundir.write_record(run_dir / JOB, record)
         self.folders.add(run_dir.parent)
         self.summarize(run_dir.parent)
 
@@ -333,10 +309,3 @@ class SweepSummary(Callback):
             len(rows),
             f"; best {top.job}, val loss {top.val_loss:.4f}" if top else "",
         )
-
-    @staticmethod
-    def in_multirun() -> bool:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

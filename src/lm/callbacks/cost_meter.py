@@ -7,7 +7,6 @@ never waits on the device.
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from dataclasses import dataclass, field
@@ -18,12 +17,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lm import cost
-from lm.atomic import write_atomic
-
-BUCKETS = ("startup", "train", "eval", "checkpoint", "restart")
-"""Where wall-clock time goes. `restart`: a resumed process's start-up plus the work its predecessor did
-after its last checkpoint (measured from the ledger), i.e. what preemptions and crashes cost."""
+from lm import cost, rundir
+from lm.callbacks.steps import StepWatch
+from lm.rundir import BUCKETS
 
 
 @dataclass
@@ -44,8 +40,8 @@ class CostMeter(Callback):
     """Meters a run's time and money: `perf/*` and `cost/*` every `log_every` optimizer steps.
 
     Money is wall-clock seconds x $/hour x devices / 3600, accumulated over every process of the run.
-    `ledger` (a small JSON file in the run directory, rewritten at each log point) outlives a crash, so a
-    resumed run also pays for the steps its predecessor did after its last checkpoint.
+    The ledger (`cost.json` in `run_dir`, rewritten at each log point) outlives a crash, so a resumed run
+    also pays for the steps its predecessor did after its last checkpoint.
     """
 
     def __init__(
@@ -56,7 +52,7 @@ class CostMeter(Callback):
         peak_flops: float | None,
         price_per_hour: float | None,
         log_every: int,
-        ledger: Path | None = None,
+        run_dir: Path | None = None,
         started_at: float | None = None,
         about: dict[str, Any] | None = None,
     ) -> None:
@@ -66,7 +62,7 @@ class CostMeter(Callback):
         self.peak_flops = peak_flops
         self.price = price_per_hour
         self.log_every = max(1, log_every)
-        self.ledger = ledger
+        self.run_dir = run_dir
         self.about = about or {}  # what the run resolved `auto` to (device, precision, ...), for the report
         self.state = Meter()
         self.n_devices = 1
@@ -74,6 +70,7 @@ class CostMeter(Callback):
         self._resumed = False
         self._mark = started_at if started_at is not None else time.monotonic()
         self._window: tuple[float, int] | None = None  # (train seconds, tokens) at the last log point
+        self.steps = StepWatch()
         self.last_rate: float | None = None
 
     # --- clock -------------------------------------------------------------------------------------------
@@ -99,6 +96,7 @@ class CostMeter(Callback):
         self.tokens_per_step = self.tokens_per_device_step * trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
         self.switch("train")
         self._window = (self.state.seconds["train"], self.state.tokens)
 
@@ -107,8 +105,8 @@ class CostMeter(Callback):
             self.switch("train")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.state.step:
-            return  # a micro-batch inside gradient accumulation: no optimizer step yet
+        if not self.steps.ended(trainer):
+            return
         self.state.tokens += (trainer.global_step - self.state.step) * self.tokens_per_step
         self.state.step = trainer.global_step
         if self.state.step % self.log_every == 0:
@@ -145,13 +143,19 @@ class CostMeter(Callback):
         startup = self.state.seconds["startup"]  # this process's start-up until the restore
         self.state = Meter(dict(state["seconds"]), state["tokens"], state["step"], state["restarts"] + 1)
         self._resumed = True
-        # Work the previous process did after this checkpoint was written is paid for but redone.
-        lost = 0.0
-        if self.ledger is not None and self.ledger.is_file():
-            lost = max(
-                0.0, sum(json.loads(self.ledger.read_text())["seconds"].values()) - self.state.total_seconds
-            )
-        self.state.seconds["restart"] += lost + startup
+        self.state.seconds["restart"] += startup
+        ledger = rundir.read_ledger(self.run_dir) if self.run_dir is not None else None
+        if ledger is None:
+            return
+        later = {b: max(0.0, ledger["seconds"].get(b, 0.0) - self.state.seconds[b]) for b in BUCKETS}
+        if ledger.get("step") == self.state.step:
+            # Nothing was trained after this checkpoint: what the ledger holds beyond it is real time of its
+            # own bucket (the final save's write, which the snapshot in `state_dict` precedes; the shutdown).
+            for bucket, seconds in later.items():
+                self.state.seconds[bucket] += seconds
+        else:
+            # Work the previous process did after this checkpoint was written is paid for but redone.
+            self.state.seconds["restart"] += sum(later.values())
 
     # --- metrics -----------------------------------------------------------------------------------------
 
@@ -180,7 +184,7 @@ class CostMeter(Callback):
 
     def write_ledger(self, trainer: pl.Trainer) -> None:
         """Record the run's time so far beside the checkpoints (atomically; rank 0 only)."""
-        if self.ledger is None or not trainer.is_global_zero:
+        if self.run_dir is None or not trainer.is_global_zero:
             return
         record = {
             "seconds": self.state.seconds,
@@ -191,7 +195,7 @@ class CostMeter(Callback):
             "devices": self.n_devices,
             "run": self.about,
         }
-        write_atomic(self.ledger, json.dumps(record, indent=1))
+        rundir.write_ledger(self.run_dir, record)
 
 
 def peak_memory_gb() -> float:

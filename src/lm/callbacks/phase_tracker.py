@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,18 +10,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lm.atomic import write_atomic
+from lm import rundir
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
 from lm.data.dataset import val_batches
-from lm.phases import phase_at
+from lm.plan import phase_at
+from lm.tables import phases_markdown
 
 log = logging.getLogger(__name__)
-
-COLUMNS = (
-    "phase", "name", "status", "start_step", "end_step", "steps", "tokens", "wall_hours", "start_loss",
-    "end_loss", "loss_drop", "usd", "usd_per_loss_point", "tokens_per_sec", "goal_loss", "goal_met",
-)  # fmt: skip
 
 
 class PhaseTracker(Callback):
@@ -35,10 +30,11 @@ class PhaseTracker(Callback):
     from the CostMeter, so they include evaluation, checkpoint writes and restarts within the phase.
     """
 
-    def __init__(self, phases: list[PhaseConfig], meter: CostMeter, out_dir: Path, eval_batches: int) -> None:
+    def __init__(self, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path, eval_batches: int) -> None:
         self.phases = phases
         self.meter = meter
-        self.csv_path = out_dir / "phases.csv"
+        self.run_dir = run_dir
+        self.steps = StepWatch()
         self.eval_batches = eval_batches
         self.rows: list[dict[str, Any]] = []
         self.start: dict[str, Any] | None = None  # progress when the current phase began
@@ -46,12 +42,13 @@ class PhaseTracker(Callback):
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
         if self.start is None:  # a fresh run (a resumed one restored its phase start from the checkpoint)
             self.start = self.snapshot(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step != self.meter.state.step or self.start is None:
-            return  # only at optimizer steps, after the meter has counted this one's tokens
+        if not self.steps.ended(trainer) or self.start is None:
+            return  # only at optimizer steps (the meter, earlier in the list, has counted the tokens)
         index = self.index(trainer)
         pl_module.log("phase/index", float(index), on_step=True, on_epoch=False)
         if index > self.start["phase"] and self.start["phase"] < len(self.phases):
@@ -126,14 +123,10 @@ class PhaseTracker(Callback):
         if not trainer.is_global_zero:
             return
         rows = self.rows + ([partial] if partial else [])
-        table = io.StringIO(newline="")
-        writer = csv.DictWriter(table, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-        write_atomic(self.csv_path, table.getvalue())
+        rundir.write_phases(self.run_dir, rows)
         experiment = getattr(trainer.logger, "experiment", None)
         if experiment is not None and hasattr(experiment, "add_text"):
-            experiment.add_text("phases", markdown_table(rows), global_step=trainer.global_step)
+            experiment.add_text("phases", phases_markdown(rows), global_step=trainer.global_step)
 
 
 def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: int) -> float:
@@ -153,60 +146,3 @@ def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: in
     pl_module.train(was_training)
     loss = torch.stack(losses).mean()
     return float(trainer.strategy.reduce(loss, reduce_op="mean"))  # the same number on every rank
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The phase rows as a Markdown table (for TensorBoard text and the report)."""
-    head = ["phase", "steps", "tokens", "hours", "loss", "drop", "$", "$/loss point", "tok/s", "goal"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        goal = "" if r["goal_loss"] is None else f"{r['goal_loss']} {'met' if r['goal_met'] else 'missed'}"
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"{r['phase']}. {r['name']}" + (" (partial)" if r["status"] == "partial" else ""),
-                    f"{r['start_step']:,}-{r['end_step']:,}",
-                    f"{r['tokens']:,}",
-                    f"{r['wall_hours']:.3f}",
-                    f"{r['start_loss']:.3f} -> {r['end_loss']:.3f}",
-                    f"{r['loss_drop']:.3f}",
-                    fmt_money(r["usd"]),
-                    fmt_money(r["usd_per_loss_point"]),
-                    "" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}",
-                    goal,
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def fmt_money(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}"
-
-
-def read_csv(path: Path) -> list[dict[str, Any]]:
-    """phases.csv back as typed rows (numbers as numbers, empty cells as None), for the report."""
-    if not path.is_file():
-        return []
-    rows = []
-    for raw in csv.DictReader(io.StringIO(path.read_text())):
-        row: dict[str, Any] = {}
-        for key, value in raw.items():
-            if value == "":
-                row[key] = None
-            elif value in ("True", "False"):
-                row[key] = value == "True"
-            elif key in ("name", "status"):
-                row[key] = value
-            else:
-                number = float(value)
-                row[key] = int(number) if number.is_integer() and key in INT_COLUMNS else number
-        rows.append(row)
-    return rows
-
-
-INT_COLUMNS = ("phase", "start_step", "end_step", "steps", "tokens")

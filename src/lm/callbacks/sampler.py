@@ -7,7 +7,6 @@ institutions at 60K). Rank 0 generates with the KV cache while the other ranks w
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,23 +14,29 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm import rundir
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig, SamplingConfig
 from lm.generate import complete
 from lm.parallel import is_sharded
-from lm.phases import phase_at
+from lm.plan import phase_at
+from lm.tables import samples_markdown
 
 log = logging.getLogger(__name__)
 
 
 class MilestoneSampler(Callback):
-    """Appends one JSON object per prompt x mode x milestone to `out` (samples.jsonl)."""
+    """Appends one record per prompt x mode x milestone to the run's samples.jsonl."""
 
-    def __init__(self, cfg: SamplingConfig, phases: list[PhaseConfig], meter: CostMeter, out: Path) -> None:
+    def __init__(
+        self, cfg: SamplingConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path
+    ) -> None:
         self.cfg = cfg
         self.phases = phases
         self.meter = meter
-        self.out = out
+        self.run_dir = run_dir
+        self.steps = StepWatch()
         self.done: set[int] = set()
         """Steps already sampled; in the checkpoint, so a resume never repeats or skips a milestone."""
 
@@ -47,10 +52,13 @@ class MilestoneSampler(Callback):
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step != self.meter.state.step:
-            return  # inside gradient accumulation; the meter (earlier in the list) counts optimizer steps
+        if not self.steps.ended(trainer):
+            return
+        step = trainer.global_step  # the meter, earlier in the list, has counted this step's tokens
         if step not in self.done and self.is_milestone(step, self.meter.state.tokens):
             self.sample(trainer, pl_module)
 
@@ -113,35 +121,9 @@ class MilestoneSampler(Callback):
                             "text": text,
                         }
                     )
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        with self.out.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        rundir.append_samples(self.run_dir, records)
         experiment = getattr(trainer.logger, "experiment", None)
         if hasattr(experiment, "add_text"):
-            experiment.add_text("samples", markdown(records), global_step=step)
+            experiment.add_text("samples", samples_markdown(records), global_step=step)
         self.meter.switch("train")
         log.info("step %d samples: %s", step, [r["text"][:60] for r in records if r["mode"] == "greedy"])
-
-
-def markdown(records: list[dict[str, Any]]) -> str:
-    """One milestone's samples as a prompt x mode table."""
-    lines = ["| prompt | mode | continuation |", "|---|---|---|"]
-    lines += [f"| {cell(r['prompt'])} | {r['mode']} | {cell(r['text'])} |" for r in records]
-    return "\n".join(lines)
-
-
-def cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", "<br>") or " "
-
-
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    """samples.jsonl as records; a resumed run may have appended a milestone twice: the last one wins."""
-    if not path.is_file():
-        return []
-    latest: dict[tuple, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            latest[(r["step"], r["prompt"], r["mode"])] = r
-    return sorted(latest.values(), key=lambda r: r["step"])

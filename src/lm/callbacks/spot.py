@@ -17,26 +17,10 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lm.callbacks.steps import StepWatch
+from lm.exits import EXIT_PREEMPTED, Preempted
+
 log = logging.getLogger(__name__)
-
-EXIT_PREEMPTED = 75
-"""Exit code after a stop signal was handled and the checkpoint saved: "restart me" (sysexits' EX_TEMPFAIL)."""
-EXIT_DIVERGED = 65
-"""Exit code when training diverged again after a rollback: a human must look (sysexits' EX_DATAERR)."""
-EXIT_SAVE_FAILED = 74
-"""Exit code when a checkpoint could not be written (disk full, quota); the previous ones are intact and a
-restart would only fail at the next save (sysexits' EX_IOERR)."""
-EXIT_CONFIG = 78
-"""Exit code when a config or preflight check refused the run; restarting cannot help (EX_CONFIG)."""
-
-
-class Preempted(SystemExit):
-    """Raised at a step boundary once a stop signal's checkpoint is saved; the process exits with 75."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(EXIT_PREEMPTED)
-        self.reason = reason
-
 
 # DataLoader workers are forked from the trainer and would otherwise inherit its handlers (or die on a
 # group-wide SIGTERM, taking the pending save with them). While a guard is active, forked children get a
@@ -87,7 +71,7 @@ class SpotGuard(pl.Callback):
     def __init__(self, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1")) -> None:
         self.signals = [signal.Signals[name] if isinstance(name, str) else name for name in signals]
         self.received: signal.Signals | None = None
-        self._last_step = -1
+        self.steps = StepWatch()
 
     # -- signal handling -------------------------------------------------------------------------------
 
@@ -107,7 +91,7 @@ class SpotGuard(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install()
-        self._last_step = trainer.global_step
+        self.steps.start(trainer)
 
     def stop_requested(self, trainer: pl.Trainer) -> bool:
         """Whether any rank received a stop signal (an all-reduce MAX; no collective on one process)."""
@@ -117,9 +101,8 @@ class SpotGuard(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._last_step:
-            return  # mid-accumulation: not a step boundary
-        self._last_step = trainer.global_step
+        if not self.steps.ended(trainer):
+            return
         if not self.stop_requested(trainer):
             return
         name = self.received.name if self.received else "SIGTERM"

@@ -10,7 +10,6 @@ to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` rende
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -21,10 +20,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lm import forecast as fc
-from lm.atomic import write_atomic
+from lm import rundir
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.phase_tracker import fmt_money
+from lm.callbacks.steps import StepWatch
 from lm.config import EarlyStoppingConfig
+from lm.tables import fmt_money
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class DiminishingReturnsStopper(Callback):
     ) -> None:
         self.cfg = cfg
         self.meter = meter
-        self.stop_path = run_dir / "stop.json"
-        self.forecast_path = run_dir / "forecast.json"
+        self.stop_path = run_dir / rundir.STOP
+        self.forecast_path = run_dir / rundir.FORECAST
+        self.steps = StepWatch()
         self.flat_lr = flat_lr
         self.plan_end_tokens = plan_end_tokens
         self.plan_end_steps = plan_end_steps  # converted to tokens once the meter knows tokens per step
@@ -158,6 +159,7 @@ class DiminishingReturnsStopper(Callback):
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
         if self.plan_end_steps is not None and self.plan_end_tokens is None:
             self.plan_end_tokens = self.plan_end_steps * self.meter.tokens_per_step
         if self.decision is None or not self.decision.get("stopped"):
@@ -179,8 +181,8 @@ class DiminishingReturnsStopper(Callback):
             pl_module.lr_cooldown = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step != self.meter.state.step or (self.decision and self.decision.get("stopped")):
-            return  # inside gradient accumulation (the meter, earlier in the list, counts optimizer steps)
+        if not self.steps.ended(trainer) or (self.decision and self.decision.get("stopped")):
+            return  # only at optimizer steps (the meter, earlier in the list, has counted the tokens)
         step = trainer.global_step
         if self.cfg.budget_usd is not None:
             self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
@@ -300,7 +302,7 @@ class DiminishingReturnsStopper(Callback):
     def write(self, trainer: pl.Trainer) -> None:
         """stop.json, atomically, on rank 0."""
         if trainer.is_global_zero:
-            write_json(self.stop_path, self.decision)
+            rundir.write_record(self.stop_path, self.decision)
 
     def log_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """`stop/*` and `forecast/*` scalars, and forecast.json for the report."""
@@ -328,7 +330,9 @@ class DiminishingReturnsStopper(Callback):
                     bought,
                 )
             if trainer.is_global_zero:
-                write_json(self.forecast_path, forecast_record(f, spent, bought, self.points[-1].step))
+                rundir.write_record(
+                    self.forecast_path, forecast_record(f, spent, bought, self.points[-1].step)
+                )
         for name, value in metrics.items():
             pl_module.log(name, float(value), on_step=False, on_epoch=True)
 
@@ -347,18 +351,3 @@ def forecast_record(f: fc.Forecast, spent: float | None, bought: float | None, s
         "another_usd": spent,
         "buys_loss": bought,
     }
-
-
-def write_json(path: Path, record: Any) -> None:
-    # inf is not JSON: a loss that stopped falling is written as null.
-    write_atomic(path, json.dumps(clean(record), indent=1))
-
-
-def clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    return value

@@ -13,9 +13,10 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from lm.data.config import DataConfig
+from lm.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
-from lm.data.shards import check_tokenizer, implied_epochs, load_manifest, prepare, shard_paths
+from lm.data.manifest import check_tokenizer, implied_epochs, load_manifest, shard_paths
+from lm.data.shards import prepare
 from lm.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("lm.data")
@@ -29,9 +30,11 @@ class LMDataModule(pl.LightningDataModule):
     (ranks are split by the sampler) and step-based limits, since the training loader is infinite.
     """
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, planned_tokens: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.planned_tokens = planned_tokens
+        """Tokens the whole plan trains on (lm.plan.plan_end), for the repeated-data warning; None: no check."""
         self._data_dir: Path | None = None
         self._manifest: dict | None = None
         self._tokenizer: Tokenizer | None = None
@@ -111,14 +114,12 @@ class LMDataModule(pl.LightningDataModule):
         if self.train_set is None:
             self.setup("fit")
         trainer = self.trainer
-        if trainer is not None and trainer.max_steps > 0:
-            tokens = trainer.max_steps * trainer.accumulate_grad_batches * trainer.world_size
-            tokens *= self.cfg.batch_size * self.cfg.seq_len
-            epochs = implied_epochs(self.manifest, tokens)
+        if self.planned_tokens:
+            epochs = implied_epochs(self.manifest, self.planned_tokens)
             if epochs > 1:
                 log.warning(
-                    "trainer.max_steps=%d is %.3g tokens, %.2f epochs of the %d training tokens in %s",
-                    trainer.max_steps, tokens, epochs, self.manifest["splits"]["train"]["tokens"], self.data_dir,
+                    "the plan trains on %.3g tokens, %.2f epochs of the %d training tokens in %s: repeated data",
+                    self.planned_tokens, epochs, self.manifest["splits"]["train"]["tokens"], self.data_dir,
                 )  # fmt: skip
         sampler = StepSampler(
             len(self.train_set),

@@ -1,10 +1,5 @@
-"""Turn a corpus into a prepared dataset folder: tokenizer.json, token shards and manifest.json.
-
-    <dir>/tokenizer.json            the tokenizer that made every shard (its sha256 is in the manifest)
-    <dir>/train-00000.bin ...       flat streams of token ids, each document followed by end-of-text
-    <dir>/val-00000.bin ...         documents held out by a hash of their name
-    <dir>/progress/                 plan.json and one record per finished unit (what a resume trusts)
-    <dir>/manifest.json             written last: its presence means the folder is complete
+"""Turn a corpus into a prepared dataset folder: tokenizer.json, token shards and manifest.json (the layout
+and its readers are `lm.data.manifest`'s).
 
 The corpus is planned into units (groups of whole files, or shards of a stream); worker processes tokenize
 units in parallel, each writing its two shards atomically (temporary file, fsync, rename) and then a
@@ -32,8 +27,22 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from lm.atomic import write_atomic
+from lm.config import DataConfig
 from lm.data import sources
-from lm.data.config import DataConfig
+from lm.data.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PROGRESS,
+    SPLITS,
+    TOKENIZER,
+    cache_key,
+    dataset_dir,
+    load_manifest,
+    resolve_cache_dir,
+    summary,
+    token_dtype,
+)
+from lm.data.mirror import dataset_cache, fetch_dataset, upload_dataset
 from lm.data.sources import Plan, Skip, Unit, is_validation
 from lm.data.stdlib import stable_fraction
 from lm.data.tokenizer import (
@@ -45,16 +54,10 @@ from lm.data.tokenizer import (
     tokenizer_id,
     train_tokenizer,
 )
-from lm.remote import is_url
+from lm.storage import is_url
 
 log = logging.getLogger("lm.data")
 
-FORMAT_VERSION = 2
-"""Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads."""
-MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.json"
-PROGRESS = "progress"
-SPLITS = ("train", "val")
 ENCODE_BYTES = 1 << 20
 """Text per encode_batch call: enough to amortize the call, small enough to bound a worker's memory."""
 MAX_LISTED_DOCUMENTS = 100_000
@@ -67,20 +70,6 @@ MANIFEST_CONFIG_KEYS = (
     "source", "paths", "name", "subset", "split", "text_field", "vocab_size", "val_fraction", "max_bytes",
     "tokenizer_sample_bytes", "shard_bytes", "max_line_chars",
 )  # fmt: skip
-
-
-def resolve_cache_dir(cache_dir: str) -> Path:
-    """Cache folder as a path; resolves the `${oc.env:...}` default when DataConfig is used without Hydra."""
-    if "${" in cache_dir:
-        from omegaconf import OmegaConf
-
-        cache_dir = OmegaConf.create({"dir": cache_dir}).dir
-    return Path(cache_dir).expanduser()
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id below `vocab_size`."""
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 def check_config(cfg: DataConfig) -> None:
@@ -98,42 +87,6 @@ def check_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.max_bytes={cfg.max_bytes} must be positive, or null for the whole corpus")
     if cfg.tokenizer_sample_bytes <= 0:
         raise ValueError(f"data.tokenizer_sample_bytes={cfg.tokenizer_sample_bytes} must be positive")
-
-
-def _tokenizer_identity(cfg: DataConfig) -> str | None:
-    """What identifies a given tokenizer in the cache key: its file's sha256, or its hub name."""
-    if cfg.tokenizer is None:
-        return None
-    path = Path(cfg.tokenizer).expanduser()
-    path = path / TOKENIZER if path.is_dir() else path
-    return file_sha256(path) if path.is_file() else cfg.tokenizer
-
-
-def cache_key(cfg: DataConfig, plan: Plan | None = None) -> str:
-    """Short hash of everything that determines the prepared dataset's contents."""
-    plan = plan or sources.plan(cfg)
-    parts = {
-        "format_version": FORMAT_VERSION,
-        "source": cfg.source,
-        "fingerprint": plan.fingerprint,
-        "text_field": cfg.text_field if cfg.source in ("text", "hf") else None,
-        "vocab_size": cfg.vocab_size,
-        "val_fraction": cfg.val_fraction,
-        "max_bytes": cfg.max_bytes,
-        "tokenizer": _tokenizer_identity(cfg),
-        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes if cfg.tokenizer is None else None,
-        "eot_token": cfg.eot_token,
-        "shard_bytes": cfg.shard_bytes,
-        "max_line_chars": cfg.max_line_chars,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def dataset_dir(cfg: DataConfig, key: str | None = None) -> Path:
-    """Folder where `prepare(cfg)` puts (or finds) the dataset: data.dir, else one named by the cache key."""
-    if cfg.dir:
-        return Path(cfg.dir).expanduser()
-    return resolve_cache_dir(cfg.cache_dir) / f"{cfg.source}-{key or cache_key(cfg)}"
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -307,7 +260,9 @@ def build_tokenizer(cfg: DataConfig, plan: Plan, forced: dict) -> str:
         return text
     t0 = time.perf_counter()
     tok = train_tokenizer(
-        sample_texts(_sample_documents(cfg, plan, forced), cfg.tokenizer_sample_bytes), cfg.vocab_size
+        sample_texts(_sample_documents(cfg, plan, forced), cfg.tokenizer_sample_bytes),
+        cfg.vocab_size,
+        eot_token=cfg.eot_token,
     )
     log.info("trained a %d-token BPE in %.1f s", tok.get_vocab_size(), time.perf_counter() - t0)
     return tok.to_str()
@@ -441,7 +396,19 @@ def prepare(cfg: DataConfig) -> Path:
     if not (out / TOKENIZER).is_file():
         write_atomic(out / TOKENIZER, build_tokenizer(cfg, plan, forced).encode("utf-8"))
     tokenizer_json = (out / TOKENIZER).read_bytes().decode("utf-8")
+    records = tokenize_units(cfg, plan, out, forced, tokenizer_json)
+    manifest = _manifest(cfg, plan, key, [records[u.index] for u in plan.units], tokenizer_json)
+    manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
+    report_skips(manifest)
+    write_json(out / MANIFEST, manifest)
+    log.info("prepared %s: %s", out, summary(manifest))
+    return out
 
+
+def tokenize_units(
+    cfg: DataConfig, plan: Plan, out: Path, forced: dict, tokenizer_json: str
+) -> dict[int, dict]:
+    """Every unit's progress record: kept where its shards still match it, tokenized (in parallel) otherwise."""
     for stale in out.glob(".*.tmp-*"):  # half-written shards of a killed run; their units are redone
         stale.unlink()
     records = {u.index: r for u in plan.units if (r := _finished(out, u)) is not None}
@@ -455,9 +422,6 @@ def prepare(cfg: DataConfig) -> Path:
         write_json(out / PROGRESS / f"unit-{record['unit']:05d}.json", record)
         records[record["unit"]] = record
     seconds = time.perf_counter() - t1
-
-    manifest = _manifest(cfg, plan, key, [records[u.index] for u in plan.units], tokenizer_json)
-    manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
     n_bytes = sum(r["shards"][s]["bytes"] for r in (records[u.index] for u in todo) for s in SPLITS)
     n_tokens = sum(r["shards"][s]["tokens"] for r in (records[u.index] for u in todo) for s in SPLITS)
     if todo:
@@ -465,10 +429,7 @@ def prepare(cfg: DataConfig) -> Path:
             "tokenized %d units: %.1f MB -> %d tokens in %.1f s (%.2f MB/s, %.0fK tokens/s)",
             len(todo), n_bytes / 1e6, n_tokens, seconds, n_bytes / 1e6 / seconds, n_tokens / 1e3 / seconds,
         )  # fmt: skip
-    report_skips(manifest)
-    write_json(out / MANIFEST, manifest)
-    log.info("prepared %s: %s", out, summary(manifest))
-    return out
+    return records
 
 
 def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokenizer_json: str) -> dict:
@@ -526,15 +487,6 @@ def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokeni
     }
 
 
-def summary(manifest: dict) -> str:
-    """One line: documents and tokens per split."""
-    s = manifest["splits"]
-    return ", ".join(
-        f"{k} {s[k]['documents']:,} documents / {s[k]['tokens']:,} tokens in {len(s[k]['shards'])} shard(s)"
-        for k in SPLITS
-    )
-
-
 def report_skips(manifest: dict) -> None:
     """Log skipped inputs: a count per kind of problem, then the first few by name (all are in the manifest)."""
     if not manifest["skipped_count"]:
@@ -550,16 +502,9 @@ def report_skips(manifest: dict) -> None:
         log.warning("  skipped %s: %s", skip["where"], skip["reason"])
 
 
-def implied_epochs(manifest: dict, budget_tokens: int) -> float:
-    """How many passes over the training split a plan of `budget_tokens` makes."""
-    return budget_tokens / max(manifest["splits"]["train"]["tokens"], 1)
-
-
 def prepare_remote(cfg: DataConfig) -> Path:
     """`data.dir` is a URL: `tokens` mirrors it into the cache (verified against the manifest's sha256);
     other sources prepare into the cache as usual, then upload the folder there (manifest last)."""
-    from lm.remote import dataset_cache, fetch_dataset, upload_dataset
-
     if cfg.source == "tokens":
         local = fetch_dataset(
             cfg.dir, dataset_cache(cfg.dir, resolve_cache_dir(cfg.cache_dir)), cfg.storage_options
@@ -570,77 +515,6 @@ def prepare_remote(cfg: DataConfig) -> Path:
     sent = upload_dataset(local, cfg.dir, cfg.storage_options)
     log.info("%s: %s", cfg.dir, f"uploaded {sent} file(s) from {local}" if sent else "already up to date")
     return local
-
-
-def shard_paths(folder: Path, manifest: dict, split: str) -> list[Path]:
-    """The split's shard files, in stream order."""
-    return [folder / s["file"] for s in manifest["splits"][split]["shards"]]
-
-
-def load_manifest(path: str | Path, verify: bool = False) -> dict:
-    """Read a dataset folder's manifest (or the manifest file itself) and check the files it describes.
-
-    Sizes are always checked; `verify=True` also recomputes every shard's sha256 (slow on big corpora).
-    """
-    folder = Path(path).expanduser()
-    folder = folder.parent if folder.name == MANIFEST else folder
-    fix = f"delete {folder} and rerun `lm prepare` to rebuild it"
-    if not (folder / MANIFEST).is_file():
-        hint = (
-            " (an interrupted preparation: rerun `lm prepare` to finish it)"
-            if (folder / PROGRESS).is_dir()
-            else ""
-        )
-        raise FileNotFoundError(
-            f"no {MANIFEST} in {folder}: it is not a prepared dataset{hint}; run `lm prepare` first"
-        )
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{folder / MANIFEST} is not valid JSON ({e}); {fix}") from e
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{folder} has dataset format {manifest.get('format_version')} but this code reads format "
-            f"{FORMAT_VERSION}; {fix}"
-        )
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for split in SPLITS:
-        for shard in manifest["splits"][split]["shards"]:
-            file = folder / shard["file"]
-            expected = shard["tokens"] * itemsize
-            actual = file.stat().st_size if file.is_file() else None
-            if actual != expected:
-                found = "is missing" if actual is None else f"has {actual} bytes"
-                raise ValueError(
-                    f"{file} {found} but the manifest records {shard['tokens']} tokens ({expected} bytes): "
-                    f"the dataset is truncated or corrupt; {fix}"
-                )
-            if verify and file_sha256(file) != shard["sha256"]:
-                raise ValueError(f"{file} does not match the sha256 in the manifest: it is corrupt; {fix}")
-    tokenizer = folder / TOKENIZER
-    if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
-        raise ValueError(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
-    return manifest
-
-
-def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
-    """Refuse shards that data.tokenizer did not make: their ids would mean other strings."""
-    if manifest["eot_token"] != cfg.eot_token:
-        raise ValueError(
-            f"{folder} separates documents with {manifest['eot_token']!r} but data.eot_token="
-            f"{cfg.eot_token!r}; set data.eot_token={manifest['eot_token']!r}"
-        )
-    if cfg.tokenizer is None:
-        return  # the folder's own tokenizer.json, already checked against the manifest
-    _, text = load_tokenizer_spec(cfg.tokenizer)
-    ours, theirs = text_sha256(text), manifest["tokenizer_sha256"]
-    if ours != theirs:
-        raise ValueError(
-            f"tokenizer mismatch: the shards in {folder} were made by a tokenizer with sha256 {theirs}, but "
-            f"data.tokenizer={cfg.tokenizer!r} has sha256 {ours}. Train with the tokenizer the shards were "
-            f"made with (data.tokenizer={folder / TOKENIZER}, or leave data.tokenizer unset), or re-run "
-            f"`lm prepare` with data.tokenizer={cfg.tokenizer} to tokenize the corpus again"
-        )
 
 
 def sample_tokenizer(cfg: DataConfig, out: Path) -> str:

@@ -17,8 +17,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from lm.config import DataConfig
 from lm.data import stdlib
-from lm.data.config import DataConfig
 from lm.data.stdlib import Document, stable_fraction
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")

@@ -19,8 +19,8 @@ MIN_VOCAB_SIZE = 256 + 2
 """The 256 byte tokens, end-of-text and at least one merge."""
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with at most `vocab_size` ids: end-of-text, the 256 bytes, then merges."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, eot_token: str = EOT) -> Tokenizer:
+    """Train a byte-level BPE with at most `vocab_size` ids: `eot_token` (id 0), the 256 bytes, then merges."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"data.vocab_size={vocab_size} is too small; use data.vocab_size>={MIN_VOCAB_SIZE}")
     tok = Tokenizer(models.BPE())
@@ -28,13 +28,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOT],
+        special_tokens=[eot_token],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    if tok.token_to_id(EOT) != EOT_ID:
-        raise RuntimeError(f"{EOT} got id {tok.token_to_id(EOT)}, expected {EOT_ID}; the trainer changed")
+    if tok.token_to_id(eot_token) != EOT_ID:
+        raise RuntimeError(
+            f"{eot_token} got id {tok.token_to_id(eot_token)}, expected {EOT_ID}; the trainer changed"
+        )
     return tok
 
 

@@ -1,105 +1,19 @@
-"""Health of a run: a throughput alarm (a sick host is often about to go) and non-finite losses.
-
-Neither is allowed to pass silently: a slow host gets a checkpoint and a warning; a NaN or infinite loss is
-skipped (its gradients dropped, the weights and optimizer untouched, the count logged), and a run of them rolls
-back to the last checkpoint.
-"""
+"""NonFiniteGuard: a NaN or infinite step is skipped and counted; a run of them rolls back to the checkpoint."""
 
 from __future__ import annotations
 
-import json
 import logging
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lm.callbacks.spot import EXIT_DIVERGED, EXIT_PREEMPTED
+from lm import rundir
+from lm.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 from lm.parallel import grad_norm
 
 log = logging.getLogger(__name__)
-
-
-class ThroughputAlarm(pl.Callback):
-    """Tokens/s below `ratio` x the run's own baseline for `window_s` seconds: save a checkpoint and warn.
-
-    The seed's spot monitor used 60% for 2 minutes. The baseline is the median of `baseline_steps` steps after
-    `warmup` steps of each invocation (a restart may land on a different GPU). Intervals that contain a
-    validation or a checkpoint write are not throughput and are ignored.
-    """
-
-    def __init__(
-        self, ratio: float = 0.6, window_s: float = 120.0, baseline_steps: int = 20, warmup: int = 5
-    ):
-        self.ratio, self.window_s = ratio, window_s
-        self.baseline_steps, self.warmup = baseline_steps, warmup
-        self.baseline: float | None = None
-        self.alarms = 0
-        self._samples: list[float] = []
-        self._t: float | None = None
-        self._step = -1
-        self._slow_since: float | None = None
-        self._interrupted = False
-        self._saved_step = -1
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._step = trainer.global_step
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._interrupted = True
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step == self._step:
-            return  # mid-accumulation
-        now, self._step = time.monotonic(), trainer.global_step
-        ckpt = trainer.checkpoint_callback
-        saved = getattr(ckpt, "_last_global_step_saved", -1)
-        interrupted = self._interrupted or saved != self._saved_step
-        self._interrupted, self._saved_step = False, saved
-        last, self._t = self._t, now
-        if last is None or interrupted:
-            return
-        tokens = batch.numel() * trainer.accumulate_grad_batches * trainer.world_size
-        self.observe(tokens / max(now - last, 1e-9), now, trainer)
-
-    def observe(self, tokens_per_s: float, now: float, trainer: pl.Trainer) -> None:
-        """Feed one step's throughput; fires the alarm when it has been low for the whole window."""
-        if self.baseline is None:
-            self._samples.append(tokens_per_s)
-            if len(self._samples) >= self.warmup + self.baseline_steps:
-                self.baseline = statistics.median(self._samples[self.warmup :])
-                log.info("throughput baseline: %.0f tokens/s", self.baseline)
-            return
-        fire = False
-        if tokens_per_s >= self.ratio * self.baseline:
-            self._slow_since = None
-        else:
-            self._slow_since = self._slow_since or now
-            fire = now - self._slow_since >= self.window_s
-        # Every rank reaches this line at the same steps; the save below is collective, so they must agree.
-        if trainer.strategy.reduce_boolean_decision(fire, all=False):
-            self._slow_since = None  # re-arm: another full window before the next alarm
-            self.alarms += 1
-            log.warning(
-                "throughput %.0f tokens/s has been below %.0f%% of the %.0f tokens/s baseline for %g s: "
-                "saving a checkpoint now (the host may be failing or about to be reclaimed)",
-                tokens_per_s,
-                100 * self.ratio,
-                self.baseline,
-                self.window_s,
-            )
-            ckpt = trainer.checkpoint_callback
-            if ckpt is not None and hasattr(ckpt, "save_now"):
-                ckpt.save_now(trainer)
-
-
-class Diverged(SystemExit):
-    """Training hit `max_nonfinite` non-finite losses in a row."""
 
 
 class NonFiniteGuard(pl.Callback):
@@ -190,8 +104,8 @@ class NonFiniteGuard(pl.Callback):
         """Exit without saving so the restart resumes from the last checkpoint; give up on a repeat."""
         saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0)
         key = str(max(self._start_step, saved))  # the step the restart will resume from
-        record = self.ckpt_dir / "rollbacks.json" if self.ckpt_dir else None
-        seen = json.loads(record.read_text()) if record and record.is_file() else {}
+        record = self.ckpt_dir / rundir.ROLLBACKS if self.ckpt_dir else None
+        seen = (rundir.read_record(record) if record else None) or {}
         if seen.get(key, 0) >= 1:
             log.error(
                 "%d non-finite steps in a row again after rolling back to step %s: the divergence is "
@@ -203,8 +117,7 @@ class NonFiniteGuard(pl.Callback):
             raise Diverged(EXIT_DIVERGED)
         if record and trainer.is_global_zero:
             seen[key] = seen.get(key, 0) + 1
-            record.parent.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps(seen))
+            rundir.write_record(record, seen)
         log.warning(
             "%d non-finite steps in a row: rolling back to the checkpoint at step %s (exit %d, restart me)",
             self.in_a_row,

@@ -1,0 +1,174 @@
+"""A prepared dataset folder as training reads it: where it is, what its manifest says, and whether to trust it.
+
+    <dir>/tokenizer.json            the tokenizer that made every shard (its sha256 is in the manifest)
+    <dir>/train-00000.bin ...       flat streams of token ids, each document followed by end-of-text
+    <dir>/val-00000.bin ...         documents held out by a hash of their name
+    <dir>/progress/                 plan.json and one record per finished unit (what a resume trusts)
+    <dir>/manifest.json             written last: its presence means the folder is complete
+
+`lm.data.shards` writes such a folder; everything that reads one (the data module, the doctor, `lm prepare`'s
+summary, the object-storage mirror) goes through this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lm.config import DataConfig
+from lm.data import sources
+from lm.data.sources import Plan
+from lm.data.tokenizer import file_sha256, load_tokenizer_spec, text_sha256
+
+FORMAT_VERSION = 2
+"""Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads."""
+
+
+MANIFEST = "manifest.json"
+
+
+TOKENIZER = "tokenizer.json"
+
+
+PROGRESS = "progress"
+
+
+SPLITS = ("train", "val")
+
+
+def resolve_cache_dir(cache_dir: str) -> Path:
+    """Cache folder as a path; resolves the `${oc.env:...}` default when DataConfig is used without Hydra."""
+    if "${" in cache_dir:
+        from omegaconf import OmegaConf
+
+        cache_dir = OmegaConf.create({"dir": cache_dir}).dir
+    return Path(cache_dir).expanduser()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every id below `vocab_size`."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _tokenizer_identity(cfg: DataConfig) -> str | None:
+    """What identifies a given tokenizer in the cache key: its file's sha256, or its hub name."""
+    if cfg.tokenizer is None:
+        return None
+    path = Path(cfg.tokenizer).expanduser()
+    path = path / TOKENIZER if path.is_dir() else path
+    return file_sha256(path) if path.is_file() else cfg.tokenizer
+
+
+def cache_key(cfg: DataConfig, plan: Plan | None = None) -> str:
+    """Short hash of everything that determines the prepared dataset's contents."""
+    plan = plan or sources.plan(cfg)
+    parts = {
+        "format_version": FORMAT_VERSION,
+        "source": cfg.source,
+        "fingerprint": plan.fingerprint,
+        "text_field": cfg.text_field if cfg.source in ("text", "hf") else None,
+        "vocab_size": cfg.vocab_size,
+        "val_fraction": cfg.val_fraction,
+        "max_bytes": cfg.max_bytes,
+        "tokenizer": _tokenizer_identity(cfg),
+        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes if cfg.tokenizer is None else None,
+        "eot_token": cfg.eot_token,
+        "shard_bytes": cfg.shard_bytes,
+        "max_line_chars": cfg.max_line_chars,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def dataset_dir(cfg: DataConfig, key: str | None = None) -> Path:
+    """Folder where `prepare(cfg)` puts (or finds) the dataset: data.dir, else one named by the cache key."""
+    if cfg.dir:
+        return Path(cfg.dir).expanduser()
+    return resolve_cache_dir(cfg.cache_dir) / f"{cfg.source}-{key or cache_key(cfg)}"
+
+
+def summary(manifest: dict) -> str:
+    """One line: documents and tokens per split."""
+    s = manifest["splits"]
+    return ", ".join(
+        f"{k} {s[k]['documents']:,} documents / {s[k]['tokens']:,} tokens in {len(s[k]['shards'])} shard(s)"
+        for k in SPLITS
+    )
+
+
+def implied_epochs(manifest: dict, budget_tokens: int) -> float:
+    """How many passes over the training split a plan of `budget_tokens` makes."""
+    return budget_tokens / max(manifest["splits"]["train"]["tokens"], 1)
+
+
+def shard_paths(folder: Path, manifest: dict, split: str) -> list[Path]:
+    """The split's shard files, in stream order."""
+    return [folder / s["file"] for s in manifest["splits"][split]["shards"]]
+
+
+def load_manifest(path: str | Path, verify: bool = False) -> dict:
+    """Read a dataset folder's manifest (or the manifest file itself) and check the files it describes.
+
+    Sizes are always checked; `verify=True` also recomputes every shard's sha256 (slow on big corpora).
+    """
+    folder = Path(path).expanduser()
+    folder = folder.parent if folder.name == MANIFEST else folder
+    fix = f"delete {folder} and rerun `lm prepare` to rebuild it"
+    if not (folder / MANIFEST).is_file():
+        hint = (
+            " (an interrupted preparation: rerun `lm prepare` to finish it)"
+            if (folder / PROGRESS).is_dir()
+            else ""
+        )
+        raise FileNotFoundError(
+            f"no {MANIFEST} in {folder}: it is not a prepared dataset{hint}; run `lm prepare` first"
+        )
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / MANIFEST} is not valid JSON ({e}); {fix}") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{folder} has dataset format {manifest.get('format_version')} but this code reads format "
+            f"{FORMAT_VERSION}; {fix}"
+        )
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            file = folder / shard["file"]
+            expected = shard["tokens"] * itemsize
+            actual = file.stat().st_size if file.is_file() else None
+            if actual != expected:
+                found = "is missing" if actual is None else f"has {actual} bytes"
+                raise ValueError(
+                    f"{file} {found} but the manifest records {shard['tokens']} tokens ({expected} bytes): "
+                    f"the dataset is truncated or corrupt; {fix}"
+                )
+            if verify and file_sha256(file) != shard["sha256"]:
+                raise ValueError(f"{file} does not match the sha256 in the manifest: it is corrupt; {fix}")
+    tokenizer = folder / TOKENIZER
+    if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
+        raise ValueError(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
+    return manifest
+
+
+def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
+    """Refuse shards that data.tokenizer did not make: their ids would mean other strings."""
+    if manifest["eot_token"] != cfg.eot_token:
+        raise ValueError(
+            f"{folder} separates documents with {manifest['eot_token']!r} but data.eot_token="
+            f"{cfg.eot_token!r}; set data.eot_token={manifest['eot_token']!r}"
+        )
+    if cfg.tokenizer is None:
+        return  # the folder's own tokenizer.json, already checked against the manifest
+    _, text = load_tokenizer_spec(cfg.tokenizer)
+    ours, theirs = text_sha256(text), manifest["tokenizer_sha256"]
+    if ours != theirs:
+        raise ValueError(
+            f"tokenizer mismatch: the shards in {folder} were made by a tokenizer with sha256 {theirs}, but "
+            f"data.tokenizer={cfg.tokenizer!r} has sha256 {ours}. Train with the tokenizer the shards were "
+            f"made with (data.tokenizer={folder / TOKENIZER}, or leave data.tokenizer unset), or re-run "
+            f"`lm prepare` with data.tokenizer={cfg.tokenizer} to tokenize the corpus again"
+        )
