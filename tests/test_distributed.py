@@ -378,3 +378,21 @@ def test_ranks_that_would_resume_from_different_steps_stop_before_training(root,
     )
     assert "every node must see the same checkpoints" in out.stderr
     assert sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir()) == ckpts
+
+
+def test_a_stop_signal_to_one_rank_saves_the_same_step_on_both_and_exits_75(root, data_cache):
+    """SIGUSR1 to rank 1 only, before step 0's forward: the ranks agree on it one step later (Consensus
+    pipelines the agreement so no step waits on the device), both save step 2 together and exit 75 (each logs it just before exiting)."""
+    fault = ["+callbacks.fault._target_=tests.faults.Fault", "+callbacks.fault.action=sigusr1", "+callbacks.fault.step=0", "+callbacks.fault.rank=1", f"+callbacks.fault.marker={root / 'one-rank.fired'}"]  # fmt: skip
+    args = overrides(root, data_cache, "one-rank-stop", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}", f"trainer.max_steps={STEPS}", *fault)  # fmt: skip
+    out = launch([*torchrun(W), *args], ok=False)
+    log = out.stdout + out.stderr
+    assert (root / "one-rank.fired").is_file()
+    assert log.count("SIGUSR1: saved step 2; exiting with 75") == 1, log[-4000:]  # rank 1, which received it
+    assert log.count("a stop signal to another rank: saved step 2; exiting with 75") == 1, log[-4000:]
+    # torchrun reports the first rank to exit (75) and stops the other, which may still be on its way out.
+    codes = [
+        line.split(":")[1].split()[0] for line in log.splitlines() if line.strip().startswith("exitcode")
+    ]
+    assert "75" in codes and set(codes) <= {"75", "-15"}, log[-4000:]
+    assert last(root / "one-rank-stop")["global_step"] == 2

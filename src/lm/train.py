@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from lm import activation_checkpointing, cost, plan, rundir, runtime
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
@@ -145,25 +146,30 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
 
     The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
     phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
-    checkpoint callback, which Lightning always runs last.
+    checkpoint callback, which Lightning always runs last. The consensus follows every callback that votes
+    in it: at each optimizer step it launches the ranks' agreement on what they voted.
     """
+    consensus = Consensus()
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
-    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters()))
+    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters(), consensus))
     s = cfg.spot
     callbacks += [
-        SpotGuard(s.signals),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
+        SpotGuard(s.signals, consensus),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
         NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
+        consensus,
     ]
     return callbacks
 
 
-def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> DiminishingReturnsStopper:
+def stopper(
+    cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int, consensus: Consensus | None = None
+) -> DiminishingReturnsStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
     end = plan.plan_end(cfg, world=1)
@@ -175,6 +181,7 @@ def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> Di
         plan_end_tokens=end.tokens if end.steps is None else None,
         plan_end_steps=end.steps,
         chinchilla_tokens=plan.chinchilla_tokens(n_params),
+        consensus=consensus,
     )
 
 
