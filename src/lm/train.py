@@ -6,6 +6,7 @@ config -> runtime (device, precision, price) -> run directory -> doctor -> resum
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from lm import activation_checkpointing, cost, plan, rundir, runtime
+from lm.callbacks.ac_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
@@ -59,7 +61,14 @@ def main(dcfg: DictConfig) -> float | None:
         rundir.write_config(run_dir, dcfg)
 
     runtime.set_matmul_precision(cfg.precision.tf32)
-    ac = activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+    # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
+    # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    deferred = cfg.activation_checkpointing.auto and rt.cuda
+    ac = (
+        activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True)
+        if deferred
+        else activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+    )
     log_runtime(cfg, rt, ac, run_dir)
     pl.seed_everything(cfg.run.seed, workers=True)
     datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
@@ -72,9 +81,14 @@ def main(dcfg: DictConfig) -> float | None:
         liger=cfg.kernels.liger,
     )
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
-    trainer = build_trainer(cfg, run_dir, rt.precision, run_callbacks(cfg, meter, run_dir, module), remote)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(meter.about)
+    callbacks = run_callbacks(cfg, meter, run_dir, module)
+    if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
+        decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
+        callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+    if not deferred:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(meter.about)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
@@ -242,7 +256,7 @@ def run_hparams(
         "device": rt.device_name,
         "precision": rt.precision,
         "compile": rt.compile,
-        "activation_checkpointing": ac.every,
+        "activation_checkpointing": "auto" if ac.pending else ac.every,  # set at setup when pending
         "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
         "tf32": cfg.precision.tf32,
         "liger": cfg.kernels.liger,
