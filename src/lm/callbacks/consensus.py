@@ -126,7 +126,7 @@ class _Round:
         if cuda:
             self.work.wait()  # NCCL: orders the current stream after the collective; the host does not wait
             self.work = None
-            self.host = torch.empty_like(self.tensor, device="cpu", pin_memory=True)
+            self.host = torch.empty(self.tensor.shape, dtype=self.tensor.dtype, pin_memory=True)
             self.host.copy_(self.tensor, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
