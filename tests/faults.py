@@ -23,13 +23,19 @@ from lm.checkpointing import TMP_MARK
 class Fault(pl.Callback):
     """action: sigterm | sigusr1 | sigkill | sigterm_group | sigterm_in_val | sigterm_in_save |
     sigkill_in_save | disk_full | nan | nan_always | drop_grads | sigkill_random | slow |
-    sigkill_after_upload (at `step`, once a checkpoint is on object storage)."""
+    sigkill_after_upload (at `step`, once a checkpoint is on object storage). `rank`: fire on that rank only
+    (under torchrun; every rank when None)."""
 
-    def __init__(self, action: str, marker: str, step: int = 0, seconds: float = 0.0) -> None:
+    def __init__(
+        self, action: str, marker: str, step: int = 0, seconds: float = 0.0, rank: int | None = None
+    ) -> None:
         self.action, self.marker, self.step, self.seconds = action, Path(marker), step, seconds
+        self.rank = rank
 
     def fire(self) -> bool:
-        """True the first time across restarts."""
+        """True the first time across restarts (on `rank` only, when one is named)."""
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+            return False
         if self.marker.exists():
             return False
         self.marker.write_text(self.action)

@@ -15,10 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from lm.activation_checkpointing import Decision, resolve
 from lm.checkpointing import resume_checkpoint
 from lm.data.dataset import StepSampler, val_batches
 from lm.parallel import check_strategy, cluster_plugins
@@ -378,3 +380,64 @@ def test_ranks_that_would_resume_from_different_steps_stop_before_training(root,
     )
     assert "every node must see the same checkpoints" in out.stderr
     assert sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir()) == ckpts
+
+
+def test_a_stop_signal_to_one_rank_saves_the_same_step_on_both_and_exits_75(root, data_cache):
+    """SIGUSR1 to rank 1 only, before step 0's forward: the ranks agree on it one step later (Consensus
+    pipelines the agreement so no step waits on the device), both save step 2 together and exit 75 (each logs it just before exiting)."""
+    fault = ["+callbacks.fault._target_=tests.faults.Fault", "+callbacks.fault.action=sigusr1", "+callbacks.fault.step=0", "+callbacks.fault.rank=1", f"+callbacks.fault.marker={root / 'one-rank.fired'}"]  # fmt: skip
+    args = overrides(root, data_cache, "one-rank-stop", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}", f"trainer.max_steps={STEPS}", *fault)  # fmt: skip
+    out = launch([*torchrun(W), *args], ok=False)
+    log = out.stdout + out.stderr
+    assert (root / "one-rank.fired").is_file()
+    assert log.count("SIGUSR1: saved step 2; exiting with 75") == 1, log[-4000:]  # rank 1, which received it
+    assert log.count("a stop signal to another rank: saved step 2; exiting with 75") == 1, log[-4000:]
+    # torchrun reports the first rank to exit (75) and stops the other, which may still be on its way out.
+    codes = [
+        line.split(":")[1].split()[0] for line in log.splitlines() if line.strip().startswith("exitcode")
+    ]
+    assert "75" in codes and set(codes) <= {"75", "-15"}, log[-4000:]
+    assert last(root / "one-rank-stop")["global_step"] == 2
+
+
+# Stand-in trial peaks (bytes) per stride of the tiny 2-block model: off, 1 block in 2, every block.
+PEAKS = {0: 300, 2: 200, 1: 100}
+FREE = {0: 250, 1: 1000}  # rank 0's GPU is the fuller one: alone, rank 1 would train without checkpointing
+
+
+def stand_in_decision(out: str, n_layer: int = 2) -> Decision:
+    """`activation_checkpointing=auto` as a rank with FREE[rank] bytes free decides it (a CPU stand-in for
+    the CUDA trial probe); records that this rank probed."""
+    rank = int(os.environ.get("RANK", "0"))
+    (Path(out) / f"probed-{rank}").write_text("")
+    return resolve(0, True, n_layer, probe=PEAKS.get, budget_bytes=FREE[rank], headroom=0.0)
+
+
+class RecordStride(pl.Callback):
+    """Writes the stride this rank trains with to <out>/stride-<rank>.json."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        (self.out / f"stride-{trainer.global_rank}.json").write_text(json.dumps(pl_module.model.ac_every))
+
+
+def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, data_cache, tmp_path):
+    """Ranks with different free memory would choose different strides; rank 0 probes and all follow."""
+    ac = "+callbacks.ac"
+    callbacks = [
+        f"{ac}._target_=lm.callbacks.ac_stride.ActivationCheckpointingStride",
+        f"{ac}.decide._target_=tests.test_distributed.stand_in_decision",
+        f"{ac}.decide._partial_=true",
+        f"{ac}.decide.out={tmp_path}",
+        "+callbacks.record._target_=tests.test_distributed.RecordStride",
+        f"+callbacks.record.out={tmp_path}",
+    ]
+    args = overrides(root, data_cache, "ac-auto", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}", "trainer.max_steps=2", "activation_checkpointing=auto", *callbacks)  # fmt: skip
+    launch([*torchrun(W), *args])
+    assert resolve(0, True, 2, probe=PEAKS.get, budget_bytes=FREE[1], headroom=0.0).every == 0  # rank 1's own
+    assert [json.loads((tmp_path / f"stride-{r}.json").read_text()) for r in range(W)] == [2, 2]
+    assert sorted(p.name for p in tmp_path.glob("probed-*")) == ["probed-0"]  # only rank 0 measured
+    ledger = json.loads((root / "ac-auto" / "cost.json").read_text())
+    assert ledger["run"]["activation_checkpointing"] == 2

@@ -43,10 +43,12 @@ class Decision:
     """One line for the log: configured, or how `auto` chose."""
     trials: list[Trial] = field(default_factory=list)
     """The measured candidates of `auto`, in the order tried."""
+    pending: bool = False
+    """`auto` to be measured later (by rank 0, once the processes are up); `every` is not the stride yet."""
 
     @property
     def label(self) -> str:
-        return describe(self.every)
+        return "auto" if self.pending else describe(self.every)
 
 
 def describe(every: int) -> str:

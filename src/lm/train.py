@@ -6,6 +6,7 @@ config -> runtime (device, precision, price) -> run directory -> doctor -> resum
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from lm import activation_checkpointing, cost, plan, rundir, runtime
+from lm.callbacks.ac_stride import ActivationCheckpointingStride
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
@@ -58,7 +61,14 @@ def main(dcfg: DictConfig) -> float | None:
         rundir.write_config(run_dir, dcfg)
 
     runtime.set_matmul_precision(cfg.precision.tf32)
-    ac = activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+    # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
+    # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    deferred = cfg.activation_checkpointing.auto and rt.cuda
+    ac = (
+        activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True)
+        if deferred
+        else activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+    )
     log_runtime(cfg, rt, ac, run_dir)
     pl.seed_everything(cfg.run.seed, workers=True)
     datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
@@ -71,9 +81,14 @@ def main(dcfg: DictConfig) -> float | None:
         liger=cfg.kernels.liger,
     )
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
-    trainer = build_trainer(cfg, run_dir, rt.precision, run_callbacks(cfg, meter, run_dir, module), remote)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(meter.about)
+    callbacks = run_callbacks(cfg, meter, run_dir, module)
+    if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
+        decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
+        callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+    if not deferred:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(meter.about)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
@@ -145,25 +160,30 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
 
     The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
     phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
-    checkpoint callback, which Lightning always runs last.
+    checkpoint callback, which Lightning always runs last. The consensus follows every callback that votes
+    in it: at each optimizer step it launches the ranks' agreement on what they voted.
     """
+    consensus = Consensus()
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
-    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters()))
+    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters(), consensus))
     s = cfg.spot
     callbacks += [
-        SpotGuard(s.signals),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup),
+        SpotGuard(s.signals, consensus),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
         NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
+        consensus,
     ]
     return callbacks
 
 
-def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> DiminishingReturnsStopper:
+def stopper(
+    cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int, consensus: Consensus | None = None
+) -> DiminishingReturnsStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
     end = plan.plan_end(cfg, world=1)
@@ -175,6 +195,7 @@ def stopper(cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int) -> Di
         plan_end_tokens=end.tokens if end.steps is None else None,
         plan_end_steps=end.steps,
         chinchilla_tokens=plan.chinchilla_tokens(n_params),
+        consensus=consensus,
     )
 
 
@@ -235,7 +256,7 @@ def run_hparams(
         "device": rt.device_name,
         "precision": rt.precision,
         "compile": rt.compile,
-        "activation_checkpointing": ac.every,
+        "activation_checkpointing": "auto" if ac.pending else ac.every,  # set at setup when pending
         "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
         "tf32": cfg.precision.tf32,
         "liger": cfg.kernels.liger,

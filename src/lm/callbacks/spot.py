@@ -2,7 +2,9 @@
 
 A spot reclaim sends SIGTERM with ~2 minutes' notice; a user or a monitor sends SIGUSR1. The handler only sets
 a flag: saving inside a signal handler would interrupt the optimizer step (or a checkpoint write) half-way.
-The flag is read at every optimizer-step boundary and agreed across ranks, so all ranks save the same step.
+The flag is read at every optimizer-step boundary and agreed across ranks (`Consensus`), so all ranks save the
+same step: the next boundary on one process, one step later under DDP/FSDP (the agreement is pipelined so that
+no step waits on the device).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
 from lm.exits import EXIT_PREEMPTED, Preempted
 
@@ -39,6 +42,10 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 os.register_at_fork(after_in_child=_child_ignores_stop_signals)
+
+
+def _no_broadcast() -> None:
+    """Stands in for Lightning's per-batch SIGTERM broadcast while a SpotGuard owns the stop signals."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,10 +75,19 @@ class SpotGuard(pl.Callback):
     handler, aborts validation mid-way and exits with code 0 (which a restarter reads as "finished").
     """
 
-    def __init__(self, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1")) -> None:
+    def __init__(
+        self,
+        signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        consensus: Consensus | None = None,
+    ) -> None:
         self.signals = [signal.Signals[name] if isinstance(name, str) else name for name in signals]
         self.received: signal.Signals | None = None
         self.steps = StepWatch()
+        self.consensus = consensus or Consensus()
+        self.consensus.register("stop")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.consensus.attach(trainer)
 
     # -- signal handling -------------------------------------------------------------------------------
 
@@ -92,11 +108,19 @@ class SpotGuard(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install()
         self.steps.start(trainer)
+        # Under torch.distributed Lightning broadcasts rank 0's `received_sigterm` before every training
+        # batch and reads it with `.item()`: a host-device sync per micro-batch. With this guard's handler in
+        # place Lightning's never sets that flag, and an earlier SIGTERM (which did) is agreed on here, so
+        # every rank (all run this callback) skips that collective.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
     def stop_requested(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank received a stop signal (an all-reduce MAX; no collective on one process)."""
+        """Whether to stop now: this process received a stop signal (one process), or any rank had by the
+        previous optimizer step (several; `Consensus`, no host sync)."""
         local = self.received is not None or trainer.received_sigterm
-        return trainer.strategy.reduce_boolean_decision(local, all=False)
+        return self.consensus.decide(trainer, "stop", local)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -105,7 +129,10 @@ class SpotGuard(pl.Callback):
             return
         if not self.stop_requested(trainer):
             return
-        name = self.received.name if self.received else "SIGTERM"
+        if self.received is not None:
+            name = self.received.name
+        else:
+            name = "SIGTERM" if trainer.received_sigterm else "a stop signal to another rank"
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and hasattr(ckpt, "save_now"):
             ckpt.save_now(trainer)

@@ -2,7 +2,8 @@
 
 At every validation it records (step, tokens, dollars, loss), fits the loss forecast, and checks the criteria
 of `early_stopping`: the marginal dollars per loss point over a trailing window (or off the forecast), a
-target loss, classic patience. The budget cap is checked at every optimizer step. Under a flat LR schedule
+target loss, classic patience. The budget cap is checked at every optimizer step (agreed across ranks by
+`Consensus`: under DDP/FSDP a rank's crossing stops every rank one step later, with no host sync). Under a flat LR schedule
 (`wsd`, `constant`) a stop first runs a short linear LR cooldown, so the stopped model banks the loss a
 decayed schedule gives; then training stops, RunCheckpoint writes the final checkpoint, and the reason goes
 to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` renders.
@@ -21,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lm import forecast as fc
 from lm import rundir
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EarlyStoppingConfig
@@ -78,8 +80,12 @@ class DiminishingReturnsStopper(Callback):
         plan_end_tokens: int | None = None,
         plan_end_steps: int | None = None,
         chinchilla_tokens: int | None = None,
+        consensus: Consensus | None = None,
     ) -> None:
         self.cfg = cfg
+        self.consensus = consensus or Consensus()
+        for name in ("budget_over", "budget_near"):
+            self.consensus.register(name)
         self.meter = meter
         self.stop_path = run_dir / rundir.STOP
         self.forecast_path = run_dir / rundir.FORECAST
@@ -158,6 +164,9 @@ class DiminishingReturnsStopper(Callback):
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.consensus.attach(trainer)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
         if self.plan_end_steps is not None and self.plan_end_tokens is None:
@@ -188,25 +197,30 @@ class DiminishingReturnsStopper(Callback):
             self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
             self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
             usd = self.usd_now or 0.0
-            # Each rank reads its own clock: any rank over the cap stops all of them (one tiny all-reduce).
-            over = trainer.strategy.reduce_boolean_decision(usd >= self.cfg.budget_usd, all=False)
+            # Each rank reads its own clock: any rank over the cap stops all of them (Consensus: one step
+            # later across ranks, at once on one process).
+            over = self.consensus.decide(trainer, "budget_over", usd >= self.cfg.budget_usd)
+            # Start the cooldown when it would end at the cap (its cost ~ fraction x the spend so far).
+            near_here = (
+                self.decision is None
+                and self.cooldown_applies()
+                and usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
+            )
+            near = self.consensus.decide(trainer, "budget_near", near_here)
             if over:
                 reason = self.budget_reason() or (
                     "budget_usd",
                     f"another rank reached budget_usd=${self.cfg.budget_usd:,.2f}",
                 )
                 self.decide(trainer, pl_module, *reason, cooldown=False)
-            elif self.decision is None and self.cooldown_applies():
-                # Start the cooldown when it would end at the cap (its cost ~ fraction x the spend so far).
-                near = usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
-                if trainer.strategy.reduce_boolean_decision(near, all=False):
-                    self.decide(
-                        trainer,
-                        pl_module,
-                        "budget_usd",
-                        f"${usd:,.2f} spent; the LR cooldown ends near budget_usd=${self.cfg.budget_usd:,.2f}",
-                        cooldown=True,
-                    )
+            elif near and self.decision is None and self.cooldown_applies():
+                self.decide(
+                    trainer,
+                    pl_module,
+                    "budget_usd",
+                    f"${usd:,.2f} spent; the LR cooldown ends near budget_usd=${self.cfg.budget_usd:,.2f}",
+                    cooldown=True,
+                )
         if self.decision and not self.decision.get("stopped"):
             start, length = self.decision.get("cooldown") or (step - 1, 0)
             # Lightning steps the LR scheduler before this hook, so a cooldown decided at step `start`

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
 
 log = logging.getLogger(__name__)
@@ -17,13 +18,19 @@ log = logging.getLogger(__name__)
 class ThroughputAlarm(pl.Callback):
     """Tokens/s below `ratio` x the run's own baseline for `window_s` seconds: save a checkpoint and warn.
 
-    The seed's spot monitor used 60% for 2 minutes. The baseline is the median of `baseline_steps` steps after
-    `warmup` steps of each invocation (a restart may land on a different GPU). Intervals that contain a
-    validation or a checkpoint write are not throughput and are ignored.
+        The seed's spot monitor used 60% for 2 minutes. The baseline is the median of `baseline_steps` steps after
+        `warmup` steps of each invocation (a restart may land on a different GPU). Intervals that contain a
+        validation or a checkpoint write are not throughput and are ignored. The save is collective, so ranks agree
+    on it through `consensus` (under DDP/FSDP the alarm acts one step after a rank raised it).
     """
 
     def __init__(
-        self, ratio: float = 0.6, window_s: float = 120.0, baseline_steps: int = 20, warmup: int = 5
+        self,
+        ratio: float = 0.6,
+        window_s: float = 120.0,
+        baseline_steps: int = 20,
+        warmup: int = 5,
+        consensus: Consensus | None = None,
     ):
         self.ratio, self.window_s = ratio, window_s
         self.baseline_steps, self.warmup = baseline_steps, warmup
@@ -35,6 +42,12 @@ class ThroughputAlarm(pl.Callback):
         self._slow_since: float | None = None
         self._interrupted = False
         self._saved_step = -1
+        self._rate: float | None = None  # the last throughput observed, for the alarm's message
+        self.consensus = consensus or Consensus()
+        self.consensus.register("slow")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.consensus.attach(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
@@ -54,6 +67,8 @@ class ThroughputAlarm(pl.Callback):
         self._interrupted, self._saved_step = False, saved
         last, self._t = self._t, now
         if last is None or interrupted:
+            if self.baseline is not None and self.consensus.decide(trainer, "slow", False):
+                self.alarm(trainer)  # another rank's alarm (or this one's, agreed a step late)
             return
         tokens = batch.numel() * trainer.accumulate_grad_batches * trainer.world_size
         self.observe(tokens / max(now - last, 1e-9), now, trainer)
@@ -72,18 +87,23 @@ class ThroughputAlarm(pl.Callback):
         else:
             self._slow_since = self._slow_since or now
             fire = now - self._slow_since >= self.window_s
-        # Every rank reaches this line at the same steps; the save below is collective, so they must agree.
-        if trainer.strategy.reduce_boolean_decision(fire, all=False):
-            self._slow_since = None  # re-arm: another full window before the next alarm
-            self.alarms += 1
-            log.warning(
-                "throughput %.0f tokens/s has been below %.0f%% of the %.0f tokens/s baseline for %g s: "
-                "saving a checkpoint now (the host may be failing or about to be reclaimed)",
-                tokens_per_s,
-                100 * self.ratio,
-                self.baseline,
-                self.window_s,
-            )
-            ckpt = trainer.checkpoint_callback
-            if ckpt is not None and hasattr(ckpt, "save_now"):
-                ckpt.save_now(trainer)
+        self._rate = tokens_per_s
+        # The save below is collective: every rank acts on the agreed flag (Consensus: no host sync).
+        if self.consensus.decide(trainer, "slow", fire):
+            self.alarm(trainer)
+
+    def alarm(self, trainer: pl.Trainer) -> None:
+        """Save a checkpoint now, on every rank, and re-arm: another full window before the next alarm."""
+        self._slow_since = None
+        self.alarms += 1
+        log.warning(
+            "throughput (%.0f tokens/s here) has been below %.0f%% of the %.0f tokens/s baseline for %g s on "
+            "a rank: saving a checkpoint now (the host may be failing or about to be reclaimed)",
+            self._rate or 0.0,
+            100 * self.ratio,
+            self.baseline or 0.0,
+            self.window_s,
+        )
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and hasattr(ckpt, "save_now"):
+            ckpt.save_now(trainer)
