@@ -38,7 +38,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from lm import activation_checkpointing, cost, memory, runtime
+from lm import activation_checkpointing, cost, memory, plan, runtime
 from lm.atomic import write_atomic
 from lm.bench_results import Result, load_bench, write_bench
 from lm.callbacks.steps import StepWatch
@@ -187,7 +187,7 @@ def timed(cfg: LMConfig, rt: runtime.Runtime, result: Result, stamps: list[float
         result.error = f"only {len(stamps)} steps were timed"
         return result
     seconds = (timed_stamps[-1] - timed_stamps[0]) / (len(timed_stamps) - 1)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches
+    tokens_per_step = plan.tokens_per_step(cfg, world=1)  # a bench trains on one device
     result.status, result.step_seconds = "ok", round(seconds, 5)
     result.tokens_per_sec = round(tokens_per_step / seconds, 1)
     fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)
