@@ -8,7 +8,7 @@ the host (`bool(tensor)`): on a GPU that waits for every kernel queued so far, a
 Here the agreement is pipelined by one step. Callbacks cast their local flags during a step's
 `on_train_batch_end` (`decide(trainer, name, flag)`); this callback, listed after them, then launches one
 non-blocking all-reduce (MAX) of a small int tensor holding every flag, and stages its result to host memory
-behind an event (on CUDA: pinned memory, `non_blocking` copy, as `HostFlag` does; on gloo the tensor already
+behind an event (on CUDA: `HostCopy`, a pinned `non_blocking` copy; on gloo the tensor already
 lives on the host and the `Work` is waited on). The answer a callback gets at step N is the agreement of step
 N-1's flags, so every rank acts at the same step, one step after the first rank raised the flag, and the host
 only waits for a collective launched a whole step earlier. A True answer withdraws the vote just cast for the
@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lm.callbacks.host_copy import HostCopy
 from lm.callbacks.steps import StepWatch
 
 
@@ -122,23 +123,19 @@ class _Round:
             host = host.pin_memory()
         self.tensor = host.to(device, non_blocking=cuda)
         self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, async_op=True)
-        self.event = None
+        self.staged: HostCopy | None = None
         if cuda:
             self.work.wait()  # NCCL: orders the current stream after the collective; the host does not wait
             self.work = None
-            self.host = torch.empty(self.tensor.shape, dtype=self.tensor.dtype, pin_memory=True)
-            self.host.copy_(self.tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            self.staged = HostCopy(self.tensor)
         else:
-            self.host = self.tensor
-        self.host.host_staging = True  # lives on the host by construction (tests/test_sync.py)
+            self.tensor.host_staging = True  # gloo reduces in host memory (tests/test_sync.py)
 
     def result(self) -> dict[str, bool]:
         """The agreed flags; waits only for this round (launched a step ago), never for later work."""
-        if self.work is not None:
-            self.work.wait()
-        if self.event is not None:
-            self.event.synchronize()
-        values = self.host.tolist()
+        if self.staged is not None:
+            values = self.staged.value().tolist()
+        else:
+            self.work.wait()  # gloo: the reduced tensor is on the host once the work is done
+            values = self.tensor.tolist()
         return {name: bool(v) for name, v in zip(self.names, values)}

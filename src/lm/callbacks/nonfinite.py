@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from lm import rundir
+from lm.callbacks.host_copy import HostCopy
 from lm.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 from lm.parallel import grad_norm
 
@@ -40,7 +41,7 @@ class NonFiniteGuard(pl.Callback):
         self.skipped = 0
         self.in_a_row = 0
         self._start_step = 0
-        self._pending: tuple[int, HostFlag] | None = None  # (step, verdict) not yet read by the host
+        self._pending: tuple[int, HostCopy] | None = None  # (step, verdict) not yet read by the host
         self._trainer: pl.Trainer | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -62,7 +63,7 @@ class NonFiniteGuard(pl.Callback):
         nonfinite = ~torch.isfinite(norm)
         if skips_on_device(trainer, optimizer):
             optimizer.found_inf = nonfinite.float()  # read by the fused kernel: no update when 1
-            self._pending = (trainer.global_step, HostFlag(nonfinite))
+            self._pending = (trainer.global_step, HostCopy(nonfinite))
             return
         if not nonfinite:  # a host sync, but only on the unfused path (CPU, fp16)
             self.in_a_row = 0
@@ -143,25 +144,3 @@ def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bo
         and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
         and trainer.precision != "16-mixed"
     )
-
-
-class HostFlag:
-    """A device boolean copied to host memory without waiting for it; reading it waits for that copy only.
-
-    `bool(device_tensor)` would wait for everything queued on the stream so far (the next step's forward and
-    backward included); waiting on an event recorded right after the copy waits for nothing later.
-    """
-
-    def __init__(self, flag: torch.Tensor) -> None:
-        cuda = flag.is_cuda
-        self.value = torch.empty((), dtype=torch.bool, pin_memory=cuda)
-        self.value.copy_(flag, non_blocking=cuda)
-        self.value.host_staging = True  # lives on the host by construction (tests/test_sync.py)
-        self.event = torch.cuda.Event() if cuda else None
-        if self.event is not None:
-            self.event.record()
-
-    def __bool__(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.value)
