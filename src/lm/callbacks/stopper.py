@@ -3,10 +3,10 @@
 At every validation it records (step, tokens, dollars, loss), fits the loss forecast, and checks the criteria
 of `early_stopping`: the marginal dollars per loss point over a trailing window (or off the forecast), a
 target loss, classic patience. The budget cap is checked at every optimizer step (agreed across ranks by
-`Consensus`: under DDP/FSDP a rank's crossing stops every rank one step later, with no host sync). Under a flat LR schedule
-(`wsd`, `constant`) a stop first runs a short linear LR cooldown, so the stopped model banks the loss a
-decayed schedule gives; then training stops, RunCheckpoint writes the final checkpoint, and the reason goes
-to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` renders.
+`Consensus`: under DDP/FSDP a rank's crossing stops every rank one step later, with no host sync). Under a
+flat LR schedule (`wsd`, `constant`) a stop first runs a short linear LR cooldown, so the stopped model banks
+the loss a decayed schedule gives; then training stops, RunCheckpoint writes the final checkpoint, and the
+reason goes to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` renders.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 class ThroughputAlarm(pl.Callback):
     """Tokens/s below `ratio` x the run's own baseline for `window_s` seconds: save a checkpoint and warn.
 
-        The seed's spot monitor used 60% for 2 minutes. The baseline is the median of `baseline_steps` steps after
-        `warmup` steps of each invocation (a restart may land on a different GPU). Intervals that contain a
-        validation or a checkpoint write are not throughput and are ignored. The save is collective, so ranks agree
-    on it through `consensus` (under DDP/FSDP the alarm acts one step after a rank raised it).
+    The seed's spot monitor used 60% for 2 minutes. The baseline is the median of `baseline_steps` steps after
+    `warmup` steps of each invocation (a restart may land on a different GPU). Intervals that contain a
+    validation or a checkpoint write are not throughput and are ignored. The save is collective, so ranks
+    agree on it through `consensus` (under DDP/FSDP the alarm acts one step after a rank raised it).
     """
 
     def __init__(
