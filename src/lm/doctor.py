@@ -12,6 +12,7 @@ is not worth nagging about.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -68,6 +69,11 @@ class Target:
     @property
     def memory_bytes(self) -> float | None:
         return self.gpu.memory_gb * 1e9 if self.gpu.memory_gb else None
+
+    @functools.cached_property
+    def n_params(self) -> int:
+        """The model's parameter count (counted once on the meta device; three checks read it)."""
+        return memory.parameter_count(self.cfg.model)[0]
 
 
 def estimate_for(
@@ -296,7 +302,7 @@ def check_vocab(t: Target) -> list[Finding]:
 
 def check_disk(t: Target) -> list[Finding]:
     """Free space for keep_last + 1 checkpoints (the guard's own arithmetic, in lm.checkpointing)."""
-    n_params, _ = memory.parameter_count(t.cfg.model)
+    n_params = t.n_params
     ckpt = estimate_checkpoint_bytes(n_params)
     keep, need, free = checkpoint_space(t.run_dir / "checkpoints", ckpt, t.cfg.checkpoint.keep_last)
     what = f"{keep}+1 checkpoints of ~{gib(ckpt)} need {gib(max(need, 0))}; {gib(free)} free at {t.run_dir}"
@@ -361,7 +367,7 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
 
 def check_plan(t: Target) -> list[Finding]:
     """The plan's tokens per parameter against Chinchilla's ~20."""
-    n_params, _ = memory.parameter_count(t.cfg.model)
+    n_params = t.n_params
     end = plan.plan_end(t.cfg)
     ratio = end.tokens / n_params
     what = f"{end.tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({end.source}); Chinchilla ~20"
@@ -405,7 +411,7 @@ def check_price(t: Target) -> list[Finding]:
     pricing = t.cfg.cost.pricing
     fpt = cost.flops_per_token(t.cfg.model, t.cfg.data.seq_len)
     mfu = t.cfg.doctor.assumed_mfu
-    n_params, _ = memory.parameter_count(t.cfg.model)
+    n_params = t.n_params
     bench_mfu = measured_mfu(Path(t.cfg.bench.out_dir), t.gpu.name, t.cfg.model, n_params)
     # A measured MFU prices this GPU better; the others stay at the assumed one (no bench ran on them).
     mine = usd_per_btok(t.gpu, t, fpt, bench_mfu or mfu, pricing)
