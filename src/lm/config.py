@@ -7,6 +7,7 @@ Third-party objects (extra Lightning callbacks) stay plain `_target_` YAML.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from lm.model import ModelConfig
 
@@ -25,6 +28,7 @@ SCHEDULES = ("wsd", "cosine", "constant")
 
 
 SOURCES = ("stdlib", "text", "hf", "tokens")
+VERIFY = ("size", "cached", "full")
 
 
 @dataclass
@@ -85,6 +89,11 @@ class DataConfig:
     """Keep workers alive between validation and training instead of re-forking them."""
     seed: int = 0
     """Seed of the window order; order is a pure function of (seed, global step)."""
+    verify: str = "cached"
+    """How training checks the prepared shards against their manifest before it reads them: `size` (every
+    file's size), `cached` (also each shard's sha256 and largest token id, computed once per file and
+    remembered in the folder's `verified.json` by size and modification time, so later runs only stat the
+    files), or `full` (recompute both on every run)."""
 
     def check_inputs(self) -> None:
         """The source's required fields; checked when data is prepared, so every data=* option composes."""
@@ -116,6 +125,8 @@ class DataConfig:
             )
         if self.max_line_chars < 1:
             raise ValueError(f"data.max_line_chars={self.max_line_chars} must be positive")
+        if self.verify not in VERIFY:
+            raise ValueError(f"data.verify={self.verify!r} is unknown; use one of {', '.join(VERIFY)}")
 
 
 @dataclass
@@ -196,6 +207,27 @@ class TrainerConfig:
     """Show the progress bar."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other `lightning.Trainer` keyword, passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        # Lightning reads max_steps=-1 as "no limit" and 0 as "nothing to do", and fails deep inside fit on
+        # a zero interval: here each is a refusal before the run directory is touched.
+        for name in (
+            "max_steps",
+            "val_every_steps",
+            "accumulate_grad_batches",
+            "log_every_n_steps",
+            "num_nodes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"trainer.{name}={getattr(self, name)} must be a positive number of "
+                    f"{'nodes' if name == 'num_nodes' else 'steps'}"
+                    + (" (the data stream is infinite: steps end training)" if name == "max_steps" else "")
+                )
+        if self.limit_val_batches < 0:
+            raise ValueError(
+                f"trainer.limit_val_batches={self.limit_val_batches} must be >= 0 (0 turns validation off)"
+            )
 
 
 @dataclass
@@ -548,6 +580,22 @@ class LMConfig:
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
 
+    def __post_init__(self) -> None:
+        """Checks across sections: each section alone cannot see them."""
+        m, d = self.model, self.data
+        if m.max_seq_len < d.seq_len:
+            raise ValueError(
+                f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={d.seq_len}: the rotary "
+                f"tables would not cover a training window; set model.max_seq_len>={d.seq_len} (or leave it "
+                f"at its default, ${{data.seq_len}})"
+            )
+        if m.vocab_size < d.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: token ids "
+                f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
+                f"default, ${{data.vocab_size}})"
+            )
+
 
 def conf_dir() -> Path:
     """The Hydra config folder: $LM_CONF, else ./conf, else the checkout this package was installed from."""
@@ -578,7 +626,23 @@ def to_objects(cfg: DictConfig) -> LMConfig:
     Compose-time typing catches unknown keys and wrong types; this catches values that are individually
     well-typed but wrong together (d_model not divisible by n_head, an unknown precision).
     """
-    node = OmegaConf.to_object(cfg)  # builds each dataclass, so every __post_init__ check runs here
+    try:
+        node = OmegaConf.to_object(cfg)  # builds each dataclass, so every __post_init__ check runs here
+    except OmegaConfBaseException as e:  # a `???` left unset, an interpolation that does not resolve
+        raise ValueError(f"the config does not resolve: {e}".replace("\n", "; ")) from e
     if not isinstance(node, LMConfig):
         raise TypeError("conf/train.yaml must list `lm_schema` first in its defaults so the tree is typed")
     return node
+
+
+class CheckBeforeRun(Callback):
+    """Hydra callback (conf/train.yaml): a single run's config is checked by `to_objects` before Hydra makes
+    the invocation's output folder (`hydra/<time>/` in the run directory), so a refused config changes
+    nothing on disk. Each job of a multirun is checked by `lm.train.main` instead, where a refusal fails that
+    job alone and the sweep goes on."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        task = copy.deepcopy(config)
+        with read_write(task), open_dict(task):
+            del task["hydra"]  # what the task receives (hydra's run_job strips it the same way)
+        to_objects(task)

@@ -54,6 +54,8 @@ def main(dcfg: DictConfig) -> float | None:
     run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
     if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
         preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir())))
+    datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
+    datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
     remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     if rank_zero_only.rank == 0:
@@ -71,7 +73,6 @@ def main(dcfg: DictConfig) -> float | None:
     )
     log_runtime(cfg, rt, ac, run_dir)
     pl.seed_everything(cfg.run.seed, workers=True)
-    datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
     module = LMModule(
         cfg.model,
         cfg.optim,

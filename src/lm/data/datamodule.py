@@ -15,7 +15,14 @@ from torch.utils.data import DataLoader
 
 from lm.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
-from lm.data.manifest import check_tokenizer, implied_epochs, load_manifest, shard_paths
+from lm.data.manifest import (
+    check_tokenizer,
+    implied_epochs,
+    load_manifest,
+    prepared_folder,
+    shard_paths,
+    verify_shards,
+)
 from lm.data.shards import prepare
 from lm.data.tokenizer import load_tokenizer
 
@@ -48,9 +55,16 @@ class LMDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared dataset; cheap, since `prepare` returns the cached folder."""
         manifest, folder = self.manifest, self.data_dir
-        dtype = manifest["dtype"]
-        self.train_set = TokenWindows(shard_paths(folder, manifest, "train"), self.cfg.seq_len, dtype)
-        self.val_set = TokenWindows(shard_paths(folder, manifest, "val"), self.cfg.seq_len, dtype)
+        dtype, vocab = manifest["dtype"], manifest["vocab_size"]
+        self.train_set = TokenWindows(shard_paths(folder, manifest, "train"), self.cfg.seq_len, dtype, vocab)
+        self.val_set = TokenWindows(shard_paths(folder, manifest, "val"), self.cfg.seq_len, dtype, vocab)
+
+    def check_prepared(self) -> None:
+        """Open and verify the dataset now if it is prepared already (data=tokens, or a complete cache
+        folder), so bad data is refused before the run directory changes; data still to be prepared is
+        verified once `prepare_data` has written it."""
+        if prepared_folder(self.cfg) is not None:
+            self._resolve()
 
     def _resolve(self) -> None:
         if self._manifest is not None:
@@ -58,6 +72,7 @@ class LMDataModule(pl.LightningDataModule):
         data_dir = prepare(self.cfg)
         manifest = load_manifest(data_dir)
         check_tokenizer(self.cfg, data_dir, manifest)
+        verify_shards(data_dir, manifest, self.cfg.verify)
         if manifest["vocab_size"] > self.cfg.vocab_size:
             raise ValueError(
                 f"{data_dir} was tokenized with vocab_size={manifest['vocab_size']} but data.vocab_size="

@@ -19,14 +19,21 @@ class TokenWindows(Dataset):
     the shards concatenated in the given (manifest) order. A window may straddle two shards: every shard ends
     with end-of-text, so that crossing is a document boundary like any other and no tokens are wasted.
     Shards are memory-mapped on first access, so the dataset pickles to DataLoader workers as paths.
+    With `vocab_size`, a window holding an id at or above it is refused as it is read (a corrupt shard that
+    `data.verify=size` let through), never left to index past the embedding.
     """
 
     def __init__(
-        self, paths: str | Path | Sequence[str | Path], seq_len: int, dtype: str | np.dtype = "uint16"
+        self,
+        paths: str | Path | Sequence[str | Path],
+        seq_len: int,
+        dtype: str | np.dtype = "uint16",
+        vocab_size: int | None = None,
     ):
         self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
         self.seq_len = seq_len
         self.dtype = np.dtype(dtype)
+        self.vocab_size = vocab_size
         if seq_len < 1:
             raise ValueError(f"data.seq_len={seq_len} must be at least 1")
         sizes = []
@@ -71,7 +78,19 @@ class TokenWindows(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} is out of range for {len(self)} windows of {self.name}")
         start = i * self.seq_len
-        return torch.from_numpy(self._read(start, start + self.seq_len + 1).astype(np.int64))
+        window = self._read(start, start + self.seq_len + 1)
+        if self.vocab_size is not None and window.max() >= self.vocab_size:
+            self.refuse_ids(start, window)
+        return torch.from_numpy(window.astype(np.int64))
+
+    def refuse_ids(self, start: int, window: np.ndarray) -> None:
+        """Name the shard holding the first id outside the vocabulary, and the fix."""
+        offset = start + int(np.argmax(window >= self.vocab_size))
+        path = self.paths[int(np.searchsorted(self.starts, offset, side="right")) - 1]
+        raise ValueError(
+            f"{path} holds token id {int(window.max())} at or above the vocabulary size {self.vocab_size}: the "
+            f"shard is corrupt; delete {path.parent} and rerun `lm prepare` (data.verify=full checks every shard)"
+        )
 
     def __getstate__(self) -> dict:
         # Workers re-open the files themselves; pickling the maps would copy the whole split.

@@ -5,6 +5,7 @@
     <dir>/val-00000.bin ...         documents held out by a hash of their name
     <dir>/progress/                 plan.json and one record per finished unit (what a resume trusts)
     <dir>/manifest.json             written last: its presence means the folder is complete
+    <dir>/verified.json             what training last verified of each shard (`data.verify=cached`)
 
 `lm.data.shards` writes such a folder; everything that reads one (the data module, the doctor, `lm prepare`'s
 summary, the object-storage mirror) goes through this module.
@@ -14,14 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
+from lm.atomic import write_atomic
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.sources import Plan
 from lm.data.tokenizer import file_sha256, load_tokenizer_spec, text_sha256
+from lm.storage import is_url
+
+log = logging.getLogger("lm.data")
 
 FORMAT_VERSION = 2
 """Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads."""
@@ -34,6 +40,20 @@ TOKENIZER = "tokenizer.json"
 
 
 PROGRESS = "progress"
+
+
+VERIFIED = "verified.json"
+"""Each shard's sha256 check and largest token id, keyed by the (size, mtime, recorded sha256) they were
+computed for: a file that keeps all three is not read again."""
+
+
+SCAN_BYTES = 16 << 20
+"""Bytes read per step when a shard is hashed and scanned (a multiple of every token size)."""
+
+
+class NotPrepared(FileNotFoundError, ValueError):
+    """A folder named as prepared data holds no manifest: a refusal (exit 78) that names the folder and the
+    fix. Still a FileNotFoundError for the callers that ask whether a dataset exists."""
 
 
 SPLITS = ("train", "val")
@@ -111,7 +131,8 @@ def shard_paths(folder: Path, manifest: dict, split: str) -> list[Path]:
 def load_manifest(path: str | Path, verify: bool = False) -> dict:
     """Read a dataset folder's manifest (or the manifest file itself) and check the files it describes.
 
-    Sizes are always checked; `verify=True` also recomputes every shard's sha256 (slow on big corpora).
+    Sizes are always checked; `verify=True` also recomputes every shard's sha256 and largest token id (slow
+    on big corpora; `verify_shards` can remember the result).
     """
     folder = Path(path).expanduser()
     folder = folder.parent if folder.name == MANIFEST else folder
@@ -122,8 +143,9 @@ def load_manifest(path: str | Path, verify: bool = False) -> dict:
             if (folder / PROGRESS).is_dir()
             else ""
         )
-        raise FileNotFoundError(
-            f"no {MANIFEST} in {folder}: it is not a prepared dataset{hint}; run `lm prepare` first"
+        raise NotPrepared(
+            f"no {MANIFEST} in {folder}: it is not a prepared dataset{hint}; run `lm prepare` first "
+            f"(`lm prepare data=text data.paths=... data.dir={folder}`), or point data.dir at the folder it wrote"
         )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -146,12 +168,95 @@ def load_manifest(path: str | Path, verify: bool = False) -> dict:
                     f"{file} {found} but the manifest records {shard['tokens']} tokens ({expected} bytes): "
                     f"the dataset is truncated or corrupt; {fix}"
                 )
-            if verify and file_sha256(file) != shard["sha256"]:
-                raise ValueError(f"{file} does not match the sha256 in the manifest: it is corrupt; {fix}")
     tokenizer = folder / TOKENIZER
     if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
         raise ValueError(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
+    if verify:
+        verify_shards(folder, manifest, "full")
     return manifest
+
+
+def verify_shards(folder: Path, manifest: dict, mode: str) -> None:
+    """Refuse shards whose bytes are not the ones the manifest records, or that hold a token id outside its
+    vocabulary (which would index past the embedding). `load_manifest` has checked the sizes already.
+
+    `size` stops there. `full` reads every shard: its sha256, and its largest id. `cached` does the same only
+    for shards whose size, modification time or recorded sha256 changed since they were last verified, so
+    the first run on a dataset pays one read of it and later runs a stat per shard; what it learns is kept in
+    the folder's verified.json, when the folder is writable. A shard rewritten in place with its old size and
+    mtime passes `cached`: `full` is the check for a dataset that may have rotted on disk.
+    """
+    if mode == "size":
+        return
+    known = read_verified(folder) if mode == "cached" else {}
+    dtype = np.dtype(manifest["dtype"])
+    verified = {}
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            file = folder / shard["file"]
+            stat = file.stat()
+            stamp = [stat.st_size, stat.st_mtime_ns, shard["sha256"]]
+            entry = known.get(shard["file"])
+            if entry is None or entry.get("stamp") != stamp:
+                entry = {"stamp": stamp, "max_id": scan_shard(folder, file, shard["sha256"], dtype)}
+            check_ids(folder, file, entry["max_id"], manifest["vocab_size"])
+            verified[shard["file"]] = entry
+    if mode == "cached" and verified != known:
+        try:
+            write_atomic(folder / VERIFIED, json.dumps(verified, indent=1) + "\n")
+        except OSError as e:  # a read-only or shared dataset: verified again next time, not refused
+            log.warning(
+                "could not record the verified shards in %s (%s); the next run hashes them again", folder, e
+            )
+
+
+def read_verified(folder: Path) -> dict:
+    """verified.json, or nothing (missing or unreadable: every shard is verified again)."""
+    try:
+        known = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def scan_shard(folder: Path, file: Path, sha256: str, dtype: np.dtype) -> int:
+    """Read `file` once: refuse it unless its sha256 is `sha256`; return its largest token id (-1 if empty)."""
+    h, max_id = hashlib.sha256(), -1
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(SCAN_BYTES), b""):
+            h.update(block)
+            max_id = max(max_id, int(np.frombuffer(block, dtype).max()))
+    if h.hexdigest() != sha256:
+        raise ValueError(
+            f"{file} does not match the sha256 its manifest records ({folder / MANIFEST}): the shard is corrupt "
+            f"or was changed after `lm prepare` wrote it; delete {folder} and rerun `lm prepare` to rebuild it"
+        )
+    return max_id
+
+
+def check_ids(folder: Path, file: Path, max_id: int, vocab_size: int) -> None:
+    """Refuse a shard holding an id the model has no embedding row for (an IndexError deep in a step)."""
+    if max_id >= vocab_size:
+        raise ValueError(
+            f"{file} holds token id {max_id}, outside the vocabulary of {vocab_size} that {folder / MANIFEST} "
+            f"records: the shard does not belong to this manifest; delete {folder} and rerun `lm prepare`"
+        )
+
+
+def prepared_folder(cfg: DataConfig) -> Path | None:
+    """The folder training will read, when it is known without preparing anything: `data=tokens`' data.dir
+    (a local one: a URL is mirrored first), or a complete folder already in place for the other sources.
+    None when the data is still to be prepared (or, for `hf`, found only by listing the hub)."""
+    if is_url(cfg.dir):
+        return None
+    if cfg.source == "tokens":
+        cfg.check_inputs()
+        return Path(cfg.dir).expanduser()
+    if cfg.dir is None and cfg.source == "hf":
+        return None
+    cfg.check_inputs()
+    folder = dataset_dir(cfg)
+    return folder if (folder / MANIFEST).is_file() else None
 
 
 def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
