@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from lm.exits import EXIT_CONFIG
 from lm.model import ModelConfig
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
@@ -645,4 +647,9 @@ class CheckBeforeRun(Callback):
         task = copy.deepcopy(config)
         with read_write(task), open_dict(task):
             del task["hydra"]  # what the task receives (hydra's run_job strips it the same way)
-        to_objects(task)
+        try:
+            to_objects(task)
+        except ValueError as e:
+            # Hydra turns an exception in a callback into a warning and runs the job anyway; an exit passes.
+            print(f"train.py: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from e
