@@ -94,6 +94,16 @@ def test_a_typo_inside_an_experiment_file_fails_at_compose_time(tmp_path):
         ("model.n_head=3", "model.d_model=128 is not divisible by model.n_head=3"),
         ("precision.mode=bf17", "precision.mode='bf17' is unknown"),
         ("optim.schedule=linear", "optim.schedule='linear' is unknown"),
+        ("trainer.max_steps=0", "trainer.max_steps=0 must be a positive number of steps"),
+        ("trainer.max_steps=-1", "trainer.max_steps=-1 must be a positive number of steps"),
+        ("trainer.val_every_steps=0", "trainer.val_every_steps=0 must be a positive number of steps"),
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 must be a positive"),
+        ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1 must be >= 0"),
+        ("data.batch_size=0", "data.batch_size=0 must be >= 1"),
+        ("data.verify=sometimes", "data.verify='sometimes' is unknown"),
+        ("model.max_seq_len=128", "model.max_seq_len=128 is shorter than data.seq_len=256"),
+        ("model.vocab_size=1000", "model.vocab_size=1000 is smaller than data.vocab_size=4096"),
+        ("data.cache_dir=${oc.env:LM_NO_SUCH_VARIABLE}", "the config does not resolve"),
     ],
 )
 def test_values_that_clash_fail_before_anything_is_built(compose, override, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import shutil
@@ -30,7 +31,10 @@ from lm.data import (
     shard_paths,
     stdlib_documents,
 )
+from lm.data.manifest import VERIFIED, NotPrepared, verify_shards
 from lm.data.stdlib import list_files, select_files
+from lm.data.tokenizer import file_sha256
+from lm.exits import EXIT_CONFIG, exit_code
 
 SMALL = dict(max_bytes=1_500_000, vocab_size=512, seq_len=64, tokenizer_sample_bytes=500_000, batch_size=8)
 TINY = dict(max_bytes=200_000, vocab_size=300, seq_len=32, tokenizer_sample_bytes=100_000)
@@ -250,6 +254,85 @@ def test_truncated_bin_is_reported(data_dir, tmp_path):
         f.truncate(os.path.getsize(copy / "train-00000.bin") - 100)
     with pytest.raises(ValueError, match=r"train-00000\.bin has .* bytes .* truncated .* delete"):
         load_manifest(copy)
+
+
+def damaged_copy(data_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the prepared folder whose first training shard has out-of-vocabulary ids over every 50th
+    token: the same size, so only a hash (or reading the ids) tells."""
+    copy = Path(shutil.copytree(data_dir, tmp_path / data_dir.name))
+    shard = copy / "train-00000.bin"
+    ids = np.fromfile(shard, np.uint16)
+    ids[::50] = 65000
+    ids.tofile(shard)
+    return copy, shard
+
+
+def test_a_same_size_corrupt_shard_is_refused_by_its_hash(data_dir, tmp_path):
+    copy, shard = damaged_copy(data_dir, tmp_path)
+    manifest = load_manifest(copy)  # sizes only: it passes
+    for mode in ("cached", "full"):
+        with pytest.raises(ValueError, match=rf"{shard} does not match the sha256 .* rerun `lm prepare`"):
+            verify_shards(copy, manifest, mode)
+    verify_shards(copy, manifest, "size")  # the per-window check is what is left (below)
+
+
+def test_a_manifest_that_does_not_match_its_shards_is_refused(data_dir, tmp_path):
+    copy = Path(shutil.copytree(data_dir, tmp_path / data_dir.name))
+    manifest = load_manifest(copy)
+    manifest["splits"]["val"]["shards"][0]["sha256"] = "0" * 64
+    with pytest.raises(ValueError, match=r"val-00000\.bin does not match the sha256"):
+        verify_shards(copy, manifest, "cached")
+
+
+def test_ids_outside_the_vocabulary_are_refused_naming_the_shard(data_dir, tmp_path):
+    copy, shard = damaged_copy(data_dir, tmp_path)
+    manifest = load_manifest(copy)
+    manifest["splits"]["train"]["shards"][0]["sha256"] = file_sha256(shard)  # a consistent, wrong manifest
+    with pytest.raises(ValueError, match=rf"{shard} holds token id 65000, outside the vocabulary of 512"):
+        verify_shards(copy, manifest, "full")
+    # Unverified (data.verify=size), the window that holds one is refused when it is read, never an IndexError.
+    windows = TokenWindows([shard], 64, manifest["dtype"], vocab_size=manifest["vocab_size"])
+    with pytest.raises(
+        ValueError, match=rf"{shard} holds token id 65000 at or above the vocabulary size 512"
+    ):
+        windows[0]
+
+
+def test_cached_verification_reads_a_shard_once_until_it_changes(data_dir, tmp_path):
+    copy = Path(shutil.copytree(data_dir, tmp_path / data_dir.name))
+    manifest = load_manifest(copy)
+    verify_shards(copy, manifest, "cached")
+    record = json.loads((copy / VERIFIED).read_text())
+    assert set(record) == {s["file"] for sp in ("train", "val") for s in manifest["splits"][sp]["shards"]}
+    # Damage a shard but keep its size and mtime: `cached` trusts its record (no read), `full` reads it.
+    shard = copy / "train-00000.bin"
+    stat = shard.stat()
+    ids = np.fromfile(shard, np.uint16)
+    ids[0] = ids[1]
+    ids.tofile(shard)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    verify_shards(copy, manifest, "cached")
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        verify_shards(copy, manifest, "full")
+    shard.touch()  # a new mtime: `cached` reads the shard again
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        verify_shards(copy, manifest, "cached")
+
+
+def test_a_folder_without_a_manifest_is_a_refusal_naming_it(data_dir, tmp_path):
+    copy = Path(shutil.copytree(data_dir, tmp_path / data_dir.name))
+    (copy / "manifest.json").unlink()
+    with pytest.raises(NotPrepared, match=rf"no manifest\.json in {copy}.*run `lm prepare` first") as err:
+        load_manifest(copy)
+    assert exit_code(err.value) == EXIT_CONFIG
+
+
+def test_the_data_module_refuses_damaged_data_before_training(cfg, data_dir, tmp_path):
+    copy, shard = damaged_copy(data_dir, tmp_path)
+    tokens = dataclasses.replace(cfg, source="tokens", dir=str(copy))
+    with pytest.raises(ValueError, match=rf"{shard} does not match the sha256"):
+        LMDataModule(tokens).check_prepared()
+    LMDataModule(dataclasses.replace(tokens, dir=str(data_dir))).check_prepared()  # intact: it passes
 
 
 def test_seq_len_longer_than_split(data_dir, manifest):
