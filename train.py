@@ -84,7 +84,9 @@ def run() -> None:
         if code is None:
             raise
         causes = [e, *([e.__cause__] if isinstance(e, HydraException) and e.__cause__ else [])]
-        what = " ".join(line.strip() for c in causes for line in str(c).splitlines() if line.strip())
+        what = "; ".join(
+            " ".join(line.strip() for line in str(c).splitlines() if line.strip()) for c in causes
+        )
         hint = (
             " Fix that override or config file (`python train.py --help` lists the config groups, "
             "`--cfg job` prints the composed config)."
