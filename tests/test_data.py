@@ -332,7 +332,9 @@ def test_the_data_module_refuses_damaged_data_before_training(cfg, data_dir, tmp
     tokens = dataclasses.replace(cfg, source="tokens", dir=str(copy))
     with pytest.raises(ValueError, match=rf"{shard} does not match the sha256"):
         LMDataModule(tokens).check_prepared()
-    LMDataModule(dataclasses.replace(tokens, dir=str(data_dir))).check_prepared()  # intact: it passes
+    intact = Path(shutil.copytree(data_dir, tmp_path / "intact"))
+    LMDataModule(dataclasses.replace(tokens, dir=str(intact))).check_prepared()  # it passes, and is recorded
+    assert (intact / VERIFIED).is_file()
 
 
 def test_seq_len_longer_than_split(data_dir, manifest):
