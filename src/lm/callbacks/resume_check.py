@@ -2,7 +2,7 @@
 
 Decided per key, because Lightning restores the optimizer and schedule from the checkpoint while config.yaml
 records today's command:
-- the architecture (`ARCHITECTURE`: what the weights' shapes and rows mean) cannot change: `check_resumable`
+- the architecture (`architecture()`: what the weights' shapes and rows mean) cannot change: `check_resumable`
   refuses before anything is written (exit 78) and names the fix;
 - every other `model` and `optim` key, the LR schedule's span and gradient clipping can change mid-run (a phase
   may change them): they are applied from the resumed step on (`LMModule.apply_optim_config`) and logged.
@@ -92,10 +92,9 @@ class ResumeCheck(pl.Callback):
         """The resumed checkpoint's settings (flattened hyper-parameters + `SETTINGS`); None on a fresh run."""
 
     @staticmethod
-    def settings(trainer: pl.Trainer, pl_module: LMModule) -> dict[str, Any]:
-        """This invocation's settings, named as in the config (the schedule's span resolved)."""
+    def run_settings(trainer: pl.Trainer, pl_module: LMModule) -> dict[str, Any]:
+        """The settings a checkpoint's hyper-parameters do not hold, named as in the config."""
         return {
-            **flat_settings(dict(pl_module.hparams)),
             "optim.total_steps (resolved)": pl_module.schedule_steps,  # trainer.max_steps when unset
             "trainer.gradient_clip_val": trainer.gradient_clip_val,
         }
@@ -103,10 +102,7 @@ class ResumeCheck(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        hparams = flat_settings(dict(pl_module.hparams))
-        checkpoint[SETTINGS] = {
-            k: v for k, v in self.settings(trainer, pl_module).items() if k not in hparams
-        }
+        checkpoint[SETTINGS] = self.run_settings(trainer, pl_module)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -142,16 +138,21 @@ class ResumeCheck(pl.Callback):
     def log_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """One log line per changed setting (old -> new at the resumed step) and a table in TensorBoard's text
         tab, as at a phase change: the new values are what the run trains with from here on."""
-        now = self.settings(trainer, pl_module)
+        now = {**flat_settings(pl_module.hparams), **self.run_settings(trainer, pl_module)}
         changed = [
             (key, self.previous[key], value)
             for key, value in now.items()
-            if key in self.previous and _normal(self.previous[key]) != _normal(value)
+            if key in self.previous and self.previous[key] != value
         ]
         step = trainer.global_step
         for key, old, new in changed:
-            log.warning("resumed at step %d with a changed setting, applied from here on: %s %r -> %r",
-                        step, key, old, new)  # fmt: skip
+            log.warning(
+                "resumed at step %d with a changed setting, applied from here on: %s %r -> %r",
+                step,
+                key,
+                old,
+                new,
+            )
         experiment = getattr(trainer.logger, "experiment", None)
         if changed and hasattr(experiment, "add_text"):
             rows = [f"| {key} | {old!r} | {new!r} |" for key, old, new in changed]
@@ -159,8 +160,3 @@ class ResumeCheck(pl.Callback):
                 [f"Resumed at step {step} with:", "", "| setting | was | now |", "|---|---|---|", *rows]
             )
             experiment.add_text("resume/changes", table, global_step=step)
-
-
-def _normal(value: Any) -> Any:
-    """Lists and tuples compare equal (a checkpoint's betas may come back as either)."""
-    return list(value) if isinstance(value, tuple) else value
