@@ -127,6 +127,35 @@ def replace_symlink(target: Path, link: Path) -> None:
     fsync_dir(link.parent)
 
 
+def rotate(ckpt_dir: Path, keep_last: int, present: int) -> list[Path]:
+    """Delete the step checkpoints beyond the newest `keep_last` of steps <= `present`; returns what went.
+
+    Works from the files on disk, not Lightning's in-memory top-k list, which restarts empty when a run
+    directory is copied or moved (its `dirpath` changed) and would then keep every file it brought along.
+    Call it only once the new checkpoint is complete and `last.ckpt` points at it. Never deleted: the file
+    `last.ckpt` points at, files of a step after `present` (the abandoned future of a run resumed from an
+    older checkpoint: this run overwrites them as it gets there), and anything not named `step-<N>.ckpt`.
+    """
+    if keep_last < 0:  # -1 keeps everything
+        return []
+    last = ckpt_dir / LAST
+    linked = last.resolve() if last.exists() else None
+    steps = sorted(
+        (
+            p
+            for p in ckpt_dir.glob("step-*.ckpt")
+            if (step := checkpoint_step(p)) is not None and step <= present
+        ),
+        key=checkpoint_step,
+        reverse=True,
+    )
+    doomed = [p for p in steps[keep_last:] if p.resolve() != linked]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+        log.info("rotation (checkpoint.keep_last=%d): deleted %s", keep_last, path.name)
+    return doomed
+
+
 def checkpoint_space(dirpath: Path, ckpt_bytes: int, keep_last: int) -> tuple[int, int, int]:
     """(checkpoints kept, bytes still needed with the safety margin, bytes free) for a run's rotation.
 

@@ -186,28 +186,73 @@ class LMModule(pl.LightningModule):
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.gradient_norm())
         return None
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        cfg = self.optim_cfg
+    @property
+    def schedule_steps(self) -> int:
+        """Steps the LR schedule spans: `optim.total_steps`, else this invocation's `trainer.max_steps`."""
         total_steps = self.total_steps or self.trainer.max_steps
         if total_steps is None or total_steps < 1:
             raise ValueError(
                 "the LR schedule needs optim.total_steps or trainer.max_steps to be a positive step count"
             )
+        return total_steps
+
+    def group_settings(self) -> list[dict[str, Any]]:
+        """AdamW's settings for the decay and the no-decay group, from `optim`: what a fresh run is built with
+        and what a resumed one sets over the restored optimizer (`apply_optim_config`)."""
+        cfg = self.optim_cfg
+        fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
+        common = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "fused": fused}
         # Matrices decay; norm gains (and any bias) do not: decaying a gain towards 0 only fights the loss.
+        return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        total_steps = self.schedule_steps
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
+        settings = self.group_settings()
         optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            fused=fused,
+            [{"params": decay, **settings[0]}, {"params": no_decay, **settings[1]}],
+            lr=self.optim_cfg.lr,
+            fused=settings[0]["fused"],  # the constructor's default is what checks and guards read
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(cfg, total_steps, lambda: self.lr_cooldown)
+            optimizer, lr_lambda(self.optim_cfg, total_steps, lambda: self.lr_cooldown)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path is not None:
+            self.apply_optim_config()
+
+    def apply_optim_config(self) -> None:
+        """Set the restored optimizer and LR schedule to this run's `optim`, at the restored step.
+
+        Lightning restores AdamW's param_groups (lr, betas, eps, weight_decay, fused) and the scheduler's base
+        LRs from the checkpoint: without this a resumed run trains with the old values while config.yaml and
+        the next checkpoint record the new ones. Every `optim` key may change mid-run (a phase may change
+        them): the moments keep their shapes, and the schedule is a pure function of the step, so the LR is
+        recomputed from the new config at the restored step. An unchanged config sets the same values again.
+        `ResumeCheck` logs what changed.
+        """
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        for group, settings in zip(optimizer.param_groups, self.group_settings(), strict=True):
+            if bool(group.get("fused")) != settings["fused"]:
+                place_steps(optimizer, group["params"], settings["fused"])
+            group.update(settings, initial_lr=settings["lr"])
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        for group, base_lr, multiplier in zip(
+            optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base_lr * multiplier(scheduler.last_epoch)  # LambdaLR's own formula
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+
+
+def place_steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], fused: bool) -> None:
+    """Move AdamW's `step` counters where the kernel now in use expects them: on the parameter's device for
+    the fused kernel, on the CPU otherwise (torch's own load_state_dict policy). A CPU checkpoint resumed on a
+    GPU switches kernels."""
+    for p in params:
+        state = optimizer.state.get(p, {})
+        if "step" in state:
+            state["step"] = state["step"].to(dtype=torch.float32, device=p.device if fused else "cpu")

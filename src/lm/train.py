@@ -25,7 +25,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
-from lm.callbacks.resume_check import ResumeCheck
+from lm.callbacks.resume_check import ResumeCheck, check_resumable
 from lm.callbacks.run_checkpoint import RunCheckpoint
 from lm.callbacks.sampler import MilestoneSampler
 from lm.callbacks.spot import SpotGuard
@@ -58,6 +58,7 @@ def main(dcfg: DictConfig) -> float | None:
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
     remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
+    check_resumable(ckpt_path, cfg.model)  # another architecture: refused before the run directory is written
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_config(run_dir, dcfg)

@@ -1,17 +1,83 @@
-"""ResumeCheck: every rank of a job resumed the same step, with the global batch the checkpoint was made with."""
+"""ResumeCheck: a resumed run continues the checkpoint's model on every rank, and says which settings changed.
+
+Decided per key, because Lightning restores the optimizer and schedule from the checkpoint while config.yaml
+records today's command:
+- the architecture (`architecture()`: what the weights' shapes and rows mean) cannot change: `check_resumable`
+  refuses before anything is written (exit 78) and names the fix;
+- every other `model` and `optim` key, the LR schedule's span and gradient clipping can change mid-run (a phase
+  may change them): they are applied from the resumed step on (`LMModule.apply_optim_config`) and logged.
+"""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
+
+from lm.model import ModelConfig
+from lm.module import LMModule
 
 log = logging.getLogger(__name__)
 
+SETTINGS = "resume_settings"
+"""Checkpoint key of the run settings that are not hyper-parameters (the schedule's span, clipping)."""
+
+
+def architecture(cfg: ModelConfig) -> dict[str, Any]:
+    """What the weights are, by the key a user sets: their shapes, what their rows mean (token ids), and the
+    initialisation they came from. Defaults are resolved (`n_kv_head=None` is `n_head`)."""
+    return {
+        "model.vocab_size": cfg.vocab_size,
+        "model.vocab_multiple (padded vocabulary)": cfg.padded_vocab_size,
+        "model.n_layer": cfg.n_layer,
+        "model.d_model": cfg.d_model,
+        "model.n_head": cfg.n_head,
+        "model.n_kv_head": cfg.kv_heads,
+        "model.ffn_hidden / ffn_multiple (SwiGLU width)": cfg.hidden_dim,
+        "model.tie_embeddings": cfg.tie_embeddings,
+        "model.init_std": cfg.init_std,
+    }
+
+
+def check_resumable(ckpt_path: Path | None, model: ModelConfig) -> None:
+    """Refuse to resume `ckpt_path` with another architecture, naming the keys and the fix (exit 78).
+
+    Called before the run directory is written to, so a refused command leaves the run as it was. Without it a
+    changed shape fails deep inside `load_state_dict` (exit 1, which `lm supervise` retries forever), and a
+    change that keeps the shapes (`n_head`, `init_std`) would silently reinterpret the weights.
+    """
+    if ckpt_path is None or not ckpt_path.exists():
+        return  # nothing to resume (or, on a rank other than 0, rank 0 is still repairing last.ckpt)
+    ckpt = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    saved = ckpt.get("hyper_parameters", {}).get("model")
+    if saved is None:
+        return
+    before, now = architecture(ModelConfig(**saved)), architecture(model)
+    changed = [f"{key}={before[key]} -> {now[key]}" for key in now if before[key] != now[key]]
+    if changed:
+        raise ValueError(
+            f"{ckpt_path} (step {ckpt['global_step']}) holds another model than this config: "
+            f"{', '.join(changed)}. Weights and optimizer state cannot carry over; set the checkpoint's values "
+            f"to continue the run, or start a new one with run.resume=false (the old run moves to archive/) "
+            f"or another run.name"
+        )
+
+
+def flat_settings(hparams: dict[str, Any]) -> dict[str, Any]:
+    """{'model.n_layer': 2, 'optim.lr': 0.001, ...} from a checkpoint's hyper-parameters."""
+    return {
+        f"{section}.{key}": value
+        for section in ("model", "optim")
+        for key, value in hparams.get(section, {}).items()
+    }
+
 
 class ResumeCheck(pl.Callback):
-    """At train start: every rank resumed the same step (else stop), and the global batch is the checkpoint's
-    (else warn).
+    """At train start: every rank resumed the same step (else stop), the global batch is the checkpoint's
+    (else warn), and each setting that differs from the checkpoint's is logged as applied.
 
     Each rank finds its checkpoint in its own view of `run.root`; a folder that only rank 0's node sees lets
     the other nodes start fresh beside a resumed rank 0 (DDP would copy rank 0's weights but not its optimizer,
@@ -22,6 +88,27 @@ class ResumeCheck(pl.Callback):
 
     def __init__(self, meter=None) -> None:
         self.meter = meter
+        self.previous: dict[str, Any] | None = None
+        """The resumed checkpoint's settings (flattened hyper-parameters + `SETTINGS`); None on a fresh run."""
+
+    @staticmethod
+    def run_settings(trainer: pl.Trainer, pl_module: LMModule) -> dict[str, Any]:
+        """The settings a checkpoint's hyper-parameters do not hold, named as in the config."""
+        return {
+            "optim.total_steps (resolved)": pl_module.schedule_steps,  # trainer.max_steps when unset
+            "trainer.gradient_clip_val": trainer.gradient_clip_val,
+        }
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[SETTINGS] = self.run_settings(trainer, pl_module)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        hparams = flat_settings(checkpoint.get("hyper_parameters", {}))
+        self.previous = {**hparams, **checkpoint.get(SETTINGS, {})}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:
@@ -32,6 +119,8 @@ class ResumeCheck(pl.Callback):
                     f"{rank0_step} (or another rank disagrees): every node must see the same checkpoints. "
                     "Put run.root on storage that all nodes share"
                 )
+        if trainer.is_global_zero and self.previous is not None:
+            self.log_changes(trainer, pl_module)
         m = self.meter
         if (
             m is not None
@@ -45,3 +134,29 @@ class ResumeCheck(pl.Callback):
                 "devices x nodes x data.batch_size x accumulation as before to continue the stream exactly",
                 m.state.step, m.tokens_per_step, m.state.tokens, m.state.step, m.state.tokens / m.state.step,
             )  # fmt: skip
+
+    def log_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """One log line per changed setting (old -> new at the resumed step) and a table in TensorBoard's text
+        tab, as at a phase change: the new values are what the run trains with from here on."""
+        now = {**flat_settings(pl_module.hparams), **self.run_settings(trainer, pl_module)}
+        changed = [
+            (key, self.previous[key], value)
+            for key, value in now.items()
+            if key in self.previous and self.previous[key] != value
+        ]
+        step = trainer.global_step
+        for key, old, new in changed:
+            log.warning(
+                "resumed at step %d with a changed setting, applied from here on: %s %r -> %r",
+                step,
+                key,
+                old,
+                new,
+            )
+        experiment = getattr(trainer.logger, "experiment", None)
+        if changed and hasattr(experiment, "add_text"):
+            rows = [f"| {key} | {old!r} | {new!r} |" for key, old, new in changed]
+            table = "\n".join(
+                [f"Resumed at step {step} with:", "", "| setting | was | now |", "|---|---|---|", *rows]
+            )
+            experiment.add_text("resume/changes", table, global_step=step)

@@ -14,6 +14,7 @@ from lm.checkpointing import (
     checkpoint_step,
     estimate_checkpoint_bytes,
     replace_symlink,
+    rotate,
 )
 from lm.config import CheckpointConfig
 from lm.remote import CheckpointUploader, RemoteCheckpoints
@@ -25,8 +26,10 @@ class RunCheckpoint(ModelCheckpoint):
     Lightning's ModelCheckpoint saves only at interval steps; this one also saves the final step of an
     invocation (why: the next phase or a rerun must resume from where this one stopped, not from the last
     interval) and on demand (`save_now`, for a signal or a health alarm). `last.ckpt` is a symlink moved only
-    after the step file is complete, so a checkpoint is written once, not twice. Rotation deletes the oldest
-    file only after the new one is safely on disk, so the only good checkpoint is never deleted.
+    after the step file is complete, so a checkpoint is written once, not twice. Rotation is ours
+    (`checkpointing.rotate`, from the files on disk; Lightning's top-k list forgets the files of a copied or
+    moved run directory) and deletes old files only after `last.ckpt` points at the new one, so the only good
+    checkpoint is never deleted.
     """
 
     def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
@@ -35,8 +38,8 @@ class RunCheckpoint(ModelCheckpoint):
             filename="step-{step}",
             auto_insert_metric_name=False,
             every_n_train_steps=cfg.every_n_steps,
-            save_top_k=cfg.keep_last,
-            monitor="step",  # keep the newest by step number, never by file-name order
+            save_top_k=-1,  # Lightning deletes nothing: `rotate` does, after each save
+            monitor="step",  # kept for the state key that existing checkpoints were saved under
             mode="max",
             save_last="link",
             # A resumed run owns its folder: never write `last-v1.ckpt` beside the `last.ckpt` a rerun reads.
@@ -63,6 +66,12 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             replace_symlink(Path(filepath), Path(linkpath))
         trainer.strategy.barrier()
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)  # last.ckpt now points at the new file
+        if trainer.is_global_zero:
+            for path in rotate(Path(self.dirpath), self.cfg.keep_last, trainer.global_step):
+                self.best_k_models.pop(str(path), None)  # the checkpoint state lists only files that exist
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
