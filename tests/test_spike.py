@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from lm import train as lm_train
 from lm.callbacks.spike import SpikeDetector
 from lm.config import SpotConfig
 from lm.data.dataset import StepSampler
 from lm.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 
+from . import test_sync as sync
 from .conftest import train_in_process as train
 from .test_spot import assert_same, fault, last, overrides
 
@@ -174,3 +176,19 @@ def test_spikes_that_skipping_data_cannot_cure_stop_after_one_rollback(root, dat
         "6": 1,
         "skip_windows": [[6, 11]],
     }
+
+
+def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_steps(tiny_cfg, monkeypatch):
+    """As on a GPU (fused AdamW): the spike is judged and skipped on the device, and read a step later from a
+    staged host copy; the probe of tests/test_sync.py sees no other read."""
+    root = Path(tiny_cfg().run.root)
+    cfg = tiny_cfg(*sync.HOT_PATH, *SPIKES, *spike_fault(root, "once", step=12))  # 12: not a logging step
+    reads = sync.HostReads()
+    factory = lm_train.run_callbacks
+    monkeypatch.setattr(
+        lm_train, "run_callbacks", lambda *a, **k: [sync.StepMarker(reads), *factory(*a, **k)]
+    )
+    with reads:
+        lm_train.main(cfg)
+    assert not sync.hot_reads(reads.reads), f"host reads inside training steps: {sync.hot_reads(reads.reads)}"
+    assert guard_state(last(root, cfg.run.name))["detector"]["spikes"] == 1
