@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,19 +19,25 @@ class SpikeFault(pl.Callback):
     data    steps [step, step + count) of the first run spike, and their batches are remembered in `marker`:
             from then on any batch equal to one of them spikes, in any process (bad data, which only
             skipping it cures);
-    always  every step from `step` on spikes (broken weights: skipping data cannot help)."""
+    always  every step from `step` on spikes (broken weights: skipping data cannot help).
+    `rank`: spike on that rank only (under torchrun; every rank when None)."""
 
-    def __init__(self, action: str, marker: str, step: int = 0, count: int = 1, factor: float = 50.0) -> None:
-        self.action, self.marker, self.step, self.count, self.factor = (
-            action,
-            Path(marker),
-            step,
-            count,
-            factor,
-        )
+    def __init__(
+        self,
+        action: str,
+        marker: str,
+        step: int = 0,
+        count: int = 1,
+        factor: float = 50.0,
+        rank: int | None = None,
+    ) -> None:
+        self.action, self.marker, self.step, self.count = action, Path(marker), step, count
+        self.factor, self.rank = factor, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+            return
         if self.action == "once":
             spike = step == self.step and not self.marker.exists()
             if spike:

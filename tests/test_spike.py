@@ -14,6 +14,7 @@ from lm.config import SpotConfig
 from lm.data.dataset import StepSampler
 from lm.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 
+from . import test_distributed as distributed
 from . import test_sync as sync
 from .conftest import train_in_process as train
 from .test_spot import assert_same, fault, last, overrides
@@ -21,7 +22,7 @@ from .test_spot import assert_same, fault, last, overrides
 SPIKES = ["spot.spike_window=5"]  # armed from step 5 of a 20-step run (the default 50 would never arm)
 
 
-def spike_fault(root: Path, action: str, step: int, count: int = 1) -> list[str]:
+def spike_fault(root: Path, action: str, step: int, count: int = 1, rank: int | None = None) -> list[str]:
     node = "+callbacks.spike"
     return [
         f"{node}._target_=tests.faults_spike.SpikeFault",
@@ -29,6 +30,7 @@ def spike_fault(root: Path, action: str, step: int, count: int = 1) -> list[str]
         f"{node}.step={step}",
         f"{node}.count={count}",
         f"{node}.marker={root / f'spike-{action}-{step}.fired'}",
+        *([f"{node}.rank={rank}"] if rank is not None else []),
     ]
 
 
@@ -192,3 +194,31 @@ def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_st
         lm_train.main(cfg)
     assert not sync.hot_reads(reads.reads), f"host reads inside training steps: {sync.hot_reads(reads.reads)}"
     assert guard_state(last(root, cfg.run.name))["detector"]["spikes"] == 1
+
+
+def test_a_spike_on_one_rank_is_skipped_by_every_rank(root, data_cache):
+    """DDP (2 gloo ranks): rank 1's batch spikes at step 4. The guard judges the global batch's loss (averaged
+    over ranks), so rank 0 skips too; judged on its own loss, rank 0 would apply the averaged gradient that
+    rank 1's x50 loss dominates."""
+    window = ["spot.spike_window=3", f"trainer.max_steps={distributed.STEPS}"]
+    ddp = [
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        f"trainer.devices={distributed.W}",
+        f"data.batch_size={distributed.B}",
+    ]
+    spiked = [*window, *ddp, *spike_fault(root, "once", step=4, rank=1)]
+    distributed.launch(
+        [*distributed.torchrun(distributed.W), *distributed.overrides(root, data_cache, "ddp-spike", *spiked)]
+    )
+    (root / "one").mkdir()
+    one = [
+        *window,
+        "trainer=cpu",
+        f"data.batch_size={distributed.W * distributed.B}",
+        *fault(root / "one", "drop_grads", 4),
+    ]
+    assert train(distributed.overrides(root, data_cache, "one", *one)) == 0
+    ckpt = distributed.last(root / "ddp-spike")
+    assert guard_state(ckpt)["detector"]["spikes"] == 1
+    distributed.assert_close_weights(ckpt["state_dict"], distributed.last(root / "one")["state_dict"])
