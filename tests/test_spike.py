@@ -1,5 +1,5 @@
-"""Loss spikes: a finite loss far above its running median is skipped like a NaN step; repeated spikes roll back
-and skip the data that caused them. Real tiny runs with faults from `tests/faults_spike.py`."""
+"""Loss spikes: a finite loss far above its running median is skipped like a NaN step; repeated spikes roll
+back and skip the data that caused them. Real tiny runs with faults from `tests/faults_spike.py`."""
 
 import json
 import math
@@ -47,7 +47,7 @@ def root(tmp_path_factory) -> Path:
 
 
 def feed(detector: SpikeDetector, losses: list[float], start: int = 0) -> list[tuple[int, bool, bool]]:
-    """(step, spike, roll back) for each loss, judged as the guard judges it: the threshold first, then observe."""
+    """(step, spike, roll back) per loss, judged as the guard judges it: the threshold first, then observe."""
     out = []
     for step, loss in enumerate(losses, start):
         threshold = detector.threshold()

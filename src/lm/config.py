@@ -288,7 +288,7 @@ class CheckpointConfig:
 
 @dataclass
 class SpotConfig:
-    """Surviving preemption and sick hosts: stop signals, the throughput alarm, non-finite losses, loss spikes."""
+    """Surviving preemption and sick hosts: stop signals, the throughput alarm, NaN/inf and spiking losses."""
 
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me)."""

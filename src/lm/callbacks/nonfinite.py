@@ -132,7 +132,7 @@ def skip_update(optimizer: torch.optim.Optimizer, step: int, verdict: torch.Tens
 
 
 def resume_step(trainer: pl.Trainer, start_step: int) -> int:
-    """The step a restart would resume from: the last checkpoint this process saved, or the one it started at."""
+    """The step a restart resumes from: the last checkpoint this process saved, or the one it started at."""
     return max(start_step, getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0))
 
 
@@ -143,8 +143,8 @@ def roll_back(
     what: str,
     skip: tuple[int, int] | None = None,
 ) -> NoReturn:
-    """Exit without saving so the restart resumes from the checkpoint at `start_step` (skipping the data window
-    `skip` from there on); give up when that checkpoint was rolled back to before.
+    """Exit without saving so the restart resumes from the checkpoint at `start_step` (skipping the data
+    window `skip` from there on); give up when that checkpoint was rolled back to before.
 
     `checkpoints/rollbacks.json` counts rollbacks per checkpoint step (`{"6": 1}`) and lists the skipped data
     windows (`"skip_windows": [[6, 11]]`), which the restart reads before its data loader is built.

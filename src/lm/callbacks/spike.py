@@ -72,7 +72,7 @@ class SpikeDetector:
 
 
 class SpikeGuard(pl.Callback):
-    """Skip optimizer steps whose loss spikes; after `max_spikes` within the window, roll back and skip the data.
+    """Skip optimizer steps whose loss spikes; `max_spikes` within the window roll back and skip their data.
 
     The step's loss (the global batch's: summed over micro-batches, averaged over ranks, so every rank takes
     the same decision) is compared on the device with a threshold the host computed from earlier steps, so
@@ -81,12 +81,12 @@ class SpikeGuard(pl.Callback):
     non-finite guard's unfused path makes). The loss and verdict are staged to host memory and read one step
     later, when the device has long finished them, to update the window and count.
 
-    With `factor=None` (`spot.spike_factor=null`) nothing is judged, but skipped data windows still apply: a
-    run that rolled back keeps its data order. A rollback exits 75 without saving and records the data window [checkpoint step, last spike step] in
+    A rollback exits 75 without saving and records the data window [checkpoint step, last spike step] in
     `checkpoints/rollbacks.json`; the restart reads it before its data loader is built, the sampler moves the
     stream past that window, and every later checkpoint carries the list. A second rollback to the same
-    checkpoint exits 65 (shared with the non-finite guard: the checkpoint itself is bad, or the data is not
-    the cause).
+    checkpoint exits 65 (counted with the non-finite guard's: skipping the data did not help). With
+    `factor=None` (`spot.spike_factor=null`) nothing is judged, but skipped windows still apply: a run that
+    rolled back keeps its data order.
     """
 
     def __init__(self, factor: float | None, window: int, max_spikes: int, ckpt_dir: str | Path) -> None:
@@ -150,6 +150,7 @@ class SpikeGuard(pl.Callback):
             return
         (step, threshold, staged), self._pending = self._pending, None
         loss, spike = staged.value().tolist()
+        roll = self.detector.observe(step, loss, bool(spike))
         if spike:
             log.warning(
                 "step %d: loss %.4g is above %g x the median of the last %d losses (%.4g): a spike, step "
@@ -159,9 +160,9 @@ class SpikeGuard(pl.Callback):
                 self.detector.factor,
                 self.detector.window,
                 threshold / self.detector.factor,
-                self.detector.spikes + 1,
+                self.detector.spikes,
             )
-        if self.detector.observe(step, loss, bool(spike)):
+        if roll:
             start = resume_step(self._trainer, self._start_step)
             what = f"{len(self.detector.recent)} loss spikes within {self.detector.window} steps"
             roll_back(self._trainer, self.ckpt_dir, start, what, skip=(start, step))
