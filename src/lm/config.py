@@ -322,7 +322,7 @@ class CheckpointConfig:
 
 @dataclass
 class SpotConfig:
-    """Surviving preemption and sick hosts: stop signals, the throughput alarm, non-finite losses."""
+    """Surviving preemption and sick hosts: stop signals, the throughput alarm, NaN/inf and spiking losses."""
 
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me)."""
@@ -336,12 +336,32 @@ class SpotConfig:
     """Steps ignored before measuring the baseline (compilation, cold caches)."""
     max_nonfinite: int = 3
     """Non-finite losses in a row before rolling back to the last checkpoint; fewer are skipped steps."""
+    spike_factor: float | None = 2.0
+    """A step whose (finite) loss exceeds this many times the median of the last `spike_window` losses is a
+    spike and is skipped like a NaN step; null turns spike detection off. 2 is llm-foundry's multiplier: a
+    healthy run's loss stays well within it, while a blow-up or a corrupt batch jumps past it."""
+    spike_window: int = 50
+    """Recent accepted losses the median is taken over; detection is off until the window is full (the early,
+    fast-falling loss), and spikes are counted over this many steps."""
+    max_spikes: int = 3
+    """Spikes within `spike_window` steps that roll back to the last checkpoint (exit 75) and skip the data
+    trained on since it; a second rollback to the same checkpoint exits 65."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.slow_ratio < 1.0 or self.slow_window_s <= 0:
             raise ValueError("spot.slow_ratio must lie in (0, 1) and spot.slow_window_s be positive")
         if self.baseline_steps < 1 or self.baseline_warmup < 0 or self.max_nonfinite < 1:
             raise ValueError("spot.baseline_steps and spot.max_nonfinite must be >= 1, baseline_warmup >= 0")
+        if self.spike_factor is not None and self.spike_factor <= 1.0:
+            raise ValueError(
+                f"spot.spike_factor={self.spike_factor} would call ordinary losses spikes: use a factor above 1 "
+                "(default 2) or spot.spike_factor=null to turn spike detection off"
+            )
+        if self.spike_window < 3 or self.max_spikes < 1:
+            raise ValueError(
+                f"spot.spike_window={self.spike_window} and spot.max_spikes={self.max_spikes}: a median needs a "
+                "window of at least 3 losses, and max_spikes must be >= 1"
+            )
 
 
 @dataclass

@@ -40,7 +40,8 @@ def write_report(run_dir: str | Path) -> Path:
         plot_throughput(scalars, run_dir / "throughput.png"),
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
     ]
-    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None])
+    rollbacks = rundir.read_record(run_dir / rundir.CHECKPOINTS / rundir.ROLLBACKS)
+    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None], rollbacks)
     stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
     text += stopping_section(stop, forecast)
     text += samples_section(rundir.read_samples(run_dir))
@@ -49,10 +50,10 @@ def write_report(run_dir: str | Path) -> Path:
     return path
 
 
-def render(name, cfg, scalars, rows, ledger, plots: list[Path]) -> str:
+def render(name, cfg, scalars, rows, ledger, plots: list[Path], rollbacks: dict | None = None) -> str:
     """The report's Markdown."""
     lines = [f"# Run report: {name}", ""]
-    summary = headline(cfg, scalars, ledger)
+    summary = headline(cfg, scalars, ledger, rollbacks)
     if summary:
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]
     if plots and plots[0].name == "loss_vs_usd.png":
@@ -78,7 +79,7 @@ def render(name, cfg, scalars, rows, ledger, plots: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def headline(cfg, scalars, ledger) -> dict[str, str]:
+def headline(cfg, scalars, ledger, rollbacks: dict | None = None) -> dict[str, str]:
     out: dict[str, str] = {}
     about = (ledger or {}).get("run", {})
     if cfg is not None:
@@ -113,9 +114,21 @@ def headline(cfg, scalars, ledger) -> dict[str, str]:
         if "perf/mfu" in scalars
         else "n/a (no catalogued peak)"
     )
+    if "train/spikes" in scalars:
+        out["loss spikes skipped"] = spikes_line(scalars["train/spikes"], rollbacks or {})
     if ledger:
         out["wall-clock hours (all processes)"] = f"{sum(ledger['seconds'].values()) / 3600:.4g}"
     return out
+
+
+def spikes_line(spikes: Series, rollbacks: dict) -> str:
+    """How many loss spikes were skipped (`train/spikes`), and the data windows that rollbacks skipped."""
+    text = f"{int(spikes.values[-1])} (spot.spike_factor x the running median)"
+    windows = rollbacks.get("skip_windows", [])
+    if windows:
+        steps = ", ".join(f"{first}-{last}" for first, last in windows)
+        text += f"; {len(windows)} rollback(s) skipped the data of steps {steps}"
+    return text
 
 
 def plot_loss_vs(

@@ -28,6 +28,7 @@ from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.resume_check import ResumeCheck, check_resumable
 from lm.callbacks.run_checkpoint import RunCheckpoint
 from lm.callbacks.sampler import MilestoneSampler
+from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
@@ -178,6 +179,7 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
         SpotGuard(s.signals, consensus),
         ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
         NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
+        SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
         consensus,
     ]
     return callbacks

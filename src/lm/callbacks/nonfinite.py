@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -62,7 +62,7 @@ class NonFiniteGuard(pl.Callback):
             return
         nonfinite = ~torch.isfinite(norm)
         if skips_on_device(trainer, optimizer):
-            optimizer.found_inf = nonfinite.float()  # read by the fused kernel: no update when 1
+            skip_update(optimizer, trainer.global_step, nonfinite)
             self._pending = (trainer.global_step, HostCopy(nonfinite))
             return
         if not nonfinite:  # a host sync, but only on the unfused path (CPU, fp16)
@@ -99,33 +99,8 @@ class NonFiniteGuard(pl.Callback):
             self.skipped,
         )
         if self.in_a_row >= self.max_in_a_row:
-            self.roll_back(trainer)
-
-    def roll_back(self, trainer: pl.Trainer) -> None:
-        """Exit without saving so the restart resumes from the last checkpoint; give up on a repeat."""
-        saved = getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0)
-        key = str(max(self._start_step, saved))  # the step the restart will resume from
-        record = self.ckpt_dir / rundir.ROLLBACKS if self.ckpt_dir else None
-        seen = (rundir.read_record(record) if record else None) or {}
-        if seen.get(key, 0) >= 1:
-            log.error(
-                "%d non-finite steps in a row again after rolling back to step %s: the divergence is "
-                "deterministic. Lower optim.lr, raise optim.warmup_steps or inspect the data near step %d",
-                self.in_a_row,
-                key,
-                trainer.global_step,
-            )
-            raise Diverged(EXIT_DIVERGED)
-        if record and trainer.is_global_zero:
-            seen[key] = seen.get(key, 0) + 1
-            rundir.write_record(record, seen)
-        log.warning(
-            "%d non-finite steps in a row: rolling back to the checkpoint at step %s (exit %d, restart me)",
-            self.in_a_row,
-            key,
-            EXIT_PREEMPTED,
-        )
-        raise Diverged(EXIT_PREEMPTED)
+            what = f"{self.in_a_row} non-finite steps in a row"
+            roll_back(trainer, self.ckpt_dir, resume_step(trainer, self._start_step), what)
 
     def state_dict(self) -> dict[str, Any]:
         self.settle()  # a checkpoint holds the count up to its own step
@@ -144,3 +119,58 @@ def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bo
         and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
         and trainer.precision != "16-mixed"
     )
+
+
+def skip_update(optimizer: torch.optim.Optimizer, step: int, verdict: torch.Tensor) -> None:
+    """Hand `verdict` to the fused kernel as its `found_inf`: no update (weights, moments, step count) when
+    true. Guards judging the same step combine (either one skips it); an earlier step's verdict is replaced,
+    never carried over."""
+    verdict = verdict.float()
+    if getattr(optimizer, "lm_verdict_step", None) == step:
+        verdict = torch.maximum(optimizer.found_inf, verdict)
+    optimizer.found_inf, optimizer.lm_verdict_step = verdict, step
+
+
+def resume_step(trainer: pl.Trainer, start_step: int) -> int:
+    """The step a restart resumes from: the last checkpoint this process saved, or the one it started at."""
+    return max(start_step, getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0))
+
+
+def roll_back(
+    trainer: pl.Trainer,
+    ckpt_dir: Path | None,
+    start_step: int,
+    what: str,
+    skip: tuple[int, int] | None = None,
+) -> NoReturn:
+    """Exit without saving so the restart resumes from the checkpoint at `start_step` (skipping the data
+    window `skip` from there on); give up when that checkpoint was rolled back to before.
+
+    `checkpoints/rollbacks.json` counts rollbacks per checkpoint step (`{"6": 1}`) and lists the skipped data
+    windows (`"skip_windows": [[6, 11]]`), which the restart reads before its data loader is built.
+    """
+    key = str(start_step)
+    record = ckpt_dir / rundir.ROLLBACKS if ckpt_dir else None
+    seen = (rundir.read_record(record) if record else None) or {}
+    if seen.get(key, 0) >= 1:
+        log.error(
+            "%s again after rolling back to the checkpoint at step %s: the divergence is deterministic. "
+            "Lower optim.lr, raise optim.warmup_steps or inspect the data near step %d",
+            what,
+            key,
+            trainer.global_step,
+        )
+        raise Diverged(EXIT_DIVERGED)
+    if record and trainer.is_global_zero:
+        seen[key] = seen.get(key, 0) + 1
+        if skip is not None:
+            seen["skip_windows"] = [*seen.get("skip_windows", []), list(skip)]
+        rundir.write_record(record, seen)
+    log.warning(
+        "%s: rolling back to the checkpoint at step %s%s (exit %d, restart me)",
+        what,
+        key,
+        f" and skipping the data of steps {skip[0]}-{skip[1]}" if skip is not None else "",
+        EXIT_PREEMPTED,
+    )
+    raise Diverged(EXIT_PREEMPTED)

@@ -32,8 +32,8 @@ log = logging.getLogger("lm.data")
 class LMDataModule(pl.LightningDataModule):
     """Batches of (batch_size, seq_len + 1) int64 token windows from a prepared dataset.
 
-    Training order depends only on (seed, trainer.global_step), so a resumed run continues with exactly the
-    batches an uninterrupted run would have seen. Configure the Trainer with `use_distributed_sampler=False`
+    Training order depends only on (seed, trainer.global_step, skip_windows), so a resumed run continues with
+    exactly the batches an uninterrupted run would have seen. Configure the Trainer with `use_distributed_sampler=False`
     (ranks are split by the sampler) and step-based limits, since the training loader is infinite.
     """
 
@@ -47,6 +47,9 @@ class LMDataModule(pl.LightningDataModule):
         self._tokenizer: Tokenizer | None = None
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
+        self.skip_windows: list[tuple[int, int]] = []
+        """Data windows [first, last] (steps) that rollbacks after loss spikes skip; set by the SpikeGuard
+        callback after setup and the checkpoint restore, before the training loader is built."""
 
     def prepare_data(self) -> None:
         """Tokenize and cache the corpus (Lightning runs this on one process per node)."""
@@ -144,6 +147,7 @@ class LMDataModule(pl.LightningDataModule):
             accumulate=trainer.accumulate_grad_batches if trainer else 1,
             world_size=trainer.world_size if trainer else 1,
             rank=trainer.global_rank if trainer else 0,
+            skips=self.skip_windows,
         )
         return self._loader(self.train_set, batch_sampler=sampler)
 

@@ -104,6 +104,10 @@ class StepSampler(Sampler[list[int]]):
     and perm_e a permutation seeded by (seed, e). Micro-batch m (= step * accumulate + micro index) on rank r
     takes samples (m * world_size + r) * batch_size + j for j < batch_size. So a run resumed at step s sees
     the same batches as an uninterrupted run, and ranks never share a sample within an epoch.
+
+    `skips` are data windows [first, last] (optimizer steps, inclusive) that a rollback after loss spikes
+    skipped: from step `first` on, the stream is `last - first + 1` steps further on, so the batches that
+    caused the spikes are never trained on again and the order stays a pure function of (seed, step, skips).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class StepSampler(Sampler[list[int]]):
         accumulate: int = 1,
         world_size: int = 1,
         rank: int = 0,
+        skips: Sequence[Sequence[int]] = (),
     ):
         if n_windows < 1 or batch_size < 1 or accumulate < 1 or start_step < 0:
             raise ValueError(
@@ -123,6 +128,10 @@ class StepSampler(Sampler[list[int]]):
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if any(not 0 <= first <= last for first, last in skips):
+            raise ValueError(
+                f"skipped data windows must be [first, last] steps with 0 <= first <= last; got {skips}"
+            )
         self.n_windows = n_windows
         self.batch_size = batch_size
         self.seed = seed
@@ -130,6 +139,7 @@ class StepSampler(Sampler[list[int]]):
         self.accumulate = accumulate
         self.world_size = world_size
         self.rank = rank
+        self.skips = sorted((int(first), int(last)) for first, last in skips)
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -152,11 +162,17 @@ class StepSampler(Sampler[list[int]]):
             windows[mask] = self.permutation(int(epoch))[slots[mask]]
         return windows.tolist()
 
+    def stream_step(self, step: int) -> int:
+        """The step of the data stream that optimizer step `step` trains on (`step` itself without skips)."""
+        return step + sum(last - first + 1 for first, last in self.skips if first <= step)
+
     def __iter__(self) -> Iterator[list[int]]:
-        m = self.start_step * self.accumulate
+        step = self.start_step
         while True:
-            yield self.micro_batch(m)
-            m += 1
+            first = self.stream_step(step) * self.accumulate
+            for m in range(first, first + self.accumulate):
+                yield self.micro_batch(m)
+            step += 1
 
 
 def val_batches(n_windows: int, batch_size: int, world_size: int = 1, rank: int = 0) -> list[list[int]]:
