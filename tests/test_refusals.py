@@ -71,7 +71,7 @@ def train_process(args: list[str], supervised: bool = False) -> subprocess.Compl
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("trainer.max_steps=0", "trainer.max_steps=0 must be a positive number of steps"),
+        ("trainer.max_steps=0", "trainer.max_steps=0 must be a positive number of optimizer steps"),
         ("trainer.max_steps=-5", "trainer.max_steps=-5 must be a positive"),
         ("trainer.val_every_steps=0", "trainer.val_every_steps=0 must be a positive"),
         ("data.batch_size=0", "data.batch_size=0 must be >= 1"),

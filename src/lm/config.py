@@ -211,21 +211,18 @@ class TrainerConfig:
     """Any other `lightning.Trainer` keyword, passed through unchanged."""
 
     def __post_init__(self) -> None:
-        # Lightning reads max_steps=-1 as "no limit" and 0 as "nothing to do", and fails deep inside fit on
-        # a zero interval: here each is a refusal before the run directory is touched.
-        for name in (
-            "max_steps",
-            "val_every_steps",
-            "accumulate_grad_batches",
-            "log_every_n_steps",
-            "num_nodes",
-        ):
+        # Lightning reads max_steps=-1 as "no limit" and 0 as "nothing to do", and fails deep inside `fit` on a
+        # zero interval: each is refused here, before the run directory is touched.
+        counts = {
+            "max_steps": "optimizer steps",
+            "val_every_steps": "optimizer steps",
+            "accumulate_grad_batches": "micro-batches",
+            "log_every_n_steps": "steps",
+            "num_nodes": "machines",
+        }
+        for name, unit in counts.items():
             if getattr(self, name) < 1:
-                raise ValueError(
-                    f"trainer.{name}={getattr(self, name)} must be a positive number of "
-                    f"{'nodes' if name == 'num_nodes' else 'steps'}"
-                    + (" (the data stream is infinite: steps end training)" if name == "max_steps" else "")
-                )
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be a positive number of {unit}")
         if self.limit_val_batches < 0:
             raise ValueError(
                 f"trainer.limit_val_batches={self.limit_val_batches} must be >= 0 (0 turns validation off)"
