@@ -40,7 +40,8 @@ def write_report(run_dir: str | Path) -> Path:
         plot_throughput(scalars, run_dir / "throughput.png"),
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
     ]
-    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None])
+    remote = rundir.read_record(run_dir / rundir.REMOTE)
+    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None], remote)
     stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
     text += stopping_section(stop, forecast)
     text += samples_section(rundir.read_samples(run_dir))
@@ -49,9 +50,14 @@ def write_report(run_dir: str | Path) -> Path:
     return path
 
 
-def render(name, cfg, scalars, rows, ledger, plots: list[Path]) -> str:
+def render(name, cfg, scalars, rows, ledger, plots: list[Path], remote: dict | None = None) -> str:
     """The report's Markdown."""
     lines = [f"# Run report: {name}", ""]
+    if remote and not remote["holds"]:  # first: the run's resumability is at stake
+        lines += [
+            f"> **The bucket is behind:** {remote['url']} does not hold step {remote['step']}: {remote['why']}",
+            "",
+        ]
     summary = headline(cfg, scalars, ledger)
     if summary:
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]
