@@ -584,3 +584,28 @@ def test_a_store_that_lost_its_data_ends_the_run_with_74_and_says_so(s3, tmp_pat
     assert "Task exception was never retrieved" not in output and "Traceback" not in output
     report = (tmp_path / "lost/report.md").read_text()
     assert "The bucket is behind" in report and "does not hold step 10" in report
+
+
+def test_an_upload_during_an_outage_is_retried_until_the_store_is_back(s3, tmp_path, caplog):
+    port = free_port()
+    store = RemoteCheckpoints(
+        f"s3://{BUCKET}/outage/checkpoints",
+        storage_options={"endpoint_url": f"http://127.0.0.1:{port}", "skip_instance_cache": True},
+        retry_window_s=120,
+    )
+    uploader = CheckpointUploader(store)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    with caplog.at_level(logging.INFO):
+        uploader.submit(fake_checkpoint(tmp_path / "6.ckpt", 6), 6)  # the server is down
+        deadline = time.monotonic() + 60
+        while "retrying for up to 120 s" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        server.start()  # back within the window (the same data: moto keeps it across servers)
+        try:
+            assert uploader.wait(timeout=120)
+        finally:
+            server.stop()
+    assert uploader.uploaded_step == 6 and uploader.failed is None
+    assert pointer_steps(s3, f"{BUCKET}/outage/checkpoints") == [6]
+    assert caplog.text.count("retrying for up to") == 1 and "succeeded after" in caplog.text

@@ -102,10 +102,7 @@ def explain(error: BaseException, url: str, doing: str) -> RemoteError:
     elif isinstance(error, FileNotFoundError):
         fix = "the bucket does not exist (or is in another account): create it or fix the URL"
     else:
-        fix = (
-            "the store cannot be reached or refused the request: check the URL, the network and the "
-            f"endpoint ({creds})"
-        )
+        fix = f"the store refused the request: check the URL and the endpoint ({creds})"
     return RemoteError(f"{doing} {url} failed ({name}: {error}); {fix}")
 
 
