@@ -23,9 +23,10 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from lm.config import CheckpointConfig
+from lm import rundir
+from lm.config import LMConfig
 from lm.exits import CheckpointSaveError
-from lm.remote import RemoteCheckpoints
+from lm.remote import RemoteCheckpoints, new_run_id, run_identity
 from lm.storage import check_writable
 
 log = logging.getLogger(__name__)
@@ -315,11 +316,40 @@ def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
     return fetched
 
 
-def remote_checkpoints(cfg: CheckpointConfig, run_root: Path, run_dir: Path) -> RemoteCheckpoints | None:
+def remote_checkpoints(cfg: LMConfig, run_dir: Path) -> RemoteCheckpoints | None:
     """The run's remote checkpoint folder, `<checkpoint.remote>/<run dir under run.root>/checkpoints`, after a
-    write probe (credentials, bucket, permissions) so that a bad URL fails before training; None if off."""
-    if cfg.remote is None:
+    write probe (credentials, bucket, permissions) so that a bad URL fails before training, and claimed for
+    this run (`RemoteCheckpoints.claim`: another run's folder is refused before anything is downloaded); None
+    if off. Takes the whole config because a run's identity spans run, model and data."""
+    c = cfg.checkpoint
+    if c.remote is None:
         return None
-    url = f"{cfg.remote.rstrip('/')}/{run_dir.relative_to(run_root).as_posix()}/checkpoints"
-    check_writable(url, cfg.storage_options)
-    return RemoteCheckpoints(url, cfg.storage_options, cfg.keep_last)
+    url = f"{c.remote.rstrip('/')}/{run_dir.relative_to(Path(cfg.run.root)).as_posix()}/checkpoints"
+    check_writable(url, c.storage_options, c.retry_window_s)
+    remote = RemoteCheckpoints(url, c.storage_options, c.keep_last, c.retry_window_s)
+    if cfg.run.resume:
+        remote.claim(rundir.read_run_id(run_dir), run_identity(cfg), c.run_id)
+    else:  # starting over: the bucket's pointer is archived by resume_checkpoint
+        remote.run_id, remote.identity = c.run_id or new_run_id(), run_identity(cfg)
+    return remote
+
+
+def remote_behind(remote: RemoteCheckpoints, run_dir: Path) -> str | None:
+    """At the end of a run: None when the bucket holds the run's latest checkpoint, else a message naming the
+    step, the bucket and what is missing. The verdict goes to remote.json, for the report."""
+    last = run_dir / rundir.CHECKPOINTS / LAST
+    if not last.exists():
+        return None
+    step, size = checkpoint_step(last.resolve()), last.stat().st_size
+    why = remote.holds(step, size)
+    rundir.write_record(
+        run_dir / rundir.REMOTE, {"url": remote.url, "step": step, "holds": why is None, "why": why}
+    )
+    if why is None:
+        return None
+    return (
+        f"{remote.url} does not hold this run's latest checkpoint, step {step}: {why}. The local checkpoint "
+        f"{last.resolve()} is intact and continues the run on this machine; a new machine would start from an "
+        f"older step, or from scratch, until a later save is uploaded. Check the bucket (the upload errors "
+        f"above say why)"
+    )

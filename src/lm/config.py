@@ -298,8 +298,20 @@ class CheckpointConfig:
     """How long a stop signal, a crash or the end of the run waits for the upload in flight before the process
     exits anyway (a hung connection must not hold a stopping run, nor a spot machine past its notice). The
     bucket then still holds the previous complete checkpoint; the local one is intact. None waits forever."""
+    retry_window_s: float = 300.0
+    """How long an outage of `remote` (connection refused or reset, timeouts, 5xx, throttling) is retried inside
+    the process, with exponential backoff, before the run exits 69 for `lm supervise` to restart it later. A
+    refusal (no bucket, access denied, no credentials) is never retried: it exits 78."""
+    run_id: str | None = None
+    """Continue the run with this id (see run.json and the bucket's latest.json) although this config differs
+    from the one that started it; None: this directory's run, or on a new machine the bucket's run if the
+    config matches, else a refusal."""
 
     def __post_init__(self) -> None:
+        if self.retry_window_s < 0:
+            raise ValueError(
+                f"checkpoint.retry_window_s={self.retry_window_s} must be >= 0 seconds (0: fail at the first outage)"
+            )
         if self.remote is not None and not self.remote.partition("://")[2].strip("/"):
             raise ValueError(
                 f"checkpoint.remote={self.remote!r} is not a URL that names a bucket; use s3://bucket/prefix, "

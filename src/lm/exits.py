@@ -7,6 +7,7 @@
 | 65 `EXIT_DIVERGED` | non-finite again after a rollback: deterministic divergence | cannot help |
 | 74 `EXIT_SAVE_FAILED` | a checkpoint could not be written (disk full, quota) | would fail again |
 | 78 `EXIT_CONFIG` | a config, data or preflight refusal that names its fix | cannot help |
+| 69 `EXIT_UNAVAILABLE` | something a later restart can fix is unavailable (object storage down past the retry window) | resumes, after a backoff |
 
 Codes follow sysexits.h, so other supervisors read them the same way.
 """
@@ -22,6 +23,9 @@ EXIT_SAVE_FAILED = 74
 save (EX_IOERR)."""
 EXIT_CONFIG = 78
 """A config or preflight check refused the run; restarting cannot help (EX_CONFIG)."""
+EXIT_UNAVAILABLE = 69
+"""Something the run needs is temporarily unavailable (object storage down past the in-process retry window):
+a later restart can succeed (EX_UNAVAILABLE)."""
 
 
 class Preempted(SystemExit):
@@ -45,6 +49,11 @@ class CheckpointSaveError(OSError):
     """A checkpoint could not be written; the previous checkpoints are untouched (exit 74)."""
 
 
+class Unavailable(OSError):
+    """Something the run needs is down for longer than the process waits for it (exit 69): not a refusal, since
+    the same command succeeds once it is back, and not a crash. An OSError, like the network errors it ends."""
+
+
 class JobFailed(Exception):
     """A job of a sweep that failed for a reason a rerun would meet again (a refusal, a divergence).
 
@@ -58,8 +67,11 @@ class JobFailed(Exception):
 
 
 def exit_code(error: BaseException) -> int | None:
-    """The code a run that raised `error` leaves with when no restart can help, or None for a crash (exit 1,
-    which `lm supervise` retries) or a rollback (75, raised as it is)."""
+    """The code a run that raised `error` leaves with when it is not a crash: a refusal or a failure no restart
+    can help, or 69 for an outage a later restart can outlast; None for a crash (exit 1, which `lm supervise`
+    retries) or a rollback (75, raised as it is)."""
+    if isinstance(error, Unavailable):
+        return EXIT_UNAVAILABLE
     if isinstance(error, CheckpointSaveError):
         return EXIT_SAVE_FAILED
     if isinstance(error, ValueError):  # a refusal that names its fix (config, data, disk)

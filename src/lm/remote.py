@@ -5,12 +5,19 @@ Object stores have no rename and no symlink, but a single PUT is atomic: a reade
 none of it. So a remote checkpoint folder holds immutable objects and one small pointer, written last:
 
     <url>/step-<N>.<token>.ckpt     a checkpoint, uploaded once and never overwritten (the token is random)
-    <url>/latest.json               the pointer: the kept checkpoints, newest first, with step, size, sha256
+    <url>/latest.json               the pointer: the kept checkpoints, newest first, with step, size, sha256,
+                                    and the run that wrote them (its id and identity)
     <url>/archive-<time>.json       a pointer set aside by `run.resume=false` (its checkpoints are kept)
 
 A reader only trusts objects a pointer lists, and checks their size and sha256 on download, so an upload a
 kill interrupted (an object without a pointer update, or no object at all) is never picked. Rotation
 deletes only objects that no pointer lists, after the new pointer is written.
+
+The folder is keyed by run name, so two runs can meet in one folder by accident (another `run.root`, the same
+`run.name` and `checkpoint.remote`). The pointer therefore names its run: an id (also in the run directory's
+run.json) and the identity it was started with (`run_identity`). A run that finds another run's pointer is
+refused before anything is downloaded (`RemoteCheckpoints.claim`), while a new machine continuing the same run
+(same identity, no run.json yet) adopts the pointer's id and resumes.
 
 The storage primitives (URLs, errors that name the fix, verified downloads) are `lm.storage`'s; prepared
 data is mirrored by `lm.data.mirror`.
@@ -24,16 +31,42 @@ import secrets
 import socket
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
-from lm.storage import CHUNK, RemoteError, download_verified, explain, hash_stream, open_fs
+from lm.config import LMConfig
+from lm.storage import CHUNK, RETRY_WINDOW_S, RemoteError, download_verified, hash_stream, open_fs, retrying
 
 log = logging.getLogger(__name__)
 
 POINTER = "latest.json"
 POINTER_FORMAT = 1
+T = TypeVar("T")
+
+MODEL_IDENTITY = (
+    "vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "ffn_hidden", "ffn_multiple", "tie_embeddings",
+    "vocab_multiple",
+)  # fmt: skip
+"""The model keys that shape the weights (not max_seq_len or rope_theta: a context extension changes them)."""
+DATA_IDENTITY = ("source", "dir", "paths", "name", "subset", "tokenizer", "vocab_size", "seed")
+"""The data keys that say which tokens, in which order (not seq_len, batch size, workers or cache_dir)."""
+
+
+def run_identity(cfg: LMConfig) -> dict[str, Any]:
+    """What makes two invocations one run, as the pointer records it: name, root and seed as written, the
+    weights' shape and the data's identity. A new machine running the same command has the same identity."""
+    identity = {"run.name": cfg.run.name, "run.root": cfg.run.root, "run.seed": cfg.run.seed}
+    identity |= {f"model.{k}": getattr(cfg.model, k) for k in MODEL_IDENTITY}
+    identity |= {f"data.{k}": getattr(cfg.data, k) for k in DATA_IDENTITY}
+    return json.loads(json.dumps(identity))  # as read back from the pointer (tuples become lists)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -56,41 +89,108 @@ class RemoteCheckpoints:
     rotation would delete the first one's newest checkpoint): one run, one writer, as on a local disk.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, keep_last: int = 3) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        keep_last: int = 3,
+        retry_window_s: float = RETRY_WINDOW_S,
+    ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.path = open_fs(self.url, storage_options)
         self.keep_last = keep_last
+        self.retry_window_s = retry_window_s
+        """How long an outage is retried before `Unavailable` (checkpoint.retry_window_s)."""
+        self.run_id: str | None = None
+        """The run this process writes for, recorded in every pointer it writes (set by `claim`)."""
+        self.identity: dict[str, Any] = {}
+        """`run_identity` of this process's run, recorded beside the id."""
 
     def _key(self, name: str) -> str:
         return f"{self.path}/{name}"
 
-    def read_pointer(self, name: str = POINTER) -> list[Entry]:
-        """The checkpoints the pointer lists, newest first; [] when there is no pointer yet."""
+    def _retry(self, call: Callable[[], T], doing: str) -> T:
+        return retrying(call, self.url, doing, self.retry_window_s)
+
+    def read_doc(self, name: str = POINTER) -> dict[str, Any] | None:
+        """The pointer document as written, or None when there is none (or the bucket is gone)."""
         self.fs.invalidate_cache(self.path)
         try:
-            raw = self.fs.cat_file(self._key(name))
+            raw = self._retry(lambda: self.fs.cat_file(self._key(name)), f"reading {name} from")
         except FileNotFoundError:
-            return []
-        except Exception as e:
-            raise explain(e, self.url, f"reading {name} from") from e
+            return None
         try:
             doc = json.loads(raw)
-            entries = [Entry(**e) for e in doc["checkpoints"]]
+            doc["checkpoints"] = [Entry(**e) for e in doc["checkpoints"]]
         except (ValueError, KeyError, TypeError) as e:
             raise RemoteError(
                 f"{self.url}/{name} is not a checkpoint pointer ({e}); it was not written by lm: move it "
                 f"away, or point checkpoint.remote elsewhere"
             ) from e
-        return sorted(entries, key=lambda e: e.step, reverse=True)
+        return doc
+
+    def read_pointer(self, name: str = POINTER) -> list[Entry]:
+        """The checkpoints the pointer lists, newest first; [] when there is no pointer yet."""
+        doc = self.read_doc(name)
+        return sorted(doc["checkpoints"] if doc else [], key=lambda e: e.step, reverse=True)
 
     def _write_pointer(self, entries: list[Entry], name: str = POINTER) -> None:
         doc = {
             "format": POINTER_FORMAT,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": socket.gethostname(),
+            "run_id": self.run_id,
+            "identity": self.identity,
             "checkpoints": [asdict(e) for e in entries],
         }
-        self.fs.pipe_file(self._key(name), (json.dumps(doc, indent=1) + "\n").encode())  # one atomic PUT
+        data = (json.dumps(doc, indent=1) + "\n").encode()
+        self._retry(lambda: self.fs.pipe_file(self._key(name), data), f"writing {name} to")  # one atomic PUT
+
+    def claim(self, local_id: str | None, identity: dict[str, Any], explicit: str | None = None) -> str:
+        """Decide which run this process continues, before anything is downloaded; returns its id.
+
+        `local_id` is the run directory's (None when it is fresh), `explicit` is checkpoint.run_id. A pointer
+        of another run is a RemoteError naming both runs and the fixes; a fresh directory (a new machine)
+        adopts the pointer's run when the identities match. A pointer without an id (written before run
+        ids) is continued as before and gets this run's id at the next upload.
+        """
+        doc = self.read_doc()
+        theirs = doc.get("run_id") if doc and doc["checkpoints"] else None
+        self.identity = identity
+        if theirs is None or theirs in (explicit, local_id):
+            self.run_id = theirs or explicit or local_id or new_run_id()
+            if theirs is not None and local_id is None:
+                log.info("continuing run %s from %s (checkpoint.run_id)", theirs, self.url)
+            return self.run_id
+        written = f"written from {doc.get('host', '?')} at {doc.get('written_at', '?')}"
+        fixes = (
+            f"Fixes: give this run another run.name or checkpoint.remote; run.resume=false to start over here "
+            f"(the bucket's pointer is archived, its checkpoints kept); or checkpoint.run_id={theirs} to "
+            f"continue that run with this config"
+        )
+        if explicit is not None:
+            raise RemoteError(
+                f"checkpoint.run_id={explicit}, but {self.url} holds run {theirs} ({written}). {fixes}"
+            )
+        if local_id is not None:
+            raise RemoteError(
+                f"this run directory belongs to run {local_id} (run.json), but {self.url} holds run {theirs} "
+                f"({written}): two runs share one remote folder, and this one would resume from the other's "
+                f"checkpoints. {fixes}"
+            )
+        differ = identity_diff(doc.get("identity") or {}, identity)
+        if not differ:
+            self.run_id = theirs
+            log.info(
+                "continuing run %s from %s: the run directory is new and the run is the same",
+                theirs,
+                self.url,
+            )
+            return theirs
+        raise RemoteError(
+            f"{self.url} holds another run's checkpoints (run {theirs}, {written}), and this is not that run: "
+            f"{'; '.join(differ)}. Nothing was downloaded. {fixes}"
+        )
 
     def upload(self, f: IO[bytes], step: int) -> Entry:
         """Upload a checkpoint, then the pointer naming it, then delete what no pointer lists any more.
@@ -99,9 +199,13 @@ class RemoteCheckpoints:
         untouched: the remote folder always describes complete, verified checkpoints.
         """
         name = f"step-{step}.{secrets.token_hex(4)}.ckpt"  # never overwrites an object a pointer lists
-        f.seek(0)
-        with self.fs.open(self._key(name), "wb", block_size=CHUNK) as w:  # multipart: complete or absent
-            size, sha = hash_stream(f, w)
+
+        def put() -> tuple[int, str]:
+            f.seek(0)
+            with self.fs.open(self._key(name), "wb", block_size=CHUNK) as w:  # multipart: complete or absent
+                return hash_stream(f, w)
+
+        size, sha = self._retry(put, f"uploading step {step} to")
         entry = Entry(name, step, size, sha)
         # Listed steps beyond this one belong to an abandoned future (the run resumed from an older
         # checkpoint because a newer one was corrupt or lost): the run's present is this upload.
@@ -117,21 +221,42 @@ class RemoteCheckpoints:
         """Delete checkpoint objects that no pointer (latest or archived) lists: rotated-out checkpoints and
         the remains of uploads a kill interrupted."""
         self.fs.invalidate_cache(self.path)
-        names = [Path(p).name for p in self.fs.ls(self.path, detail=False)]
+        names = [Path(p).name for p in self._retry(lambda: self.fs.ls(self.path, detail=False), "listing")]
         listed = {e.file for n in names if n.endswith(".json") for e in self.read_pointer(n)}
         for n in names:
             if n.startswith("step-") and n.endswith(".ckpt") and n not in listed:
-                self.fs.rm_file(self._key(n))
+                self._retry(partial(self.fs.rm_file, self._key(n)), f"deleting {n} from")
 
     def archive_pointer(self) -> str | None:
         """`run.resume=false`: set the pointer aside as `archive-<time>.json` (its checkpoints stay)."""
-        entries = self.read_pointer()
-        if not entries:
+        if not self.read_pointer():
             return None
         name = f"archive-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-        self._write_pointer(entries, name)
-        self.fs.rm_file(self._key(POINTER))
+        # Copied as written: the archive keeps naming the run that wrote it.
+        self._retry(lambda: self.fs.copy(self._key(POINTER), self._key(name)), f"archiving {POINTER} in")
+        self._retry(lambda: self.fs.rm_file(self._key(POINTER)), f"archiving {POINTER} in")
         return f"{self.url}/{name}"
+
+    def holds(self, step: int, size: int) -> str | None:
+        """None when the pointer's newest checkpoint is `step`, and its object is there with `size` bytes (the
+        local file's); else what the bucket lacks. Read back at the end of a run, after the last upload."""
+        try:
+            entries = self.read_pointer()
+            if not entries:
+                return f"there is no {POINTER} (the bucket or the folder was emptied, or no upload succeeded)"
+            newest = entries[0]
+            if newest.step != step:
+                return f"{POINTER} names step {newest.step} as the newest"
+            there = self._retry(
+                lambda: self.fs.info(self._key(newest.file))["size"], f"checking {newest.file} in"
+            )
+        except FileNotFoundError:
+            return f"{newest.file}, which {POINTER} lists, is missing"
+        except (RemoteError, OSError) as e:  # a refusal, or an outage past the retry window
+            return f"it cannot be read ({e})"
+        if not newest.size == there == size:
+            return f"{newest.file} has {there} bytes, {POINTER} says {newest.size}, the local file {size}"
+        return None
 
     def download_newest(self, ckpt_dir: Path, newer_than: int = -1, loads=None) -> Path | None:
         """Download the newest listed checkpoint beyond step `newer_than` that verifies (size, sha256 and,
@@ -144,7 +269,10 @@ class RemoteCheckpoints:
                 "downloading %s/%s (step %d, %.1f MB)", self.url, entry.file, entry.step, entry.size / 1e6
             )
             try:
-                why = download_verified(self.fs, self._key(entry.file), dst, entry.size, entry.sha256)
+                why = self._retry(
+                    partial(download_verified, self.fs, self._key(entry.file), dst, entry.size, entry.sha256),
+                    f"downloading {entry.file} from",
+                )
             except FileNotFoundError:
                 why = "the object is missing"
             if why is None and loads is not None and (why := loads(dst)) is not None:
@@ -155,6 +283,14 @@ class RemoteCheckpoints:
                 "remote checkpoint %s/%s is unusable (%s); trying an older one", self.url, entry.file, why
             )
         return None
+
+
+def identity_diff(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """`key: theirs -> ours` for every identity key whose value differs (keys one side lacks are skipped:
+    a pointer written by an older lm records fewer)."""
+    return [
+        f"{k} {theirs[k]!r} there, {ours[k]!r} here" for k in ours if k in theirs and theirs[k] != ours[k]
+    ]
 
 
 class CheckpointUploader:

@@ -41,7 +41,9 @@ def write_report(run_dir: str | Path) -> Path:
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
     ]
     rollbacks = rundir.read_record(run_dir / rundir.CHECKPOINTS / rundir.ROLLBACKS)
-    text = render(run_dir.name, cfg, scalars, rows, ledger, [p for p in plots if p is not None], rollbacks)
+    remote = rundir.read_record(run_dir / rundir.REMOTE)
+    plots = [p for p in plots if p is not None]
+    text = render(run_dir.name, cfg, scalars, rows, ledger, plots, rollbacks, remote)
     stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
     text += stopping_section(stop, forecast)
     text += samples_section(rundir.read_samples(run_dir))
@@ -50,9 +52,23 @@ def write_report(run_dir: str | Path) -> Path:
     return path
 
 
-def render(name, cfg, scalars, rows, ledger, plots: list[Path], rollbacks: dict | None = None) -> str:
+def render(
+    name,
+    cfg,
+    scalars,
+    rows,
+    ledger,
+    plots: list[Path],
+    rollbacks: dict | None = None,
+    remote: dict | None = None,
+) -> str:
     """The report's Markdown."""
     lines = [f"# Run report: {name}", ""]
+    if remote and not remote["holds"]:  # first: the run's resumability is at stake
+        lines += [
+            f"> **The bucket is behind:** {remote['url']} does not hold step {remote['step']}: {remote['why']}",
+            "",
+        ]
     summary = headline(cfg, scalars, ledger, rollbacks)
     if summary:
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]

@@ -8,6 +8,8 @@
         stop.json        the early stopper's decision                     write_record / read_record
         forecast.json    the latest loss forecast                         write_record / read_record
         job.json         a sweep job's status (multiruns only)            write_record / read_record
+        run.json         the run's id, shared with its remote pointer     write_run_id / read_run_id
+        remote.json      does the bucket hold the latest checkpoint?     write_record / read_record
         tb/              TensorBoard events                               read_scalars
         checkpoints/     step-<N>.ckpt, last.ckpt, rollbacks.json         (lm.checkpointing)
 
@@ -41,6 +43,9 @@ SAMPLES = "samples.jsonl"
 STOP = "stop.json"
 FORECAST = "forecast.json"
 JOB = "job.json"
+RUN = "run.json"
+REMOTE = "remote.json"
+"""Whether the bucket holds the run's latest checkpoint, checked at the end of a run with checkpoint.remote."""
 TB = "tb"
 CHECKPOINTS = "checkpoints"
 ROLLBACKS = "rollbacks.json"
@@ -156,6 +161,16 @@ def finite_only(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [finite_only(v) for v in value]
     return value
+
+
+def write_run_id(run_dir: Path, run_id: str) -> None:
+    """run.json: the id that ties this directory to its checkpoints on object storage (`lm.remote`)."""
+    write_record(run_dir / RUN, {"run_id": run_id})
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    """The run's id, or None for a directory that has none yet (fresh, or written before run ids)."""
+    return (read_record(run_dir / RUN) or {}).get("run_id")
 
 
 def write_ledger(run_dir: Path, record: dict[str, Any]) -> None:

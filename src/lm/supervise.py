@@ -7,9 +7,10 @@ Resume is the default, so rerunning the same command continues the run; this loo
 | 0 | finished | exits 0 |
 | 75 (`EXIT_PREEMPTED`) | a stop signal was handled and the checkpoint saved, or a rollback | restarts at once |
 | 78 (`EXIT_CONFIG`), 65 (`EXIT_DIVERGED`), 74 (`EXIT_SAVE_FAILED`), 2 | a refusal a restart cannot fix | exits with it |
+| 69 (`EXIT_UNAVAILABLE`) | something was down past the run's own retry window (object storage) | restarts after a backoff |
 | anything else, or killed by a signal (SIGKILL, OOM) | a crash | restarts after a backoff |
 
-Crashes back off exponentially; `max_failures` crashes in a row, each within `start_secs` of starting (the
+Crashes and outages (69) back off exponentially; `max_failures` crashes in a row, each within `start_secs` of starting (the
 command fails before it makes progress, like supervisord's startsecs), give up. When the supervisor itself gets
 SIGTERM/SIGINT (the whole machine is going away) it forwards the signal, waits for the save, and exits.
 For reprovisioning a lost machine use an engine built for it (SkyPilot managed spot jobs run this command).

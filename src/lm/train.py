@@ -32,11 +32,11 @@ from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
-from lm.checkpointing import AtomicCheckpointIO, remote_checkpoints, resume_checkpoint
+from lm.checkpointing import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data import LMDataModule
 from lm.doctor import Target, preflight
-from lm.exits import Preempted
+from lm.exits import CheckpointSaveError, Preempted
 from lm.kernels import sdpa_backends
 from lm.module import LMModule
 from lm.parallel import build_strategy, check_strategy, cluster_plugins
@@ -57,12 +57,14 @@ def main(dcfg: DictConfig) -> float | None:
         preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir())))
     datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
-    remote = remote_checkpoints(cfg.checkpoint, Path(cfg.run.root), run_dir)  # probes the bucket first
+    remote = remote_checkpoints(cfg, run_dir)  # probes the bucket, refuses another run's folder
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     check_resumable(ckpt_path, cfg.model)  # another architecture: refused before the run directory is written
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_config(run_dir, dcfg)
+        if remote is not None:
+            rundir.write_run_id(run_dir, remote.run_id)
 
     runtime.set_matmul_precision(cfg.precision.tf32)
     # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
@@ -98,7 +100,10 @@ def main(dcfg: DictConfig) -> float | None:
         raise Preempted("SIGTERM") from e
 
     if trainer.is_global_zero:
+        behind = remote_behind(remote, run_dir) if remote is not None else None  # after the last upload
         finish_report(trainer, run_dir)
+        if behind:
+            raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
 

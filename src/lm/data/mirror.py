@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from lm.data.manifest import MANIFEST, SPLITS, TOKENIZER
 from lm.data.tokenizer import file_sha256
-from lm.storage import RemoteError, download_verified, explain, open_fs
+from lm.storage import RETRY_WINDOW_S, RemoteError, download_verified, explain, open_fs, retrying
 
 log = logging.getLogger("lm.data")
 
@@ -28,23 +29,29 @@ def dataset_cache(url: str, cache_dir: Path) -> Path:
     return cache_dir / f"remote-{tail}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
 
 
-def fetch_dataset(url: str, local: Path, storage_options: dict[str, Any] | None = None) -> Path:
+def fetch_dataset(
+    url: str,
+    local: Path,
+    storage_options: dict[str, Any] | None = None,
+    retry_window_s: float = RETRY_WINDOW_S,
+) -> Path:
     """Mirror a prepared dataset folder from `url` into `local`, verifying every file; returns `local`.
 
     The manifest is read first and written locally last. A file already present with the recorded size and
     sha256 is kept (an interrupted download resumes); each other one is downloaded atomically and must hash
-    to the manifest's sha256, or the download stops naming it.
+    to the manifest's sha256, or the download stops naming it. An outage is retried for `retry_window_s`
+    seconds (then exit 69), each file's download from its start.
     """
     fs, path = open_fs(url, storage_options)
     try:
-        raw = fs.cat_file(f"{path}/{MANIFEST}")
+        raw = retrying(
+            lambda: fs.cat_file(f"{path}/{MANIFEST}"), url, f"reading {MANIFEST} from", retry_window_s
+        )
     except FileNotFoundError:
         raise RemoteError(
             f"no {MANIFEST} in {url}: it is not a prepared dataset (or its upload did not finish); upload the "
             f"folder `lm prepare` wrote, manifest.json last (`lm prepare ... data.dir={url}` does)"
         ) from None
-    except Exception as e:
-        raise explain(e, url, f"reading {MANIFEST} from") from e
     if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == raw:
         return local  # complete and verified when its manifest was written; load_manifest checks sizes
     (local / MANIFEST).unlink(missing_ok=True)
@@ -67,11 +74,14 @@ def fetch_dataset(url: str, local: Path, storage_options: dict[str, Any] | None 
     )
     for name, size, sha in todo:
         try:
-            why = download_verified(fs, f"{path}/{name}", local / name, size, sha)
+            why = retrying(
+                partial(download_verified, fs, f"{path}/{name}", local / name, size, sha),
+                url,
+                f"downloading {name} from",
+                retry_window_s,
+            )
         except FileNotFoundError:
             why = "it is missing"
-        except Exception as e:
-            raise explain(e, url, f"downloading {name} from") from e
         if why is not None:
             raise RemoteError(
                 f"{url}/{name} does not match the manifest ({why}): the remote copy is corrupt or from "
@@ -81,31 +91,41 @@ def fetch_dataset(url: str, local: Path, storage_options: dict[str, Any] | None 
     return local
 
 
-def upload_dataset(local: Path, url: str, storage_options: dict[str, Any] | None = None) -> int:
+def upload_dataset(
+    local: Path,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    retry_window_s: float = RETRY_WINDOW_S,
+) -> int:
     """Upload a prepared dataset folder to `url`, manifest.json last; returns the files uploaded.
 
     Files already there with the same size are skipped (a rerun resumes an interrupted upload); training
-    from `url` checks every shard's sha256, so a stale same-size object cannot slip through.
+    from `url` checks every shard's sha256, so a stale same-size object cannot slip through. An outage is
+    retried for `retry_window_s` seconds per request (then exit 69).
     """
     fs, path = open_fs(url, storage_options)
     manifest = json.loads((local / MANIFEST).read_text())
+
+    def remote(call):
+        return retrying(call, url, "uploading the dataset to", retry_window_s)
+
     try:
-        if (
-            fs.exists(f"{path}/{MANIFEST}")
-            and fs.cat_file(f"{path}/{MANIFEST}") == (local / MANIFEST).read_bytes()
-        ):
+        if remote(lambda: fs.cat_file(f"{path}/{MANIFEST}")) == (local / MANIFEST).read_bytes():
             return 0
-        names = [TOKENIZER, *(s["file"] for sp in SPLITS for s in manifest["splits"][sp]["shards"])]
-        fs.invalidate_cache(path)
-        there = {Path(p["name"]).name: p["size"] for p in fs.ls(path, detail=True)} if fs.exists(path) else {}
-        sent = 0
-        for name in names:
-            if there.get(name) != (local / name).stat().st_size:
-                fs.put_file(str(local / name), f"{path}/{name}")
-                sent += 1
-        fs.put_file(str(local / MANIFEST), f"{path}/{MANIFEST}")
-    except RemoteError:
-        raise
-    except Exception as e:
+    except FileNotFoundError:
+        pass  # not uploaded yet (or the bucket is missing: the first upload below says so)
+    names = [TOKENIZER, *(s["file"] for sp in SPLITS for s in manifest["splits"][sp]["shards"])]
+    fs.invalidate_cache(path)
+    try:
+        listing = remote(lambda: fs.ls(path, detail=True))
+    except FileNotFoundError:
+        listing = []
+    there = {Path(p["name"]).name: p["size"] for p in listing}
+    sent = 0
+    try:
+        for name in [*(n for n in names if there.get(n) != (local / n).stat().st_size), MANIFEST]:
+            remote(partial(fs.put_file, str(local / name), f"{path}/{name}"))
+            sent += 1
+    except FileNotFoundError as e:  # the bucket itself
         raise explain(e, url, "uploading the dataset to") from e
-    return sent + 1
+    return sent
