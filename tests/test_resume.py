@@ -50,7 +50,8 @@ def test_a_changed_optimizer_setting_is_applied_from_the_resumed_step_and_logged
     main(tiny_cfg(*RUN, "run.name=same", "trainer.max_steps=10"))
     shutil.copytree(runs / "same", runs / "changed", symlinks=True)  # two runs at the same step-10 state
     main(tiny_cfg(*RUN, "run.name=same", "trainer.max_steps=20"))
-    changes = ["optim.lr=3e-3", "optim.weight_decay=0.05", "optim.betas=[0.9,0.99]"]
+    # fused: the guard against non-finite steps reads the config's kernel; the groups must run that kernel.
+    changes = ["optim.lr=3e-3", "optim.weight_decay=0.05", "optim.betas=[0.9,0.99]", "optim.fused=true"]
     with caplog.at_level(logging.INFO):
         main(tiny_cfg(*RUN, "run.name=changed", "trainer.max_steps=20", *changes))
 
@@ -64,7 +65,7 @@ def test_a_changed_optimizer_setting_is_applied_from_the_resumed_step_and_logged
     assert decay["lr"] == pytest.approx(3e-3 * multiplier) and no_decay["lr"] == decay["lr"]
     assert changed["lr_schedulers"][0]["base_lrs"] == [3e-3, 3e-3]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
-    assert tuple(decay["betas"]) == (0.9, 0.99)
+    assert tuple(decay["betas"]) == (0.9, 0.99) and decay["fused"] and no_decay["fused"]
     assert same["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-3 * multiplier)
     assert changed["hyper_parameters"]["optim"]["lr"] == 3e-3  # recorded = trained with
 
