@@ -36,4 +36,7 @@ def fail(error: BaseException, code: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # Hydra reports an error of its own (its config writer on a full disk) as exit 1
+        sys.exit(exit_code(e) or e.code)
