@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lm.atomic import append_atomic, write_atomic
+from lm.checkpointing import resume_checkpoint
 from lm.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.runlock import RunLock, RunLocked
 
@@ -207,6 +208,18 @@ def test_the_lock_dies_with_its_holder(tmp_path):
     holder.wait()
     lock = RunLock(tmp_path).acquire()
     assert f'"pid": {os.getpid()}' in (tmp_path / ".lock").read_text()
+    lock.release()
+
+
+def test_starting_over_archives_the_run_but_keeps_it_locked(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "cost.json").write_text("{}")
+    lock = RunLock(run_dir).acquire()
+    assert resume_checkpoint(run_dir, resume=False) is None
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "archive"]
+    with pytest.raises(RunLocked):
+        RunLock(run_dir).acquire()
     lock.release()
 
 
