@@ -116,8 +116,8 @@ def intended_code(error: BaseException | None) -> int:
     code = exit_code(error)
     if code is not None:
         return code
-    if isinstance(error, SystemExit):
-        return error.code if isinstance(error.code, int) else 1
+    if isinstance(error, SystemExit):  # sys.exit(None) is 0, sys.exit("message") is 1
+        return 0 if error.code is None else error.code if isinstance(error.code, int) else 1
     return 1
 
 
@@ -141,7 +141,8 @@ def exit_within(code: int, seconds: float = EXIT_GRACE_S) -> None:
         )
         _exit["watch"].start()
         # Called as the interpreter starts to exit: before it joins non-daemon threads and before the atexit
-        # handlers (multiprocessing's joins its children there), either of which can hang.
+        # handlers (multiprocessing's joins its children there), either of which can hang. `atexit` itself
+        # runs too late for the first; CPython's concurrent.futures uses this hook for the same reason.
         threading._register_atexit(exiting.set)
 
 
