@@ -37,11 +37,12 @@ def ckpt(run: Path) -> dict:
 
 
 def files(run: Path) -> dict[str, str]:
-    """sha256 of every file of a run directory but the invocation logs (hydra/), by relative path."""
+    """sha256 of every file of a run directory but the invocation logs (hydra/) and the lock (which names its
+    latest holder: the refusal comes after the resume point is found, under the lock), by relative path."""
     return {
         str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(run.rglob("*"))
-        if p.is_file() and "hydra" not in p.relative_to(run).parts
+        if p.is_file() and "hydra" not in p.relative_to(run).parts and p.name != ".lock"
     }
 
 

@@ -27,6 +27,7 @@ from lm import rundir
 from lm.config import LMConfig
 from lm.exits import CheckpointSaveError
 from lm.remote import RemoteCheckpoints, new_run_id, run_identity
+from lm.runlock import LOCK
 from lm.storage import check_writable
 
 log = logging.getLogger(__name__)
@@ -279,10 +280,10 @@ def resume_checkpoint(run_dir: Path, resume: bool, remote: RemoteCheckpoints | N
         return None  # rank 0 moves the old run aside; the others only need to start fresh
     if remote is not None and (aside := remote.archive_pointer()):
         log.warning("run.resume=false: set the remote pointer aside as %s (its checkpoints are kept)", aside)
-    # Everything the run produced (checkpoints, tb, cost ledger, phases, report) but the invocation logs.
-    produced = (
-        sorted(p for p in run_dir.iterdir() if p.name not in ("hydra", "archive")) if run_dir.is_dir() else []
-    )
+    # Everything the run produced (checkpoints, tb, cost ledger, phases, report) but the invocation logs and
+    # the lock this process holds (moved, it would leave the directory unlocked).
+    kept = ("hydra", "archive", LOCK)
+    produced = sorted(p for p in run_dir.iterdir() if p.name not in kept) if run_dir.is_dir() else []
     if produced:
         archive = run_dir / "archive" / time.strftime("%Y-%m-%d_%H-%M-%S")
         archive.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lm import rundir
-from lm.atomic import write_atomic
+from lm.atomic import open_atomic, write_atomic
 from lm.cost import FLOPS_FORMULA
 from lm.rundir import BUCKETS, Series
 from lm.tables import cell, fmt_money, phases_markdown
@@ -178,7 +178,8 @@ def plot_loss_vs(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_atomic(path) as f:  # a full disk: DiskFull (exit 74), no half-written png
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return path
 
@@ -194,7 +195,8 @@ def plot_throughput(scalars: dict[str, Series], path: Path) -> Path | None:
     ax.set_ylabel("training tokens/s")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_atomic(path) as f:  # a full disk: DiskFull (exit 74), no half-written png
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return path
 
@@ -210,7 +212,8 @@ def plot_cost_breakdown(ledger: dict | None, path: Path) -> Path | None:
     ax.set_xlabel("dollars" if price else "hours")
     ax.set_title("where the time went")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_atomic(path) as f:  # a full disk: DiskFull (exit 74), no half-written png
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return path
 

@@ -14,7 +14,8 @@
         checkpoints/     step-<N>.ckpt, last.ckpt, rollbacks.json         (lm.checkpointing)
 
 Callbacks write through this module and `lm report`, `lm sweep-summary` read through it, so a file's format
-lives in one place. Small files are written atomically: a crash leaves the old file or the whole new one.
+lives in one place. Every write goes through `lm.atomic`: a crash leaves the old file or the whole new one, and a
+full disk is `DiskFull` (exit 74) with no temporary left behind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lm.atomic import write_atomic
+from lm.atomic import append_atomic, write_atomic
 
 CONFIG = "config.yaml"
 LEDGER = "cost.json"
@@ -226,10 +227,7 @@ def read_phases(run_dir: Path) -> list[dict[str, Any]]:
 
 def append_samples(run_dir: Path, records: list[dict[str, Any]]) -> None:
     """Append one milestone's samples (append-only: a torn last line is skipped by the reader)."""
-    path = run_dir / SAMPLES
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    append_atomic(run_dir / SAMPLES, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def read_samples(run_dir: Path) -> list[dict[str, Any]]:

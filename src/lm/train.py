@@ -6,6 +6,7 @@ config -> runtime (device, precision, price) -> run directory -> doctor -> resum
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -15,10 +16,11 @@ import hydra
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from lm import activation_checkpointing, cost, plan, rundir, runtime
+from lm import activation_checkpointing, atomic, cost, plan, rundir, runtime
 from lm.callbacks.ac_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
@@ -36,18 +38,37 @@ from lm.checkpointing import AtomicCheckpointIO, remote_behind, remote_checkpoin
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data import LMDataModule
 from lm.doctor import Target, preflight
-from lm.exits import CheckpointSaveError, Preempted
+from lm.exits import CheckpointSaveError, Preempted, exit_within, intended_code
 from lm.kernels import sdpa_backends
 from lm.module import LMModule
 from lm.parallel import build_strategy, check_strategy, cluster_plugins
 from lm.remote import RemoteCheckpoints
 from lm.report import write_report
+from lm.runlock import RunLock
 
 log = logging.getLogger(__name__)
 
 
 def main(dcfg: DictConfig) -> float | None:
-    """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers)."""
+    """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers).
+
+    However the run ends, its DataLoader workers are stopped and its lock released before this returns, and the
+    process is bounded to exit within `EXIT_GRACE_S` with the code the outcome maps to.
+    """
+    error: BaseException | None = None
+    try:
+        with contextlib.ExitStack() as on_exit:
+            return train(dcfg, on_exit)
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        # A sweep's exit code is decided after its last job: a sweep that hangs on the way out is a crash.
+        exit_within(1 if rundir.in_multirun() else intended_code(error))
+
+
+def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
+    """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
     started_at = time.monotonic()
     cfg = to_objects(dcfg)
     rt = runtime.resolve(cfg)  # refuses an impossible precision or Liger without CUDA before any I/O
@@ -58,6 +79,11 @@ def main(dcfg: DictConfig) -> float | None:
     datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
     remote = remote_checkpoints(cfg, run_dir)  # probes the bucket, refuses another run's folder
+    # The refusals above leave the run directory as it was; the lock comes before anything in it changes
+    # (a fetched or set-aside checkpoint, an archived run, config.yaml).
+    if rank_zero_only.rank == 0:
+        on_exit.callback(RunLock(run_dir).acquire().release)
+        atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     check_resumable(ckpt_path, cfg.model)  # another architecture: refused before the run directory is written
     if rank_zero_only.rank == 0:
@@ -91,6 +117,7 @@ def main(dcfg: DictConfig) -> float | None:
         decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
         callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
     trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+    on_exit.callback(stop_data_workers, trainer)
     if not deferred:
         for logger in trainer.loggers:
             logger.log_hyperparams(meter.about)
@@ -106,6 +133,19 @@ def main(dcfg: DictConfig) -> float | None:
             raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def stop_data_workers(trainer: pl.Trainer) -> None:
+    """Shut every loop's DataLoader workers down now (a no-op once Lightning's teardown did).
+
+    Lightning's teardown is skipped when an error is raised while it handles another; the workers ignore
+    SIGTERM (`lm.data.datamodule.ignore_stop_signals`), so multiprocessing's exit handler would wait for them
+    for ever.
+    """
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        if loop._combined_loader is not None:
+            for loader in loop._combined_loader.flattened:
+                _shutdown_workers_and_reset_iterator(loader)
 
 
 def log_runtime(

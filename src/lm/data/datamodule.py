@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -166,13 +168,18 @@ class LMDataModule(pl.LightningDataModule):
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers leave stop signals to the trainer, whenever they were started.
+    """DataLoader workers leave stop signals to the trainer, whenever they were started, and die with it.
 
     A spot reclaim or `kill -- -PGID` signals every process; a worker that dies of it fails the step before
-    the trainer can save. The trainer stops its workers itself, and a worker exits when its parent is gone.
+    the trainer can save. The trainer stops its workers itself; because SIGTERM cannot, a worker is killed by
+    the kernel when the trainer exits (PR_SET_PDEATHSIG), so a trainer ended any way (its exit bound, SIGKILL)
+    leaves no worker behind holding the run's lock or memory.
     Lightning's own per-worker seeding (`seed_everything(workers=True)`) runs as it would without us.
     """
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):  # elsewhere torch's worker watchdog notices a gone parent within 5 s
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.environ.get("PL_SEED_WORKERS") == "1":
         pl_worker_init_function(worker_id)
