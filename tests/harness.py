@@ -61,9 +61,7 @@ def overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [*TINY, f"run.root={root}", f"data.cache_dir={cache}", f"run.name={name}", *RUN, *extra]
 
 
-def fault(
-    markers: Path, action: str, step: int = 0, key: str = "fault", seconds: float = 0.0, **extra
-) -> list[str]:
+def fault(markers: Path, action: str, step: int = 0, key: str = "fault", seconds: float = 0.0) -> list[str]:
     """Overrides adding `tests.faults.Fault(action, step)`; it fires once per marker file in `markers`."""
     node = f"+callbacks.{key}"
     return [
@@ -72,7 +70,6 @@ def fault(
         f"{node}.step={step}",
         f"{node}.seconds={seconds}",
         f"{node}.marker={marker(markers, action, step, key)}",
-        *(f"+{node}.{k}={v}" for k, v in extra.items()),
     ]
 
 
@@ -363,15 +360,19 @@ class Record:
     """
 
     case: str
+    test: str = ""
+    """The pytest node id, to join with the test's pass/fail (tests/run_matrix.py)."""
+    expected: int | None = None
+    """The documented exit code of the fault run."""
     code: int | None = None
     exit_s: float | None = None
     resumed: bool | None = None
     equal: bool | None = None
     notes: list[str] = field(default_factory=list)
 
-    def outcome(self, outcome: Outcome, fired: Path | None = None) -> None:
+    def outcome(self, outcome: Outcome, fired: Path | None = None, expected: int = 0) -> None:
         """The fault run's exit code and its seconds to exit (from the fault when it has a marker)."""
-        self.code = outcome.code
+        self.code, self.expected = outcome.code, expected
         self.exit_s = outcome.since(fired) if fired is not None and fired.exists() else outcome.seconds
 
     def write(self) -> None:

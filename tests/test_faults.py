@@ -68,7 +68,7 @@ SIGNALS = [
     Case(f"{sig}_{where}", sig if where == "step" else f"{sig}_in_{where}", saved_at=saved_at, fast=fast)
     for sig in ("sigterm", "sigusr1", "sigint")
     for where, saved_at in (("step", 10), ("val", 17), ("save", 13))
-    for fast in [sig in ("sigterm", "sigint") and where == "step"]
+    for fast in [sig == "sigint" and where == "step"]
 ]
 CASES = [
     *SIGNALS,
@@ -94,7 +94,8 @@ def reference(root, data_cache) -> dict:
 @pytest.fixture
 def row(request):
     """This case's row of the matrix table, written when the test ends (whatever the outcome)."""
-    record = Record(request.node.callspec.id if hasattr(request.node, "callspec") else request.node.name)
+    node = request.node
+    record = Record(node.callspec.id if hasattr(node, "callspec") else node.name, test=node.nodeid)
     yield record
     record.write()
 
@@ -127,7 +128,7 @@ def test_fault_exits_with_its_code_and_a_rerun_resumes_exactly(root, data_cache,
     (root / name).mkdir(parents=True)
     args = overrides(root, data_cache, name, *fault(root / name, case.action, step=case.step))
     first = run(args)
-    row.outcome(first, marker(root / name, case.action, case.step))
+    row.outcome(first, marker(root / name, case.action, case.step), case.code)
     assert first.code == case.code, first.tail()
     assert row.exit_s <= case.exit_within_s, f"{row.exit_s:.1f} s from the fault to the exit"
     assert "exited unexpectedly" not in first.stderr, first.tail()  # a DataLoader worker died under it
@@ -172,7 +173,7 @@ def test_signal_during_an_upload_saves_uploads_and_resumes(root, data_cache, ref
         root, data_cache, name, f"checkpoint.remote=s3://{BUCKET}/runs", *fault(root / name, action, step=9)
     )
     first = run(args, env=s3.env)
-    row.outcome(first, marker(root / name, action, 9))
+    row.outcome(first, marker(root / name, action, 9), EXIT_PREEMPTED)
     assert first.code == EXIT_PREEMPTED, first.tail()
     assert row.exit_s <= 60
     saved = last(root, name)["global_step"]
@@ -227,7 +228,7 @@ def test_full_disk_at_a_checkpoint_write_exits_74_then_resumes_once_freed(
     args = overrides(small_disk, data_cache, name, *fault(small_disk / name, "fill_disk_in_save", step=9))
     first = run(args)
     fired = marker(small_disk / name, "fill_disk_in_save", 9)
-    row.outcome(first, fired)
+    row.outcome(first, fired, EXIT_SAVE_FAILED)
     assert first.code == EXIT_SAVE_FAILED, first.tail()
     assert row.exit_s <= 60
     ckpt_dir = small_disk / name / "checkpoints"
@@ -363,7 +364,7 @@ def test_bad_config_is_refused_with_78_and_the_run_directory_unchanged(
     run_dir = copy_run(root, "reference", name)  # an existing run that a bad invocation must not touch
     before = tree_digest(run_dir)
     result = run([*overrides(root, data_cache, name), *bad], timeout=120)
-    row.outcome(result)
+    row.outcome(result, expected=EXIT_CONFIG)
     assert result.code == EXIT_CONFIG, result.tail()
     assert names in result.stderr, result.tail()  # the message names the key to fix
     assert tree_digest(run_dir) == before
@@ -393,7 +394,7 @@ def test_damaged_token_data_is_refused_with_78_naming_the_shard(root, data_cache
     shutil.copytree(next(p for p in data_cache.iterdir() if (p / "manifest.json").exists()), folder)
     shard = damage(folder)
     result = run(overrides(root, data_cache, name, "data=tokens", f"data.dir={folder}"), timeout=120)
-    row.outcome(result)
+    row.outcome(result, expected=EXIT_CONFIG)
     assert result.code == EXIT_CONFIG, result.tail()
     assert shard in result.stderr, result.tail()
     assert not list((root / name).glob("checkpoints/*.ckpt"))
