@@ -1,6 +1,6 @@
 """Run the whole fault matrix (fast and `faults_slow` cases) and print it as a Markdown table.
 
-    PYTHONPATH=src python tests/run_matrix.py [pytest args, e.g. -k sigint] > matrix.md
+    python tests/run_matrix.py [pytest args, e.g. -k sigint] > matrix.md      (or: just faults)
 
 Each case of tests/test_faults.py appends its row (exit code, seconds to exit, resumed, bitwise equal) to a
 JSON-lines log; pytest's JUnit XML says whether the case passed and, if not, the first line of what failed.
@@ -28,7 +28,9 @@ def main(extra: list[str]) -> int:
             "-m", "faults_slow or not faults_slow", f"--junitxml={junit}", *extra,
         ]  # fmt: skip
         started = time.monotonic()
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "FAULT_MATRIX_LOG": str(log)}, check=False)
+        env = {**os.environ, "FAULT_MATRIX_LOG": str(log)}
+        # pytest's own report goes to stderr: stdout is the table alone.
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, check=False)
         minutes = (time.monotonic() - started) / 60
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         print(table(rows, results(junit)))
