@@ -41,7 +41,7 @@ class Fault(pl.Callback):
       while a checkpoint is being uploaded to object storage;
     - `sigkill` | `sigterm_group` | `sigkill_in_save` | `sigkill_random` (a seeded moment up to `seconds`
       after set-up) | `sigkill_after_upload` (once a checkpoint is on object storage);
-    - `raise`: an exception from this callback (a bug in any callback);
+    - `raise`: an exception from this callback (a bug in any callback); `raise_in_val`, in validation;
     - `pause`: wait at the step until `<marker>.go` exists, so the test acts from outside meanwhile (stops
       the S3 server, removes a folder);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
@@ -203,8 +203,13 @@ class Fault(pl.Callback):
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         sig = stop_signal(self.action, "val")
-        if sig and not trainer.sanity_checking and trainer.global_step >= self.step and self.fire():
+        in_val = sig or self.action == "raise_in_val"
+        if not in_val or trainer.sanity_checking or trainer.global_step < self.step or not self.fire():
+            return
+        if sig:
             os.kill(os.getpid(), sig)
+        else:  # with the validation loader's workers alive and the training loader's waiting
+            raise RuntimeError(f"injected fault: a callback raised in validation after step {self.step}")
 
 
 def fill(path: Path) -> None:

@@ -83,12 +83,13 @@ def marker(markers: Path, action: str, step: int = 0, key: str = "fault") -> Pat
 
 @dataclass
 class Trigger:
-    """`action()` runs once, from the test process, when `ready()` first holds while the run is alive.
+    """`action()` runs once, from the test process, when `ready(output)` first holds while the run is alive
+    (`output`: its stderr so far).
 
     With a `pause` fault the run waits at its step until `release` exists; the harness creates it after `action`.
     """
 
-    ready: Callable[[], bool]
+    ready: Callable[[str], bool]
     action: Callable[[], None]
     release: Path | None = None
     done: bool = False
@@ -96,15 +97,22 @@ class Trigger:
     @classmethod
     def at_pause(cls, fired: Path, action: Callable[[], None]) -> Trigger:
         """When a `pause` fault fires (its marker appears): act, then let the run go on."""
-        return cls(fired.exists, action, release=fired.with_name(fired.name + ".go"))
+        return cls(lambda output: fired.exists(), action, release=fired.with_name(fired.name + ".go"))
 
     @classmethod
-    def after(cls, seconds: float, action: Callable[[], None]) -> Trigger:
-        start = time.monotonic()
-        return cls(lambda: time.monotonic() - start >= seconds, action)
+    def after_output(cls, text: str, seconds: float, action: Callable[[], None]) -> Trigger:
+        """`seconds` after `text` first appears on the run's stderr."""
+        seen: list[float] = []
 
-    def poll(self) -> None:
-        if not self.done and self.ready():
+        def ready(output: str) -> bool:
+            if not seen and text in output:
+                seen.append(time.monotonic())
+            return bool(seen) and time.monotonic() - seen[0] >= seconds
+
+        return cls(ready, action)
+
+    def poll(self, output: Callable[[], str]) -> None:
+        if not self.done and self.ready(output()):
             self.done = True
             self.action()
             if self.release is not None:
@@ -159,13 +167,20 @@ def run(
     open and hang the reader. Raises `Hang` with every process's stacks when the bound passes.
     """
     full_env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            command(args, supervised), cwd=ROOT, env=full_env, stdout=out, stderr=err, start_new_session=True
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        with open(out, "w") as out_f, open(err, "w") as err_f:
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                command(args, supervised),
+                cwd=ROOT,
+                env=full_env,
+                stdout=out_f,
+                stderr=err_f,
+                start_new_session=True,
+            )
         try:
-            code = wait(proc, start + timeout, triggers)
+            code = wait(proc, start + timeout, triggers, lambda: read(err))
             exited_at = time.time()
             if code is None:
                 abort_group(proc)
@@ -178,14 +193,16 @@ def run(
         return Outcome(args, code, time.monotonic() - start, read(out), read(err), exited_at)
 
 
-def wait(proc: subprocess.Popen, deadline: float, triggers: tuple[Trigger, ...]) -> int | None:
+def wait(
+    proc: subprocess.Popen, deadline: float, triggers: tuple[Trigger, ...], output: Callable[[], str]
+) -> int | None:
     """The exit code, or None at the deadline; runs the triggers while waiting."""
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
             return code
         for trigger in triggers:
-            trigger.poll()
+            trigger.poll(output)
         time.sleep(0.05)
     return None
 
@@ -210,10 +227,10 @@ def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
 
 
-def read(f) -> str:
-    f.flush()
-    f.seek(0)
-    return f.read()
+def read(path: Path) -> str:
+    """What the process wrote to `path` so far, through a descriptor of our own (never moving the child's
+    file offset, which a shared one would)."""
+    return path.read_text(errors="replace")
 
 
 # -- object storage ---------------------------------------------------------------------------------------

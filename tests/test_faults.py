@@ -21,6 +21,7 @@ import pytest
 from lm.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 from .conftest import train_in_process
+from .faults import fill
 from .harness import (
     STEPS,
     Record,
@@ -76,6 +77,7 @@ CASES = [
     Case("sigterm_group", "sigterm_group", saved_at=10),
     # A bug in any callback: a crash (1) that exits within seconds, never a hang with workers alive.
     Case("callback_raises", "raise", code=CRASH, saved_at=6, exit_within_s=30.0, fast=True),
+    Case("callback_raises_in_val", "raise_in_val", code=CRASH, saved_at=12, exit_within_s=30.0),
 ]
 
 
@@ -240,6 +242,25 @@ def test_full_disk_at_a_checkpoint_write_exits_74_then_resumes_once_freed(
 
 
 @pytest.mark.faults_slow
+def test_disk_filled_between_saves_exits_74_then_resumes_once_freed(small_disk, data_cache, reference, row):
+    """Another process fills the disk mid-run: the next write anywhere in the run directory (TensorBoard, the
+    cost ledger, the checkpoint) meets ENOSPC, and the run stops with 74, its checkpoints intact."""
+    name = row.case = "disk_filled_mid_run"
+    (small_disk / name).mkdir()
+    args = overrides(small_disk, data_cache, name, *fault(small_disk / name, "pause", step=8))
+    fired = marker(small_disk / name, "pause", 8)
+    filler = small_disk / "filler"
+    first = run(args, triggers=(Trigger.at_pause(fired, lambda: fill(filler)),))
+    row.outcome(first, fired, EXIT_SAVE_FAILED)
+    assert first.code == EXIT_SAVE_FAILED, first.tail()
+    assert row.exit_s <= 60
+    ckpt_dir = small_disk / name / "checkpoints"
+    assert sorted(checkpoints(ckpt_dir)) == [6]
+    filler.unlink()
+    rerun_resumes(args, small_disk, name, reference, row)
+
+
+@pytest.mark.faults_slow
 def test_checkpoint_dir_removed_under_a_running_process_is_recreated(root, data_cache, reference, row):
     """Decided: the next save recreates the folder and the run finishes (0) with every checkpoint it would
     have had; the process still holds the whole state, so stopping would only throw it away. Never a hang,
@@ -296,8 +317,8 @@ def test_s3_down_at_start_for_less_than_the_retry_window_is_waited_for(root, dat
     (root / name).mkdir(parents=True)
     args = overrides(root, data_cache, name, f"checkpoint.remote=s3://{BUCKET}/runs")
     s3.stop()
-    try:  # down from before the start until ~5 s after the bucket is first probed (~10 s of imports)
-        result = run(args, env=s3.env, triggers=(Trigger.after(15.0, s3.start),))
+    try:  # down from before the start until 3 s after the doctor's table, which comes just before the probe
+        result = run(args, env=s3.env, triggers=(Trigger.after_output("doctor:", 3.0, s3.start),))
     finally:
         s3.start()
     row.outcome(result)
