@@ -4,8 +4,9 @@ a chosen step or phase, and the checks every fault case shares.
 - `run(args)` starts the command in its own session with faulthandler on and a wall-clock bound. A process
   that outlives the bound is a hang: every process of its group gets SIGABRT (faulthandler prints the stacks of
   every thread, the DataLoader workers' included), then SIGKILL, and the case fails with those stacks.
-- `Trigger`s act from outside the process while it runs: when a `pause` fault's marker appears (the run is held
-  at that step), or some seconds after the start (stop the S3 server, fill the disk, remove a folder).
+- `Trigger`s act from outside the process while it runs (stop or start the S3 server, fill the disk, remove a
+  folder): when a `pause` fault's marker appears (the run is held at that step), or some seconds after a line
+  of its output.
 - `assert_matches_reference` compares the final checkpoint with an uninterrupted run's, bit for bit;
   `checkpoints` / `assert_kept` say that no good checkpoint was deleted; `tree_digest` that a refusal wrote
   nothing.
