@@ -209,12 +209,28 @@ def wait(
 
 
 def abort_group(proc: subprocess.Popen) -> None:
-    """SIGABRT to every process of the group (faulthandler dumps each one's threads), then SIGKILL."""
-    signal_group(proc, signal.SIGABRT)
+    """SIGABRT to every process of the group, one at a time so that their stacks do not interleave (the
+    leader last: its exit may take the workers with it), then SIGKILL."""
+    for pid in sorted(group_pids(proc.pid), key=lambda pid: pid == proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        time.sleep(0.5)  # faulthandler writes the stacks of every thread, then the process dies
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(GRACE_S)
-    time.sleep(1.0)  # the workers write their stacks too
     kill_group(proc)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (from /proc; just the leader where there is no /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (
+                stat.read_text().rsplit(")", 1)[1].split()
+            )  # after the command name, which may hold spaces
+            if int(fields[2]) == pgid:
+                pids.append(int(stat.parent.name))
+    return pids or [pgid]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
