@@ -345,7 +345,7 @@ def remove_newest(ckpt_dir: Path) -> None:
     "damage",
     [
         pytest.param(truncate_newest, id="truncated_checkpoint"),
-        pytest.param(remove_newest, id="last_dangling"),
+        pytest.param(remove_newest, id="last_dangling", marks=pytest.mark.faults_slow),
     ],
 )
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(root, data_cache, reference, row, damage):
@@ -371,8 +371,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(root, data_cac
 REFUSALS = [
     # Values Lightning would only reject deep inside fit (or run with nonsense): the config refuses them.
     pytest.param(["trainer.val_every_steps=0"], "val_every_steps", id="val_every_steps_0"),
-    pytest.param(["trainer.max_steps=0"], "max_steps", id="max_steps_0"),
-    pytest.param(["data.batch_size=0"], "batch_size", id="batch_size_0"),
+    pytest.param(["trainer.max_steps=0"], "max_steps", id="max_steps_0", marks=pytest.mark.faults_slow),
+    pytest.param(["data.batch_size=0"], "batch_size", id="batch_size_0", marks=pytest.mark.faults_slow),
     pytest.param(["data.seq_len=128", "model.max_seq_len=64"], "max_seq_len", id="seq_len_over_max_seq_len"),
 ]
 
