@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -402,7 +402,6 @@ class Record:
     exit_s: float | None = None
     resumed: bool | None = None
     equal: bool | None = None
-    notes: list[str] = field(default_factory=list)
 
     def outcome(self, outcome: Outcome, fired: Path | None = None, expected: int = 0) -> None:
         """The fault run's exit code and its seconds to exit (from the fault when it has a marker)."""
