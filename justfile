@@ -25,6 +25,10 @@ prepare *overrides:
 test *args:
     {{python}} -m pytest -q {{args}}
 
+# The whole fault matrix (CI runs only its fast cases), printed as a Markdown table.
+faults *args:
+    {{python}} tests/run_matrix.py {{args}}
+
 # Lint and format check.
 lint:
     {{python}} -m ruff check .

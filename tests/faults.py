@@ -1,6 +1,8 @@
-"""Test-only fault injection, added to a run as `+callbacks.fault._target_=tests.faults.Fault ...`.
+"""Test-only fault injection, added to a run as `+callbacks.fault._target_=tests.faults.Fault ...`
+(`tests.harness.fault` writes the overrides).
 
 Each fault fires once per `marker` file (so the restarted run trains undisturbed) at optimizer step `step`.
+The marker is written when the fault fires: its mtime is the moment the harness measures the exit from.
 """
 
 from __future__ import annotations
@@ -19,12 +21,34 @@ import torch
 
 from lm.checkpointing import TMP_MARK
 
+STOP_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
+PHASES = ("val", "save", "upload")
+
+
+def stop_signal(action: str, phase: str | None) -> signal.Signals | None:
+    """The signal of `<signal>` (phase None) or `<signal>_in_<phase>` actions, e.g. sigint_in_upload."""
+    name, _, where = action.partition("_in_")
+    if name not in STOP_SIGNALS or (where or None) != phase:
+        return None
+    return STOP_SIGNALS[name]
+
 
 class Fault(pl.Callback):
-    """action: sigterm | sigusr1 | sigkill | sigterm_group | sigterm_in_val | sigterm_in_save |
-    sigkill_in_save | disk_full | nan | nan_always | drop_grads | sigkill_random | slow |
-    sigkill_after_upload (at `step`, once a checkpoint is on object storage). `rank`: fire on that rank only
-    (under torchrun; every rank when None)."""
+    """action, at optimizer step `step`:
+
+    - `sigterm` | `sigusr1` | `sigint`: the signal to this process at the start of the step; with `_in_val`,
+      in the first validation batch after it; `_in_save`, while that step's checkpoint is written; `_in_upload`,
+      while a checkpoint is being uploaded to object storage;
+    - `sigkill` | `sigterm_group` | `sigkill_in_save` | `sigkill_random` (a seeded moment up to `seconds`
+      after set-up) | `sigkill_after_upload` (once a checkpoint is on object storage);
+    - `raise`: an exception from this callback (a bug in any callback); `raise_in_val`, in validation;
+    - `pause`: wait at the step until `<marker>.go` exists, so the test acts from outside meanwhile (stops
+      the S3 server, removes a folder);
+    - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
+      `disk_full`: the same failure simulated inside torch.save, on any filesystem;
+    - `nan` | `nan_always` | `drop_grads` | `slow`: numerics and a slow host.
+
+    `rank`: fire on that rank only (under torchrun; every rank when None)."""
 
     def __init__(
         self, action: str, marker: str, step: int = 0, seconds: float = 0.0, rank: int | None = None
@@ -42,7 +66,11 @@ class Fault(pl.Callback):
         return True
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.action in ("sigterm_in_save", "sigkill_in_save", "disk_full"):
+        if stop_signal(self.action, "save") or self.action in (
+            "sigkill_in_save",
+            "disk_full",
+            "fill_disk_in_save",
+        ):
             self.wrap_save(trainer)
         if self.action == "sigkill_random" and not self.marker.exists():
             # A kill at a random moment (in a step, in validation, in a checkpoint write, in data loading).
@@ -61,8 +89,8 @@ class Fault(pl.Callback):
         def save(checkpoint: dict[str, Any], path, storage_options=None) -> None:
             if checkpoint["global_step"] < fault.step or not fault.fire():
                 return original_save(checkpoint, path, storage_options)
-            if fault.action == "sigterm_in_save":
-                os.kill(os.getpid(), signal.SIGTERM)  # arrives while the checkpoint is being written
+            if sig := stop_signal(fault.action, "save"):
+                os.kill(os.getpid(), sig)  # arrives while the checkpoint is being written
                 return original_save(checkpoint, path, storage_options)
             if fault.action == "sigkill_in_save":
                 tmp = io.temporary_path(Path(path))
@@ -70,11 +98,15 @@ class Fault(pl.Callback):
                     torch.save(checkpoint, f)
                     f.truncate(f.tell() // 2)
                 os.kill(os.getpid(), signal.SIGKILL)
-            # disk_full: the disk fills up half-way through the write, inside AtomicCheckpointIO.
+            # disk_full: the disk fills up half-way through the write, inside AtomicCheckpointIO;
+            # fill_disk_in_save: another writer takes the filesystem's last byte just as the write starts.
             real_save = torch.save
 
             def full_disk_save(obj, f, *args, **kwargs):
                 if TMP_MARK in getattr(f, "name", ""):
+                    if fault.action == "fill_disk_in_save":
+                        fill(fault.marker.with_name(fault.marker.name + ".filler"))
+                        return real_save(obj, f, *args, **kwargs)
                     f.write(b"\0" * 1000)
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return real_save(obj, f, *args, **kwargs)
@@ -87,6 +119,23 @@ class Fault(pl.Callback):
 
         io.save_checkpoint = save
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        uploader = getattr(trainer.checkpoint_callback, "uploader", None)
+        if stop_signal(self.action, "upload") and uploader is not None:
+            self.wrap_upload(uploader.store)
+
+    def wrap_upload(self, store) -> None:
+        """The signal arrives while a checkpoint of step >= `step` is on its way to the bucket."""
+        original_upload = store.upload
+        fault = self
+
+        def upload(f, step: int):
+            if step >= fault.step and fault.fire():
+                os.kill(os.getpid(), stop_signal(fault.action, "upload"))
+            return original_upload(f, step)
+
+        store.upload = upload
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.action == "nan_always" and trainer.global_step >= self.step:
             self.poison(pl_module)  # bad data or diverged weights: every step from here on
@@ -97,13 +146,16 @@ class Fault(pl.Callback):
             while uploader.uploaded_step is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
-        at_step = ("sigterm", "sigusr1", "sigkill", "sigterm_group", "nan", "drop_grads")
-        if self.action not in at_step or trainer.global_step != self.step or not self.fire():
+        at_step = ("sigkill", "sigterm_group", "nan", "drop_grads", "raise", "pause")
+        sig = stop_signal(self.action, None)
+        if not (sig or self.action in at_step) or trainer.global_step != self.step or not self.fire():
             return
-        if self.action == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the forward and backward are still to run
-        elif self.action == "sigusr1":
-            os.kill(os.getpid(), signal.SIGUSR1)
+        if sig:
+            os.kill(os.getpid(), sig)  # mid-step: the forward and backward are still to run
+        elif self.action == "raise":
+            raise RuntimeError(f"injected fault: a callback raised at step {self.step}")
+        elif self.action == "pause":
+            self.hold()
         elif self.action == "sigterm_group":
             os.killpg(os.getpgid(0), signal.SIGTERM)  # like a shutdown: the DataLoader workers get it too
         elif self.action == "sigkill":
@@ -112,6 +164,13 @@ class Fault(pl.Callback):
             self.poison(pl_module)  # a transient fault: this step only, and only once
         elif self.action == "drop_grads":
             self._drop = True
+
+    def hold(self, timeout: float = 120.0) -> None:
+        """Wait (mid-run, workers alive) until the test has acted and written `<marker>.go`."""
+        release = self.marker.with_name(self.marker.name + ".go")
+        deadline = time.monotonic() + timeout
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def poison(self, pl_module) -> None:
         loss = type(pl_module).loss
@@ -143,10 +202,23 @@ class Fault(pl.Callback):
                 p.grad = None
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        if (
-            self.action == "sigterm_in_val"
-            and not trainer.sanity_checking
-            and trainer.global_step >= self.step
-            and self.fire()
-        ):
-            os.kill(os.getpid(), signal.SIGTERM)
+        sig = stop_signal(self.action, "val")
+        in_val = sig or self.action == "raise_in_val"
+        if not in_val or trainer.sanity_checking or trainer.global_step < self.step or not self.fire():
+            return
+        if sig:
+            os.kill(os.getpid(), sig)
+        else:  # with the validation loader's workers alive and the training loader's waiting
+            raise RuntimeError(f"injected fault: a callback raised in validation after step {self.step}")
+
+
+def fill(path: Path) -> None:
+    """Write zeros to `path` until its filesystem has no byte left (ENOSPC), as another process would."""
+    with open(path, "ab", buffering=0) as f:
+        for size in (1 << 16, 512, 1):  # big blocks, then the last partial page
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise

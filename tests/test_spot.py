@@ -1,10 +1,9 @@
-"""Fault injection: every interrupted run must end bitwise equal to an uninterrupted one (CPU, tiny model,
-DataLoader workers > 0). Faults come from `tests/faults.py`, added as a `_target_` callback."""
+"""Fault injection in this process: every interrupted run must end bitwise equal to an uninterrupted one (CPU,
+tiny model, DataLoader workers > 0). Faults come from `tests/faults.py`, the shared helpers (and the
+subprocess runner with its hang bound) from `tests/harness.py`; the full matrix is `tests/test_faults.py`."""
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,83 +13,17 @@ from lm.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, 
 from lm.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.supervise import backoff_s, supervise
 
-from .conftest import CONF, TINY
+from .conftest import TINY
 from .conftest import train_in_process as train
-
-ROOT = CONF.parent
-RUN = [
-    "trainer.max_steps=20",
-    "optim.total_steps=20",  # the schedule spans the whole run even when an invocation stops early
-    "optim.warmup_steps=5",
-    "trainer.val_every_steps=8",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=5",
-    "+trainer.extra.num_sanity_val_steps=0",
-    "checkpoint.every_n_steps=6",  # interrupts land between checkpoints: work is lost and redone
-    "checkpoint.keep_last=2",
-]
-
-
-def overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
-    return [*TINY, f"run.root={root}", f"data.cache_dir={cache}", f"run.name={name}", *RUN, *extra]
-
-
-def fault(root: Path, action: str, step: int = 0, key: str = "fault", seconds: float = 0.0) -> list[str]:
-    node = f"+callbacks.{key}"
-    return [
-        f"{node}._target_=tests.faults.Fault",
-        f"{node}.action='{action}'",  # quoted: Hydra would read nan as a float
-        f"{node}.step={step}",
-        f"{node}.seconds={seconds}",
-        f"{node}.marker={root / f'{key}-{action}-{step}.fired'}",
-    ]
-
-
-def train_process(args: list[str], supervised: bool = False) -> subprocess.CompletedProcess:
-    """`python train.py *args` (or under `lm supervise`) in its own session, like a service on a VM."""
-    cmd = [sys.executable, "train.py", *args]
-    if supervised:
-        cmd = [
-            sys.executable,
-            "-m",
-            "lm.cli",
-            "supervise",
-            "--backoff",
-            "0.05",
-            "--start-secs",
-            "0",
-            "--",
-            *cmd,
-        ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True)
-
-
-def last(root: Path, name: str) -> dict:
-    return torch.load(root / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-
-
-def assert_same(a, b, where: str = "") -> None:
-    """Bitwise equality of nested checkpoint state (tensors, dicts, lists, numbers)."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def assert_matches_reference(root: Path, name: str, reference: dict) -> None:
-    ckpt = last(root, name)
-    assert ckpt["global_step"] == reference["global_step"] == 20
-    assert_same(ckpt["state_dict"], reference["state_dict"], "weights")
-    assert_same(ckpt["optimizer_states"], reference["optimizer_states"], "optimizer")
-    assert_same(ckpt["lr_schedulers"], reference["lr_schedulers"], "scheduler")
+from .harness import (
+    ROOT,  # noqa: F401 (test_object_storage imports it from here)
+    assert_matches_reference,
+    assert_same,
+    fault,
+    last,
+    overrides,
+    run,
+)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +64,11 @@ def test_sigterm_to_the_whole_process_group_keeps_workers_alive_for_the_save(roo
     name = "signal-group"
     (root / name).mkdir(parents=True)
     args = overrides(root, data_cache, name, *fault(root / name, "sigterm_group", step=9))
-    first = train_process(args)
-    assert first.returncode == EXIT_PREEMPTED, first.stderr[-3000:]
+    first = run(args)
+    assert first.code == EXIT_PREEMPTED, first.tail()
     assert "exited unexpectedly" not in first.stderr
     assert last(root, name)["global_step"] == 10
-    assert train_process(args).returncode == 0
+    assert run(args).code == 0
     assert_matches_reference(root, name, reference)
 
 
@@ -146,8 +79,8 @@ def test_supervised_run_survives_sigkill_mid_step_and_mid_checkpoint_write(root,
         *fault(root / name, "sigkill", step=8, key="a"),
         *fault(root / name, "sigkill_in_save", 10, "b"),
     ]
-    result = train_process(overrides(root, data_cache, name, *faults), supervised=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(overrides(root, data_cache, name, *faults), supervised=True)
+    assert result.code == 0, result.tail()
     assert result.stderr.count("signal SIGKILL") == 2
     assert (
         "interrupted checkpoint write" in result.stdout + result.stderr
@@ -162,8 +95,8 @@ def test_supervised_run_survives_sigkill_at_random_moments(root, data_cache, ref
     # Two kills, each at a seeded random moment up to 2 s after its process set up (startup, a step,
     # validation or a checkpoint write), one per process until both have fired.
     faults = [a for k in range(2) for a in fault(root / name, "sigkill_random", k, f"k{k}", seconds=2.0)]
-    result = train_process(overrides(root, data_cache, name, *faults), supervised=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(overrides(root, data_cache, name, *faults), supervised=True)
+    assert result.code == 0, result.tail()
     assert result.stderr.count("signal SIGKILL") == 2
     assert_matches_reference(root, name, reference)
 
@@ -290,8 +223,8 @@ def test_supervise_restarts_crashes_with_backoff_then_gives_up(tmp_path):
 
 def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
     args = [*TINY, f"run.root={tmp_path}", f"data.cache_dir={data_cache}", "precision=fp16"]
-    result = train_process(args, supervised=True)
-    assert result.returncode == EXIT_CONFIG, result.stderr[-2000:]
+    result = run(args, supervised=True)
+    assert result.code == EXIT_CONFIG, result.tail()
     assert "needs a CUDA GPU" in result.stderr and "not restarting" in result.stderr
 
 
