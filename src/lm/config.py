@@ -333,8 +333,9 @@ class CheckpointConfig:
 class SpotConfig:
     """Surviving preemption and sick hosts: stop signals, the throughput alarm, NaN/inf and spiking losses."""
 
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me)."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me). Ctrl-C
+    (SIGINT) saves too; a second Ctrl-C stops at once (Lightning's interrupt: exit 1, the last checkpoint kept)."""
     slow_ratio: float = 0.6
     """Throughput alarm: tokens/s below this fraction of the run's own baseline ..."""
     slow_window_s: float = 120.0

@@ -77,7 +77,7 @@ class SpotGuard(pl.Callback):
 
     def __init__(
         self,
-        signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
         consensus: Consensus | None = None,
     ) -> None:
         self.signals = [signal.Signals[name] if isinstance(name, str) else name for name in signals]
@@ -95,6 +95,8 @@ class SpotGuard(pl.Callback):
         if self.received is None:
             self.received = signal.Signals(signum)
             log.warning("received %s: saving a checkpoint at the next step boundary", self.received.name)
+        elif signum == signal.SIGINT:  # a second Ctrl-C: the person at the terminal will not wait for the save
+            raise KeyboardInterrupt
 
     def _install(self) -> None:
         global _shield_children
