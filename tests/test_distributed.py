@@ -260,6 +260,7 @@ def test_slurm_plugin_turns_lightnings_requeue_off_only_under_slurm(monkeypatch)
     assert isinstance(plugin, SLURMEnvironment) and not plugin.auto_requeue
 
 
+@pytest.mark.slow
 def test_sbatch_script_requeues_after_spotguards_sigusr1_save_and_ends_when_done(root, data_cache, tmp_path):
     """slurm/train.sbatch as SLURM runs it, with `srun` running its one task here and `scontrol` recorded."""
     bin_dir = tmp_path / "bin"

@@ -91,6 +91,7 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("object-storage")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_on_a_new_machine_from_the_bucket(s3, root, data_cache):
     reference_name, name = "reference", "moved"
     assert train(overrides(root, data_cache, reference_name, "sampling=off")) == 0
@@ -479,6 +480,7 @@ def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: flo
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_store_down_at_start_up_is_waited_for_and_past_the_window_supervise_restarts(
     s3, tmp_path, data_cache
 ):

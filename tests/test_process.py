@@ -255,6 +255,7 @@ def test_writes_on_a_full_disk_raise_disk_full_and_keep_the_old_file(small_disk)
     assert temporaries(small_disk) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_run_stops_the_supervisor_at_once_and_a_rerun_resumes(
     small_disk, data_cache, tmp_path
 ):

@@ -98,6 +98,7 @@ def test_another_architecture_is_refused_and_the_run_left_as_it_was(tiny_cfg, tm
     assert ckpt(run)["global_step"] == 5
 
 
+@pytest.mark.slow
 def test_a_copied_run_directory_rotates_the_checkpoints_it_brought(compose, tmp_path):
     first = tmp_path / "runs"
     main(compose(*TINY, *RUN, "trainer.max_steps=15", "checkpoint.keep_last=2"))

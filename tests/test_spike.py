@@ -115,6 +115,7 @@ def test_sampler_skips_a_data_window_as_a_pure_function_of_seed_step_and_skips()
 # -- real runs ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_healthy_run_counts_zero_spikes_and_reports_them(root, data_cache):
     name = "healthy"
     assert train(overrides(root, data_cache, name, *SPIKES)) == 0
@@ -123,6 +124,7 @@ def test_healthy_run_counts_zero_spikes_and_reports_them(root, data_cache):
     assert "| loss spikes skipped | 0 " in (root / name / "report.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["direct", "on-device"])
 def test_single_spike_is_skipped_like_dropping_that_steps_gradients(root, data_cache, fused):
     skipped, dropped = f"spike-skipped-{fused}", f"spike-reference-{fused}"
@@ -167,6 +169,7 @@ def test_spikes_from_bad_data_roll_back_skip_that_data_and_resume_exactly(root, 
     assert_same(last(root, again)["optimizer_states"], final["optimizer_states"], "optimizer")
 
 
+@pytest.mark.slow
 def test_spikes_that_skipping_data_cannot_cure_stop_after_one_rollback(root, data_cache):
     name = "spike-always"
     (root / name).mkdir(parents=True)
@@ -180,6 +183,7 @@ def test_spikes_that_skipping_data_cannot_cure_stop_after_one_rollback(root, dat
     }
 
 
+@pytest.mark.slow
 def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_steps(tiny_cfg, monkeypatch):
     """As on a GPU (fused AdamW): the spike is judged and skipped on the device, and read a step later from a
     staged host copy; the probe of tests/test_sync.py sees no other read."""
@@ -196,6 +200,7 @@ def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_st
     assert guard_state(last(root, cfg.run.name))["detector"]["spikes"] == 1
 
 
+@pytest.mark.slow
 def test_a_spike_on_one_rank_is_skipped_by_every_rank(root, data_cache):
     """DDP (2 gloo ranks): rank 1's batch spikes at step 4. The guard judges the global batch's loss (averaged
     over ranks), so rank 0 skips too; judged on its own loss, rank 0 would apply the averaged gradient that

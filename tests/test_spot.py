@@ -60,6 +60,7 @@ def test_stop_signal_saves_at_the_next_step_exits_75_and_resumes_exactly(
     assert_matches_reference(root, name, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_keeps_workers_alive_for_the_save(root, data_cache, reference):
     name = "signal-group"
     (root / name).mkdir(parents=True)
@@ -72,6 +73,7 @@ def test_sigterm_to_the_whole_process_group_keeps_workers_alive_for_the_save(roo
     assert_matches_reference(root, name, reference)
 
 
+@pytest.mark.slow
 def test_supervised_run_survives_sigkill_mid_step_and_mid_checkpoint_write(root, data_cache, reference):
     name = "sigkill"
     (root / name).mkdir(parents=True)
@@ -89,6 +91,7 @@ def test_supervised_run_survives_sigkill_mid_step_and_mid_checkpoint_write(root,
     assert_matches_reference(root, name, reference)
 
 
+@pytest.mark.slow
 def test_supervised_run_survives_sigkill_at_random_moments(root, data_cache, reference):
     name = "sigkill-random"
     (root / name).mkdir(parents=True)
@@ -101,6 +104,7 @@ def test_supervised_run_survives_sigkill_at_random_moments(root, data_cache, ref
     assert_matches_reference(root, name, reference)
 
 
+@pytest.mark.slow
 def test_truncated_last_checkpoint_falls_back_to_the_previous_good_one(root, data_cache, reference):
     name = "truncated"
     assert train(overrides(root, data_cache, name, "trainer.max_steps=14")) == 0
@@ -113,6 +117,7 @@ def test_truncated_last_checkpoint_falls_back_to_the_previous_good_one(root, dat
     assert_matches_reference(root, name, reference)
 
 
+@pytest.mark.slow
 def test_full_disk_mid_write_keeps_previous_checkpoints_and_a_rerun_resumes(root, data_cache, reference):
     name = "disk-full"
     (root / name).mkdir(parents=True)
@@ -175,6 +180,7 @@ def test_deterministic_divergence_stops_after_one_rollback(root, data_cache):
     assert last(root, name)["global_step"] == 6
 
 
+@pytest.mark.slow
 def test_slow_host_gets_an_early_checkpoint(root, data_cache):
     name = "slow"
     (root / name).mkdir(parents=True)
