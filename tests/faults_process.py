@@ -6,11 +6,12 @@ workers are up.
 
 from __future__ import annotations
 
-import errno
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+
+from tests.faults import fill
 
 BALLAST = "ballast.bin"
 
@@ -48,15 +49,3 @@ class ProcessFault(pl.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.action == "raise_twice":
             raise RuntimeError("a second fault, while handling the first")
-
-
-def fill(path: Path) -> None:
-    """Write zeros to `path` until its filesystem has no space left; the file stays, so the disk stays full."""
-    with open(path, "wb", buffering=0) as f:
-        for size in (1 << 16, 512):  # big chunks, then the last partial ones
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise

@@ -146,12 +146,23 @@ class Hang(AssertionError):
     """The process did not exit within its bound; the message holds every process's stacks."""
 
 
-def command(args: list[str], supervised: bool = False) -> list[str]:
-    """`python train.py *args`, or the same under `lm supervise` (tiny backoff, every crash restarted)."""
+def command(args: list[str], supervised: bool = False, start_secs: float = 0) -> list[str]:
+    """`python train.py *args`, or the same under `lm supervise` (tiny backoff; a crash within `start_secs` of
+    its start counts toward giving up, so 0 restarts every crash)."""
     cmd = [sys.executable, "train.py", *args]
     if not supervised:
         return cmd
-    return [sys.executable, "-m", "lm.cli", "supervise", "--backoff", "0.05", "--start-secs", "0", "--", *cmd]
+    supervise = [
+        sys.executable,
+        "-m",
+        "lm.cli",
+        "supervise",
+        "--backoff",
+        "0.05",
+        "--start-secs",
+        f"{start_secs:g}",
+    ]
+    return [*supervise, "--", *cmd]
 
 
 def run(

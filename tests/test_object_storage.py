@@ -31,7 +31,8 @@ from lm.storage import check_writable, retrying, transient
 from lm.train import main
 
 from .conftest import TINY
-from .test_spot import ROOT, assert_matches_reference, fault, last, overrides, train
+from .conftest import train_in_process as train
+from .harness import ROOT, assert_matches_reference, command, fault, last, overrides
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -515,19 +516,7 @@ def test_a_store_down_at_start_up_is_waited_for_and_past_the_window_supervise_re
 
     # Down past the window: exit 69 soon after it, and `lm supervise` restarts the run until the store is back.
     out = tmp_path / "second.out"
-    cmd = [*cmd[:-3], remote, "run.name=second", "checkpoint.retry_window_s=1"]
-    supervised = [
-        sys.executable,
-        "-m",
-        "lm.cli",
-        "supervise",
-        "--backoff",
-        "0.05",
-        "--start-secs",
-        "0",
-        "--",
-        *cmd,
-    ]
+    supervised = command([*args, remote, "run.name=second", "checkpoint.retry_window_s=1"], supervised=True)
     with open(out, "w") as stdout:
         child = subprocess.Popen(
             supervised, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True

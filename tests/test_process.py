@@ -20,6 +20,8 @@ from lm.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.runlock import RunLock, RunLocked
 
 from .conftest import CONF, TINY
+from .faults import fill
+from .harness import command
 
 ROOT = CONF.parent
 RUN = [
@@ -66,24 +68,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-def train_cmd(args: list[str], supervised: bool = False) -> list[str]:
-    cmd = [sys.executable, "train.py", *args]
-    if supervised:
-        cmd = [
-            sys.executable,
-            "-m",
-            "lm.cli",
-            "supervise",
-            "--backoff",
-            "0.05",
-            "--start-secs",
-            "60",
-            "--",
-            *cmd,
-        ]
-    return cmd
-
-
 def processes_with(text: str) -> list[int]:
     """Live processes whose command line mentions `text` (a test's own run directory)."""
     pids = []
@@ -126,7 +110,7 @@ def test_an_error_on_the_way_out_still_exits_at_once_and_stops_the_workers(tmp_p
     # 2 validation), which ignore SIGTERM, used to keep multiprocessing's exit handler waiting for ever.
     root = tmp_path / "runs"
     args = overrides(root, data_cache, "twice", *fault(tmp_path, "raise_twice", step=3))
-    proc = start(train_cmd(args))
+    proc = start(command(args))
     code, out = finish(proc, timeout=180)
     assert code == 1, out[-3000:]  # a crash: `lm supervise` restarts it
     assert "a second fault" in out
@@ -174,9 +158,7 @@ def test_a_process_stuck_on_the_way_out_is_ended_with_its_code_and_its_stacks(tm
 def test_a_second_trainer_on_a_live_run_is_refused_and_archives_nothing(tmp_path, data_cache):
     root, release = tmp_path / "runs", tmp_path / "release"
     run_dir = root / "live"
-    live = start(
-        train_cmd(overrides(root, data_cache, "live", *fault(tmp_path, "hold", step=3, path=release)))
-    )
+    live = start(command(overrides(root, data_cache, "live", *fault(tmp_path, "hold", step=3, path=release))))
     deadline = time.monotonic() + 180
     while not (tmp_path / "hold-3.fired").exists():
         assert live.poll() is None and time.monotonic() < deadline, finish(live, 1)[1][-3000:]
@@ -184,7 +166,7 @@ def test_a_second_trainer_on_a_live_run_is_refused_and_archives_nothing(tmp_path
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "hydra" not in p.parts)
     # A second launch by mistake, and one that starts the run over (which used to archive the live files).
     second = [
-        start(train_cmd(overrides(root, data_cache, "live", *extra))) for extra in ([], ["run.resume=false"])
+        start(command(overrides(root, data_cache, "live", *extra))) for extra in ([], ["run.resume=false"])
     ]
     for proc in second:
         code, out = finish(proc, timeout=180)
@@ -241,7 +223,7 @@ def small_disk(tmp_path) -> Path:
 
 
 def test_writes_on_a_full_disk_raise_disk_full_and_keep_the_old_file(small_disk):
-    from .faults_process import BALLAST, fill
+    from .faults_process import BALLAST
 
     record, samples = small_disk / "cost.json", small_disk / "samples.jsonl"
     write_atomic(record, "old")
@@ -263,7 +245,7 @@ def test_a_full_disk_mid_run_stops_the_supervisor_at_once_and_a_rerun_resumes(
     # The disk fills after step 3; step 4's ledger write meets it (checkpoints at steps 2, 4, ...).
     args = overrides(small_disk, data_cache, "full", *fault(tmp_path, "fill_disk", step=3, path=small_disk))
     started = time.monotonic()
-    code, out = finish(start(train_cmd(args, supervised=True)), timeout=240)
+    code, out = finish(start(command(args, supervised=True, start_secs=60)), timeout=240)
     assert code == EXIT_SAVE_FAILED, out[-3000:]
     assert "not restarting" in out and "restart 1" not in out  # one attempt: a rerun would only fail again
     assert f"writing {run_dir / 'cost.json'} failed: the disk is full" in out
@@ -272,7 +254,7 @@ def test_a_full_disk_mid_run_stops_the_supervisor_at_once_and_a_rerun_resumes(
     (small_disk / "ballast.bin").unlink()  # space is freed; a stale temporary of a dead process is cleared
     stale = run_dir / "tb" / ".events.tmp-999999999"
     stale.write_bytes(b"\0" * 100)
-    code, out = finish(start(train_cmd(args)), timeout=240)
+    code, out = finish(start(command(args)), timeout=240)
     assert code == 0, out[-3000:]
     assert "resuming from" in out and last_step(run_dir) == 8
     assert not stale.exists()
@@ -281,9 +263,9 @@ def test_a_full_disk_mid_run_stops_the_supervisor_at_once_and_a_rerun_resumes(
 def test_a_full_disk_before_the_run_starts_exits_74_not_1(small_disk, data_cache, tmp_path):
     # Hydra writes the invocation's config into the run directory before lm runs: its failure was exit 1, which
     # `lm supervise` restarted again and again.
-    from .faults_process import BALLAST, fill
+    from .faults_process import BALLAST
 
     fill(small_disk / BALLAST)
-    code, out = finish(start(train_cmd(overrides(small_disk, data_cache, "full-at-start"))), timeout=120)
+    code, out = finish(start(command(overrides(small_disk, data_cache, "full-at-start"))), timeout=120)
     assert code == EXIT_SAVE_FAILED, out[-3000:]
     assert "No space left on device" in out

@@ -7,7 +7,6 @@ size and modification time, every folder) must be exactly as it was.
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from lm.exits import EXIT_CONFIG
 
 from .conftest import CONF, TINY
 from .conftest import train_in_process as train
+from .harness import command
 
 ROOT = CONF.parent
 RUN = ["run.name=r", "trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.limit_val_batches=1"]
@@ -51,21 +51,7 @@ def prepared_copy(run: list[str], tmp_path: Path) -> Path:
 
 
 def train_process(args: list[str], supervised: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", *args]
-    if supervised:
-        cmd = [
-            sys.executable,
-            "-m",
-            "lm.cli",
-            "supervise",
-            "--backoff",
-            "0.05",
-            "--start-secs",
-            "0",
-            "--",
-            *cmd,
-        ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command(args, supervised), cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(

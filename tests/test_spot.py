@@ -16,7 +16,6 @@ from lm.supervise import backoff_s, supervise
 from .conftest import TINY
 from .conftest import train_in_process as train
 from .harness import (
-    ROOT,  # noqa: F401 (test_object_storage imports it from here)
     assert_matches_reference,
     assert_same,
     fault,

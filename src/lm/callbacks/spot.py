@@ -95,8 +95,8 @@ class SpotGuard(pl.Callback):
         if self.received is None:
             self.received = signal.Signals(signum)
             log.warning("received %s: saving a checkpoint at the next step boundary", self.received.name)
-        elif signum == signal.SIGINT:  # a second Ctrl-C: the person at the terminal will not wait for the save
-            raise KeyboardInterrupt
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the person at the terminal will not wait for the save
 
     def _install(self) -> None:
         global _shield_children
