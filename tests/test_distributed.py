@@ -138,6 +138,7 @@ def test_the_ranks_of_a_step_see_the_windows_of_one_process_with_the_global_batc
         val_batches(5, B, W, 0)
 
 
+@pytest.mark.slow
 def test_ddp_matches_one_process_counts_the_world_and_resumes_on_one(root, data_cache, reference, caplog):
     run = root / "ddp"
     # The path users take: Lightning's launcher re-runs this Hydra script once per extra rank.

@@ -47,6 +47,7 @@ def reference(root, data_cache) -> dict:
     # checkpoint is being written, step 13.
     [("sigterm", 10), ("sigusr1", 10), ("sigterm_in_val", 17), ("sigterm_in_save", 13)],
 )
+@pytest.mark.slow
 def test_stop_signal_saves_at_the_next_step_exits_75_and_resumes_exactly(
     root, data_cache, reference, action, saved_at
 ):
@@ -141,6 +142,7 @@ def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
     check_run_fits(tmp_path / "ckpts", ckpt_bytes=1000, keep_last=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["direct", "on-device"])
 def test_nan_loss_step_is_skipped_without_touching_weights_or_optimizer(root, data_cache, fused):
     # fused AdamW (the GPU default) skips on the device through `found_inf` and is read a step later
