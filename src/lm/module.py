@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.config import OptimConfig
+from lm.data.bytes import token_byte_lengths
 from lm.kernels import apply_liger
 from lm.model import ModelConfig, Transformer
 from lm.parallel import grad_norm, shard_model
@@ -104,6 +105,8 @@ class LMModule(pl.LightningModule):
         self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
         self._sharded = False
+        self.register_buffer("token_bytes", None, persistent=False)
+        """(padded vocab,) UTF-8 bytes per token id, for `val/bpb`; set at setup from the data's tokenizer."""
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # trainer.strategy=fsdp: shard (and compile) block by block
@@ -145,8 +148,32 @@ class LMModule(pl.LightningModule):
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
+    def setup(self, stage: str) -> None:
+        tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+        if tokenizer is not None:  # buffers follow the module to its device; not saved in checkpoints
+            self.token_bytes = token_byte_lengths(tokenizer, self.model_cfg.padded_vocab_size)
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
+        loss = self.loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        if self.token_bytes is not None:
+            targets = batch[:, 1:]
+            self._val_nats += loss.detach().double() * targets.numel()
+            self._val_bytes += self.token_bytes[targets].sum()
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_nats = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._val_bytes = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def on_validation_epoch_end(self) -> None:
+        """`val/bpb`: the nats of every validated token over the bytes of text they spell, summed over all
+        windows and ranks before dividing (a mean of per-batch ratios would weigh short texts up)."""
+        if self.token_bytes is None:
+            return
+        nats = self.trainer.strategy.reduce(self._val_nats, reduce_op="sum")
+        n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
+        if n_bytes > 0:
+            self.log("val/bpb", (nats / math.log(2) / n_bytes).float())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lr_cooldown"] = self.lr_cooldown
