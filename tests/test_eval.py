@@ -1,43 +1,146 @@
 """Evaluation beyond the loss: validation bits per byte, `lm eval` (lm-evaluation-harness on a bundled local
-task, offline), and benchmarks at milestones (`evals=`)."""
+task, offline) and benchmarks at milestones (`evals=`), on one tiny trained run shared by the module."""
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer
 
-from lm import rundir
+from lm import cli, rundir
+from lm.config import register_configs
 from lm.data import load_manifest, load_tokenizer, shard_paths
 from lm.data.dataset import TokenWindows, val_batches
+from lm.hf import load_run
 from lm.module import LMModule
+from lm.report import write_report
 from lm.train import main
 
+from .conftest import CONF, TINY
 from .test_train import scalars
 
+TASKS = Path(__file__).parent / "data" / "eval_tasks"
+EVALS = [
+    "evals.tasks=[tiny_mc]",
+    f"evals.include_path={TASKS}",
+    "evals.batch_size=8",
+    "phases.phases=[{name:first,end_step:2},{name:second,end_step:6}]",
+    "sampling.prompts=[]",
+    "trainer.val_every_steps=4",
+    "trainer.limit_val_batches=3",
+]
 
-def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(tiny_cfg, tmp_path, data_cache):
-    cfg = tiny_cfg("trainer.max_steps=4", "trainer.val_every_steps=4", "trainer.limit_val_batches=3")
-    main(cfg)
-    run = tmp_path / "runs" / "smoke"
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No network, as on a cluster node without one: everything here is local."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def run_config(root: Path, data_cache: Path, *overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(
+            "train", overrides=[*TINY, f"run.root={root}", f"data.cache_dir={data_cache}", *EVALS, *overrides]
+        )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_cache) -> Path:
+    """A 4-step tiny run evaluated on the local task at the phase boundary (step 2) and its last step."""
+    root = tmp_path_factory.mktemp("evals")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        main(run_config(root, data_cache, "trainer.max_steps=4"))
+    return root / "smoke"
+
+
+def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(run, data_cache):
     (step, bpb), *_ = scalars(run, "val/bpb")[-1:]
-
     # By hand: the checkpoint's summed nats over the validated windows, and the UTF-8 bytes the tokenizer
     # decodes their targets to (the whole stretch at once, end-of-text left out).
     folder = next(p for p in data_cache.iterdir() if (p / "manifest.json").is_file())
     manifest = load_manifest(folder)
-    windows = TokenWindows(shard_paths(folder, manifest, "val"), cfg.data.seq_len, manifest["dtype"])
-    batches = val_batches(len(windows), cfg.data.batch_size)[:3]
-    module = LMModule.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+    windows = TokenWindows(shard_paths(folder, manifest, "val"), 64, manifest["dtype"])
+    batches = val_batches(len(windows), 8)[:3]
+    model = LMModule.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu").model.eval()
     nats = 0.0
-    tokenizer = load_tokenizer(folder)
     with torch.no_grad():
         for idx in batches:
             x = torch.stack([windows[i] for i in idx])
-            logits = module.model(x[:, :-1])
+            logits = model(x[:, :-1])
             nats += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
     ids = torch.cat([windows[i][1:] for idx in batches for i in idx]).tolist()
-    n_bytes = len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
+    n_bytes = len(load_tokenizer(folder).decode(ids, skip_special_tokens=True).encode("utf-8"))
     assert step == 3
     assert bpb == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
-    assert rundir.read_scalars(run)["val/bpb"].values[-1] == pytest.approx(bpb)
+
+
+def test_milestones_are_evaluated_logged_and_charged_to_eval(run):
+    records = rundir.read_evals(run)
+    assert [r["step"] for r in records] == [2, 4]  # the phase boundary, then the last step
+    assert [r["phase"] for r in records] == ["first", "second"]
+    for r in records:
+        assert set(r["scores"]["tiny_mc"]) >= {"acc", "acc_norm", "acc_stderr"}
+        assert 0.0 <= r["scores"]["tiny_mc"]["acc"] <= 1.0
+    # TensorBoard has each milestone at the index of its last batch, as val/loss.
+    assert [s for s, _ in scalars(run, "eval/tiny_mc/acc")] == [1, 3]
+    # The evaluations' time is in the eval bucket, beside validation; training time does not hold it.
+    ledger = rundir.read_ledger(run)
+    assert ledger["seconds"]["eval"] >= sum(r["seconds"] for r in records)
+    # The report: accuracy against dollars needs a price (none on a CPU); the table and the phase column.
+    report = write_report(run).read_text()
+    assert "## Benchmarks" in report and "tiny_mc acc_norm" in report
+    assert report.count("| benchmark |") == 1
+
+
+def test_a_resumed_run_does_not_evaluate_a_milestone_again(run, tmp_path, data_cache):
+    shutil.copytree(run, tmp_path / "smoke")
+    main(run_config(tmp_path, data_cache, "trainer.max_steps=6"))
+    lines = [json.loads(line) for line in (tmp_path / "smoke" / rundir.EVALS).read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4, 6]  # 6 is the second phase's end and the last step
+
+
+def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: str) -> float:
+    """log P(continuation | context) from lm's own model, tokenized as lm-eval does (the whole string,
+    split where the context's tokens end)."""
+    ctx = tokenizer.encode(context).ids
+    whole = tokenizer.encode(context + continuation).ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole[:-1]])).double(), dim=-1)[0]
+    return sum(logp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+
+
+def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
+    # A copy of the run elsewhere, with an empty data cache: all it needs is in the run directory.
+    copy = tmp_path / "copied"
+    shutil.copytree(run, copy)
+    monkeypatch.setenv("LM_CACHE", str(tmp_path / "empty"))
+    cli.main(["eval", str(copy), "--tasks", "tiny_mc", "--include-path", str(TASKS), "--samples"])
+    record = json.loads((copy / rundir.EVAL).read_text())
+    loaded = load_run(copy)
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
+    samples = record["samples"]["tiny_mc"]
+    assert len(samples) == 12
+    for s in samples:
+        for (context, continuation), ll in zip(s["requests"], s["loglikelihoods"], strict=True):
+            assert ll == pytest.approx(
+                lm_loglikelihood(loaded.model, tokenizer, context, continuation), abs=1e-4
+            )
+    # The table is written beside it, and the report shows it.
+    assert "| tiny_mc | acc |" in (copy / rundir.EVAL_MD).read_text()
+    assert "`lm eval` of" in write_report(copy).read_text()
+
+
+@pytest.mark.slow  # lm-eval indexes its thousands of built-in tasks to say a name is unknown (~10 s)
+def test_an_unknown_task_is_refused_naming_the_fix(run, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", str(run), "--tasks", "tiny_mc,no_such_task", "--include-path", str(TASKS)])
+    assert "no_such_task" in str(e.value.code) and "--include-path" in str(e.value.code)

@@ -10,6 +10,8 @@ lm bench   [overrides with comma lists...]
                             measure tokens/s, MFU, memory and $/Btok of each knob combination
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
 lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
+lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
+                            benchmarks with lm-evaluation-harness -> eval.json + eval.md
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
 lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from lm import plan
+from lm import plan, rundir
 from lm.atomic import write_atomic
 from lm.bench import run_bench, run_compare
 from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
@@ -36,6 +38,7 @@ from lm.cost import load_catalog
 from lm.data import implied_epochs, load_manifest, prepare
 from lm.data.shards import sample_tokenizer
 from lm.doctor import diagnose, level_of, resolve_target, table
+from lm.evaluate import evaluate_path
 from lm.generate import complete, load_for_sampling
 from lm.report import write_report
 from lm.sky import rank_gpus, render_task
@@ -193,6 +196,21 @@ def cmd_sample(args: argparse.Namespace) -> None:
         print(prompt + text, flush=True)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    tasks = [t for t in args.tasks.split(",") if t]
+    folder, record = evaluate_path(
+        args.path,
+        tasks,
+        limit=args.limit,
+        include_path=args.include_path,
+        batch_size=args.batch_size,
+        device=args.device,
+        with_samples=args.samples,
+    )
+    print((folder / rundir.EVAL_MD).read_text(), end="")
+    print(f"wrote {folder / rundir.EVAL} and {rundir.EVAL_MD} ({record['seconds']:.1f} s)")
+
+
 def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
     verb.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
 
@@ -253,6 +271,17 @@ def add_run_readers(verbs) -> None:
     sample.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     sample.set_defaults(fn=cmd_sample)
+    evaluate = verbs.add_parser("eval", help="benchmarks with lm-evaluation-harness -> eval.json + eval.md")
+    evaluate.add_argument("path", help="runs/<run.name>, a checkpoint in it, or a Hugging Face model folder")
+    evaluate.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
+    evaluate.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
+    evaluate.add_argument("--include-path", default=None, help="a folder of task YAMLs of your own")
+    evaluate.add_argument("--batch-size", type=int, default=16)
+    evaluate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    evaluate.add_argument(
+        "--samples", action="store_true", help="keep every example's log-likelihoods in eval.json"
+    )
+    evaluate.set_defaults(fn=cmd_eval)
 
 
 def add_sky(verbs) -> None:

@@ -495,6 +495,38 @@ class SamplingConfig:
 
 
 @dataclass
+class EvalsConfig:
+    """Benchmarks at milestones (`conf/evals/*.yaml`): lm-evaluation-harness tasks run by rank 0 during
+    training, logged as `eval/<task>/<metric>` and charged to the `eval` cost bucket."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (loglikelihood tasks: arc_easy, piqa, hellaswag...); an empty list turns it off."""
+    limit: int | None = None
+    """Examples per task: a sample keeps a milestone to minutes; None runs every example."""
+    at_phase_ends: bool = True
+    """Evaluate at each phase boundary of `phases`."""
+    steps: list[int] = field(default_factory=list)
+    """Also evaluate at these optimizer steps."""
+    at_last_step: bool = True
+    """Also evaluate when training ends (the last step of the invocation, or an early stop)."""
+    include_path: str | None = None
+    """A folder of task YAMLs of one's own (offline tasks); searched before lm-eval's built-in tasks."""
+    batch_size: int = 16
+    """Sequences per forward pass of the evaluation."""
+
+    def __post_init__(self) -> None:
+        if (
+            (self.limit is not None and self.limit < 1)
+            or self.batch_size < 1
+            or any(s < 1 for s in self.steps)
+        ):
+            raise ValueError(
+                "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
+                "evals.steps positive optimizer steps"
+            )
+
+
+@dataclass
 class EarlyStoppingConfig:
     """When to stop before `trainer.max_steps` (`conf/early_stopping/*.yaml`); every criterion is optional.
 
@@ -606,6 +638,7 @@ class LMConfig:
     phases: PhasesConfig = field(default_factory=PhasesConfig)
     spot: SpotConfig = field(default_factory=SpotConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    evals: EvalsConfig = field(default_factory=EvalsConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

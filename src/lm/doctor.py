@@ -31,6 +31,7 @@ from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data import LMDataModule, sources
 from lm.data.dataset import TokenWindows
 from lm.data.manifest import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
+from lm.evaluate import check_tasks
 
 log = logging.getLogger(__name__)
 
@@ -443,6 +444,18 @@ def check_price(t: Target) -> list[Finding]:
     return [Finding("$/token", "ok", f"{here}: the catalog's cheapest that fits")]
 
 
+def check_evals(t: Target) -> list[Finding]:
+    """Benchmarks at milestones (`evals=`) need lm-eval installed and tasks it knows: refused now, not at the
+    first phase boundary hours in."""
+    tasks = t.cfg.evals.tasks
+    if not tasks:
+        return []
+    problem = check_tasks(tasks, t.cfg.evals.include_path)
+    if problem:
+        return [Finding("evals", "error", problem, fix="evals=off, or the fix above")]
+    return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(tasks)}")]
+
+
 CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_memory,
     check_precision,
@@ -453,6 +466,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_pickles,
     check_plan,
     check_price,
+    check_evals,
 ]
 
 

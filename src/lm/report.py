@@ -19,7 +19,7 @@ from lm import rundir
 from lm.atomic import open_atomic, write_atomic
 from lm.cost import FLOPS_FORMULA
 from lm.rundir import BUCKETS, Series
-from lm.tables import cell, fmt_money, phases_markdown
+from lm.tables import cell, evals_markdown, fmt_money, main_metric, phases_markdown
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,11 @@ def write_report(run_dir: str | Path) -> Path:
     rows = rundir.read_phases(run_dir)
     ledger = rundir.read_ledger(run_dir)
     cfg = rundir.read_config(run_dir)
+    evals = rundir.read_evals(run_dir)
 
     plots = [
         plot_loss_vs(scalars, "cost/usd", "dollars spent", run_dir / "loss_vs_usd.png", rows),
+        plot_scores_vs_usd(evals, run_dir / "accuracy_vs_usd.png"),
         plot_loss_vs(scalars, "train/tokens", "tokens trained", run_dir / "loss_vs_tokens.png", rows),
         plot_throughput(scalars, run_dir / "throughput.png"),
         plot_cost_breakdown(ledger, run_dir / "cost_breakdown.png"),
@@ -43,9 +45,10 @@ def write_report(run_dir: str | Path) -> Path:
     rollbacks = rundir.read_record(run_dir / rundir.CHECKPOINTS / rundir.ROLLBACKS)
     remote = rundir.read_record(run_dir / rundir.REMOTE)
     plots = [p for p in plots if p is not None]
-    text = render(run_dir.name, cfg, scalars, rows, ledger, plots, rollbacks, remote)
+    text = render(run_dir.name, cfg, scalars, rows, ledger, plots, rollbacks, remote, evals)
     stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
     text += stopping_section(stop, forecast)
+    text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
     path = run_dir / "report.md"
     write_atomic(path, text)
@@ -61,6 +64,7 @@ def render(
     plots: list[Path],
     rollbacks: dict | None = None,
     remote: dict | None = None,
+    evals: list[dict] | None = None,
 ) -> str:
     """The report's Markdown."""
     lines = [f"# Run report: {name}", ""]
@@ -72,10 +76,13 @@ def render(
     summary = headline(cfg, scalars, ledger, rollbacks)
     if summary:
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]
-    if plots and plots[0].name == "loss_vs_usd.png":
-        lines += [f"![validation loss against dollars]({plots[0].name})", ""]
+    beside = [p for p in plots if p.name in ("loss_vs_usd.png", "accuracy_vs_usd.png")]
+    if beside:
+        lines += [" ".join(f"![{p.stem.replace('_vs_', ' against ')}]({p.name})" for p in beside), ""]
+    plots = [p for p in plots if p not in beside]
     lines += ["## Phases", ""]
-    lines += [phases_markdown(rows), ""] if rows else ["No phase has finished yet.", ""]
+    benchmark = phase_benchmarks(rows, evals) if evals else None
+    lines += [phases_markdown(rows, benchmark), ""] if rows else ["No phase has finished yet.", ""]
     if ledger:
         lines += [
             "## Where the money went",
@@ -90,7 +97,7 @@ def render(
             money = None if price is None else seconds * price * devices / 3600
             lines.append(f"| {bucket} | {seconds / 3600:.4g} | {fmt_money(money)} | {seconds / total:.1%} |")
         lines += ["", "`restart` is a resumed process's start-up plus the work redone after a restart.", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in plots[1:]]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
     lines += ["", f"MFU uses {FLOPS_FORMULA} against the catalog's dense peak for the run's precision.", ""]
     return "\n".join(lines)
 
@@ -184,6 +191,51 @@ def plot_loss_vs(
     return path
 
 
+def mean_score(record: dict) -> float | None:
+    """The mean over a milestone's tasks of each task's main metric (acc_norm, else acc)."""
+    values = [m[main_metric(m)] for m in record["scores"].values() if main_metric(m)]
+    return float(np.mean(values)) if values else None
+
+
+def phase_benchmarks(rows: list[dict], evals: list[dict]) -> list[str]:
+    """Per phase row: the mean benchmark score at its end and what the phase added since its start (the
+    previous boundary's evaluation), i.e. what the phase's money bought in benchmark points."""
+    by_step = {r["step"]: mean_score(r) for r in evals}
+    out = []
+    for row in rows:
+        end, start = by_step.get(row["end_step"]), by_step.get(row["start_step"])
+        if end is None:
+            out.append("")
+        elif start is None:
+            out.append(f"{end:.1%}")
+        else:
+            out.append(f"{end:.1%} ({(end - start) * 100:+.1f} pts)")
+    return out
+
+
+def plot_scores_vs_usd(evals: list[dict], path: Path) -> Path | None:
+    """Each task's main metric at each milestone against the dollars spent by then."""
+    points = [r for r in evals if r.get("usd") is not None]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for task in dict.fromkeys(t for r in points for t in r["scores"]):
+        mine = [(r["usd"], r["scores"][task]) for r in points if task in r["scores"]]
+        metric = main_metric(mine[0][1])
+        ax.plot(
+            [u for u, _ in mine], [m.get(metric, np.nan) for _, m in mine], "o-", label=f"{task} {metric}"
+        )
+    ax.set_xlabel("dollars spent")
+    ax.set_ylabel("benchmark score")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with open_atomic(path) as f:  # a full disk: DiskFull (exit 74), no half-written png
+        fig.savefig(f, dpi=110, format="png")
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(scalars: dict[str, Series], path: Path) -> Path | None:
     if "perf/tokens_per_sec" not in scalars or len(scalars["perf/tokens_per_sec"]) < 2:
         return None
@@ -265,6 +317,34 @@ def stopping_section(stop: dict | None, forecast: dict | None) -> str:
                 f"| another {fmt_money(forecast['another_usd'])} buys | {forecast['buys_loss']:.3f} loss |"
             )
         lines.append("")
+    return "\n".join(lines)
+
+
+def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
+    """Benchmark scores at milestones (evals.jsonl) and the last `lm eval` (eval.json)."""
+    if not evals and last_eval is None:
+        return ""
+    lines = ["", "## Benchmarks", ""]
+    if evals:
+        columns = list(dict.fromkeys((t, main_metric(m)) for r in evals for t, m in r["scores"].items()))
+        head = ["step", "phase", "$", *(f"{t} {m}" for t, m in columns), "mean", "seconds"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in evals:
+            cells = [f"{r['scores'].get(t, {}).get(m, float('nan')):.3f}" for t, m in columns]
+            mean = mean_score(r)
+            lines.append(
+                f"| {r['step']:,} | {r.get('phase') or ''} | {fmt_money(r.get('usd'))} | {' | '.join(cells)} | "
+                f"{'' if mean is None else f'{mean:.3f}'} | {r['seconds']:.1f} |"
+            )
+        limit = evals[-1].get("limit")
+        lines += [
+            "",
+            f"At milestones (`evals=`), {f'{limit} examples' if limit else 'every example'} per task.",
+            "",
+        ]
+    if last_eval is not None:
+        where = last_eval.get("checkpoint") or last_eval.get("model")
+        lines += [f"`lm eval` of {where}:", "", evals_markdown(last_eval["scores"]), ""]
     return "\n".join(lines)
 
 

@@ -51,6 +51,12 @@ TB = "tb"
 CHECKPOINTS = "checkpoints"
 ROLLBACKS = "rollbacks.json"
 """In `checkpoints/`: how often each checkpoint was rolled back to after non-finite steps."""
+EVALS = "evals.jsonl"
+"""Benchmark scores at training milestones (`evals=`), one line per milestone."""
+EVAL = "eval.json"
+"""The last `lm eval` of the run or export folder."""
+EVAL_MD = "eval.md"
+"""eval.json's scores as a Markdown table."""
 
 # -- where a run lives ------------------------------------------------------------------------------------
 
@@ -244,6 +250,36 @@ def read_samples(run_dir: Path) -> list[dict[str, Any]]:
         if r is not None:
             latest[(r["step"], r["prompt"], r["mode"])] = r
     return sorted(latest.values(), key=lambda r: r["step"])
+
+
+# -- evals.jsonl, eval.json: benchmark scores -------------------------------------------------------------
+
+
+def append_evals(run_dir: Path, record: dict[str, Any]) -> None:
+    """Append one milestone's scores (append-only: a torn last line is skipped by the reader)."""
+    append_atomic(run_dir / EVALS, json.dumps(finite_only(record)) + "\n")
+
+
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """evals.jsonl as records by step; a milestone evaluated twice (a crash before its checkpoint): the last wins."""
+    path = run_dir / EVALS
+    if not path.is_file():
+        return []
+    latest: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:  # the last line of a process killed mid-append
+            continue
+        if r is not None:
+            latest[r["step"]] = r
+    return [latest[s] for s in sorted(latest)]
+
+
+def write_eval(folder: Path, record: dict[str, Any], markdown: str) -> None:
+    """`lm eval`'s result: eval.json and the table eval.md (each atomically)."""
+    write_record(folder / EVAL, record)
+    write_atomic(folder / EVAL_MD, markdown)
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------------

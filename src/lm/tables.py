@@ -16,11 +16,12 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>") or " "
 
 
-def phases_markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows of phases.csv as a Markdown table."""
+def phases_markdown(rows: list[dict[str, Any]], benchmark: list[str] | None = None) -> str:
+    """The rows of phases.csv as a Markdown table; `benchmark`, one cell per row, adds that column."""
     head = ["phase", "steps", "tokens", "hours", "loss", "drop", "$", "$/loss point", "tok/s", "goal"]
+    head += ["benchmark"] if benchmark is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
+    for i, r in enumerate(rows):
         goal = "" if r["goal_loss"] is None else f"{r['goal_loss']} {'met' if r['goal_met'] else 'missed'}"
         cells = [
             f"{r['phase']}. {r['name']}" + (" (partial)" if r["status"] == "partial" else ""),
@@ -33,6 +34,7 @@ def phases_markdown(rows: list[dict[str, Any]]) -> str:
             fmt_money(r["usd_per_loss_point"]),
             "" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}",
             goal,
+            *([benchmark[i]] if benchmark is not None else []),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -42,4 +44,25 @@ def samples_markdown(records: list[dict[str, Any]]) -> str:
     """One milestone's samples as a prompt x mode table."""
     lines = ["| prompt | mode | continuation |", "|---|---|---|"]
     lines += [f"| {cell(r['prompt'])} | {r['mode']} | {cell(r['text'])} |" for r in records]
+    return "\n".join(lines)
+
+
+def main_metric(metrics: dict[str, float]) -> str | None:
+    """The metric a task is reported by: length-normalised accuracy where the task has it, else accuracy,
+    else its first metric."""
+    for name in ("acc_norm", "acc"):
+        if name in metrics:
+            return name
+    return next((m for m in metrics if not m.endswith("_stderr")), None)
+
+
+def evals_markdown(scores: dict[str, dict[str, float]]) -> str:
+    """Benchmark scores (task -> metric -> value, stderr as `<metric>_stderr`) as a task x metric table."""
+    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
+    for task, metrics in scores.items():
+        for metric, value in metrics.items():
+            if metric.endswith("_stderr"):
+                continue
+            err = metrics.get(f"{metric}_stderr")
+            lines.append(f"| {task} | {metric} | {value:.4f} | {'' if err is None else f'{err:.4f}'} |")
     return "\n".join(lines)

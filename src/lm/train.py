@@ -24,6 +24,7 @@ from lm import activation_checkpointing, atomic, cost, plan, rundir, runtime
 from lm.callbacks.ac_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.evals import BenchmarkEvaluator
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
@@ -218,6 +219,8 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
+    if cfg.evals.tasks:
+        callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
     callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters(), consensus))
     s = cfg.spot
     callbacks += [
