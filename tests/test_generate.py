@@ -4,9 +4,11 @@ import json
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from lm.cli import main as lm
-from lm.generate import complete, generate, load_for_sampling
+from lm.generate import complete, generate
+from lm.hf import load_run
 from lm.model import KVCache, ModelConfig, Transformer
 from lm.train import main
 
@@ -90,8 +92,9 @@ def test_milestone_samples_of_a_real_run_and_lm_sample(tiny_cfg, tmp_path, capsy
 
     # The same checkpoint and seed give identical samples; another seed gives another text.
     ckpt = run / "checkpoints" / "last.ckpt"
-    model, tokenizer = load_for_sampling(ckpt)
-    again, _ = load_for_sampling(ckpt)
+    loaded = load_run(ckpt)
+    model, again = loaded.model, load_run(run).model
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
     prompt = "def fibonacci(n):"
     first = complete(model, tokenizer, prompt, 24, temperature=1.0, seed=7)
     assert first == complete(again, tokenizer, prompt, 24, temperature=1.0, seed=7)

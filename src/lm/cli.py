@@ -9,7 +9,8 @@ lm doctor [--strict] [overrides...]
 lm bench   [overrides with comma lists...]
                             measure tokens/s, MFU, memory and $/Btok of each knob combination
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
-lm sample  CKPT [PROMPT]    continue a prompt with a checkpoint (no prompt: read prompts from stdin)
+lm sample  RUN_DIR|CKPT [PROMPT]
+                            continue a prompt with a run's checkpoint (no prompt: read prompts from stdin)
 lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
                             benchmarks with lm-evaluation-harness -> eval.json + eval.md
 lm supervise [options] -- python train.py [overrides...]
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer
 
 from lm import plan, rundir
 from lm.atomic import write_atomic
@@ -39,7 +41,8 @@ from lm.data import implied_epochs, load_manifest, prepare
 from lm.data.shards import sample_tokenizer
 from lm.doctor import diagnose, level_of, resolve_target, table
 from lm.evaluate import evaluate_path
-from lm.generate import complete, load_for_sampling
+from lm.generate import complete
+from lm.hf import load_run
 from lm.report import write_report
 from lm.sky import rank_gpus, render_task
 from lm.supervise import supervise
@@ -179,7 +182,8 @@ def add_supervise(verbs) -> None:
 
 def cmd_sample(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_sampling(args.ckpt, device)
+    run = load_run(args.ckpt, device)
+    model, tokenizer = run.model, Tokenizer.from_file(str(run.tokenizer_path))
     dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
     prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
     for prompt in prompts:
@@ -192,6 +196,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
                 temperature=args.temperature,
                 top_k=args.top_k,
                 seed=args.seed,
+                stop_id=run.eot_id,
             )
         print(prompt + text, flush=True)
 
@@ -263,7 +268,7 @@ def add_run_readers(verbs) -> None:
     summary.add_argument("sweep_dir", help="the sweep's folder: runs/<run.name>")
     summary.set_defaults(fn=cmd_sweep_summary)
     sample = verbs.add_parser("sample", help="continue a prompt with a checkpoint (KV-cached generation)")
-    sample.add_argument("ckpt", help="runs/<run.name>/checkpoints/last.ckpt")
+    sample.add_argument("ckpt", help="runs/<run.name> (its last.ckpt) or runs/<run.name>/checkpoints/*.ckpt")
     sample.add_argument("prompt", nargs="?", help="text to continue; omitted: one prompt per line of stdin")
     sample.add_argument("--max-new-tokens", type=int, default=128)
     sample.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")

@@ -8,17 +8,11 @@ every step; it exists as the reference the cached path is tested against.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from lm import rundir
-from lm.data import DataConfig, load_tokenizer, prepare
-from lm.data.tokenizer import EOT_ID
 from lm.model import KVCache, Transformer
-from lm.module import LMModule
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +102,11 @@ def complete(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int | None = None,
+    stop_id: int | None = None,
     fit_context: bool = False,
 ) -> str:
-    """The model's continuation of `prompt` as text (without the prompt), stopping at end of text.
+    """The model's continuation of `prompt` as text (without the prompt), stopping after `stop_id` (the
+    run's end-of-text id), which is not part of the text.
 
     `fit_context` keeps only the prompt's last tokens when it would leave the model no room to write (a
     milestone sampler must never stop a training run over a long prompt); otherwise that is an error.
@@ -134,30 +130,8 @@ def complete(
         temperature=temperature,
         top_k=top_k,
         seed=seed,
-        stop_id=EOT_ID,
+        stop_id=stop_id,
     )
-    if new and new[-1] == EOT_ID:
+    if new and new[-1] == stop_id:
         new = new[:-1]
     return tokenizer.decode(new)
-
-
-def load_for_sampling(ckpt: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
-    """The model of a checkpoint and the tokenizer of the data its run trained on.
-
-    The run's `config.yaml` sits two levels above `checkpoints/*.ckpt` and names the data config; preparing
-    that config finds the cached dataset folder holding `tokenizer.json` (or rebuilds it, deterministically).
-    """
-    ckpt = Path(ckpt)
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"no checkpoint at {ckpt}; pass runs/<name>/checkpoints/last.ckpt")
-    run_dir = ckpt.resolve().parents[1]
-    config = rundir.read_config(run_dir)
-    if config is None:
-        raise FileNotFoundError(
-            f"no {run_dir / rundir.CONFIG}: the tokenizer is found through the run's config.yaml, two levels "
-            "above the checkpoint; sample a checkpoint that sits in <run dir>/checkpoints/"
-        )
-    data = OmegaConf.merge(OmegaConf.structured(DataConfig), config.data)
-    tokenizer = load_tokenizer(prepare(OmegaConf.to_object(data)))
-    module = LMModule.load_from_checkpoint(ckpt, map_location=device)
-    return module.model.eval(), tokenizer

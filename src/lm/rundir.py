@@ -10,6 +10,7 @@
         job.json         a sweep job's status (multiruns only)            write_record / read_record
         run.json         the run's id, shared with its remote pointer     write_run_id / read_run_id
         remote.json      does the bucket hold the latest checkpoint?     write_record / read_record
+        tokenizer.json   the run's tokenizer (+ tokenizer_info.json)      keep_tokenizer / read_tokenizer
         tb/              TensorBoard events                               read_scalars
         checkpoints/     step-<N>.ckpt, last.ckpt, rollbacks.json         (lm.checkpointing)
 
@@ -47,6 +48,9 @@ JOB = "job.json"
 RUN = "run.json"
 REMOTE = "remote.json"
 """Whether the bucket holds the run's latest checkpoint, checked at the end of a run with checkpoint.remote."""
+TOKENIZER = "tokenizer.json"
+TOKENIZER_INFO = "tokenizer_info.json"
+"""Beside the run's tokenizer.json: its sha256, end-of-text token and id (what sampling stops at)."""
 TB = "tb"
 CHECKPOINTS = "checkpoints"
 ROLLBACKS = "rollbacks.json"
@@ -187,6 +191,43 @@ def write_ledger(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_ledger(run_dir: Path) -> dict[str, Any] | None:
     return read_record(run_dir / LEDGER)
+
+
+# -- tokenizer.json --------------------------------------------------------------------------------------
+
+
+def keep_tokenizer(run_dir: Path, tokenizer_json: Path, eot_token: str, eot_id: int) -> None:
+    """Copy the tokenizer the run trains with into the run directory (once), or refuse another one.
+
+    The copy makes a run directory self-contained: sampling, export and evaluation read it, never the data
+    cache, which another machine or Python version would rebuild with another tokenizer."""
+    data = tokenizer_json.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    kept = read_record(run_dir / TOKENIZER_INFO)
+    if kept is not None and kept["sha256"] != sha:
+        raise ValueError(
+            f"{run_dir} trained with the tokenizer in {run_dir / TOKENIZER} (sha256 {kept['sha256']}), but "
+            f"this config's data gives {tokenizer_json} (sha256 {sha}): its ids mean other strings. Resume "
+            f"with the run's tokenizer (data.tokenizer={run_dir / TOKENIZER}) or start a new run "
+            f"(run.resume=false or another run.name)"
+        )
+    if kept is None or not (run_dir / TOKENIZER).is_file():
+        write_atomic(run_dir / TOKENIZER, data)
+        write_record(run_dir / TOKENIZER_INFO, {"sha256": sha, "eot_token": eot_token, "eot_id": eot_id})
+
+
+def read_tokenizer(run_dir: Path) -> dict[str, Any]:
+    """tokenizer_info.json (sha256, eot_token, eot_id), once `tokenizer.json` is checked against it."""
+    info = read_record(run_dir / TOKENIZER_INFO)
+    path = run_dir / TOKENIZER
+    if info is None or not path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} holds no {TOKENIZER} + {TOKENIZER_INFO} (runs keep their tokenizer since lm's export "
+            f"verb); resume the run once (python train.py <its overrides>): it copies the tokenizer in at start"
+        )
+    if hashlib.sha256(path.read_bytes()).hexdigest() != info["sha256"]:
+        raise ValueError(f"{path} is not the tokenizer {TOKENIZER_INFO} records (sha256 differs): restore it")
+    return info
 
 
 # -- phases.csv -------------------------------------------------------------------------------------------

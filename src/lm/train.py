@@ -30,6 +30,7 @@ from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.resume_check import ResumeCheck, check_resumable
 from lm.callbacks.run_checkpoint import RunCheckpoint
+from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.sampler import MilestoneSampler
 from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
@@ -215,6 +216,7 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
     consensus = Consensus()
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
+    callbacks.append(KeepTokenizer(run_dir))  # sampling, export and evaluation read the run's own copy
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:

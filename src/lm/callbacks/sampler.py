@@ -107,6 +107,7 @@ class MilestoneSampler(Callback):
                         temperature=temperature,
                         top_k=self.cfg.top_k,
                         seed=seed,
+                        stop_id=trainer.datamodule.eot_id,
                         fit_context=True,
                     )
                     records.append(

@@ -1,0 +1,26 @@
+"""KeepTokenizer: the run directory keeps the tokenizer its run trains with (`rundir.keep_tokenizer`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lm import rundir
+from lm.data.manifest import TOKENIZER
+
+
+class KeepTokenizer(Callback):
+    """At setup, after the data is prepared (the tokenizer may be trained only then) and before the first
+    step: rank 0 copies the data's tokenizer.json into the run directory, or refuses a resume whose data was
+    made by another tokenizer (exit 78)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            data = trainer.datamodule
+            eot = data.manifest["eot_token"]
+            rundir.keep_tokenizer(self.run_dir, data.data_dir / TOKENIZER, eot, data.eot_id)
