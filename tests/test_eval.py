@@ -4,6 +4,7 @@ task, offline) and benchmarks at milestones (`evals=`), on one tiny trained run 
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from tokenizers import Tokenizer
 from lm import cli, rundir
 from lm.config import register_configs
 from lm.data import load_manifest, load_tokenizer, shard_paths
+from lm.data.bytes import token_byte_lengths
 from lm.data.dataset import TokenWindows, val_batches
-from lm.hf import load_run
+from lm.data.tokenizer import EOT_ID, train_tokenizer
+from lm.hf import hf_tokenizer, load_run, to_hf_model
 from lm.module import LMModule
 from lm.report import write_report
 from lm.train import main
@@ -62,7 +65,18 @@ def run(tmp_path_factory, data_cache) -> Path:
     return root / "smoke"
 
 
-def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(run, data_cache):
+def test_byte_lengths_spell_the_utf8_text_and_end_of_text_is_none():
+    tokenizer = train_tokenizer(["héllo wörld ∑ naïve text, déjà vu "] * 50, vocab_size=300)
+    lengths = token_byte_lengths(tokenizer, 320)  # a padded vocabulary: the padding ids are 0 bytes
+    text = "naïve ∑ wörld<|endoftext|>déjà vu"
+    ids = tokenizer.encode(text).ids
+    assert int(lengths[ids].sum()) == len(text.replace("<|endoftext|>", "").encode("utf-8"))
+    assert lengths[EOT_ID] == 0 and not lengths[300:].any()
+
+
+def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(tiny_cfg, tmp_path, data_cache):
+    main(tiny_cfg("trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.limit_val_batches=3"))
+    run = tmp_path / "runs" / "smoke"
     (step, bpb), *_ = scalars(run, "val/bpb")[-1:]
     # By hand: the checkpoint's summed nats over the validated windows, and the UTF-8 bytes the tokenizer
     # decodes their targets to (the whole stretch at once, end-of-text left out).
@@ -79,10 +93,18 @@ def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(run, data_cache):
             nats += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
     ids = torch.cat([windows[i][1:] for idx in batches for i in idx]).tolist()
     n_bytes = len(load_tokenizer(folder).decode(ids, skip_special_tokens=True).encode("utf-8"))
-    assert step == 3
+    assert step == 1
     assert bpb == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
+def test_evals_without_lm_eval_are_refused_before_the_run_starts(tiny_cfg, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the eval extra were not installed
+    with pytest.raises(ValueError, match=r"evals .*pip install -e '\.\[eval\]'"):
+        main(tiny_cfg("evals.tasks=[tiny_mc]", f"evals.include_path={TASKS}"))
+    assert not (tmp_path / "runs" / "smoke").exists()
+
+
+@pytest.mark.slow  # lm-eval and transformers take ~10 s to import; the run evaluates twice
 def test_milestones_are_evaluated_logged_and_charged_to_eval(run):
     records = rundir.read_evals(run)
     assert [r["step"] for r in records] == [2, 4]  # the phase boundary, then the last step
@@ -101,6 +123,7 @@ def test_milestones_are_evaluated_logged_and_charged_to_eval(run):
     assert report.count("| benchmark |") == 1
 
 
+@pytest.mark.slow  # lm-eval and transformers take ~10 s to import; the run evaluates twice
 def test_a_resumed_run_does_not_evaluate_a_milestone_again(run, tmp_path, data_cache):
     shutil.copytree(run, tmp_path / "smoke")
     main(run_config(tmp_path, data_cache, "trainer.max_steps=6"))
@@ -109,8 +132,10 @@ def test_a_resumed_run_does_not_evaluate_a_milestone_again(run, tmp_path, data_c
 
 
 def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: str) -> float:
-    """log P(continuation | context) from lm's own model, tokenized as lm-eval does (the whole string,
-    split where the context's tokens end)."""
+    """log P(continuation | context) from lm's own model, tokenized as lm-eval does: trailing whitespace of
+    the context moves to the continuation, the whole string is encoded and split where the context ends."""
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped) :] + continuation
     ctx = tokenizer.encode(context).ids
     whole = tokenizer.encode(context + continuation).ids
     with torch.no_grad():
@@ -118,6 +143,7 @@ def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: st
     return sum(logp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
 
 
+@pytest.mark.slow  # lm-eval and transformers take ~10 s to import; the run evaluates twice
 def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
     # A copy of the run elsewhere, with an empty data cache: all it needs is in the run directory.
     copy = tmp_path / "copied"
@@ -137,6 +163,13 @@ def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
     # The table is written beside it, and the report shows it.
     assert "| tiny_mc | acc |" in (copy / rundir.EVAL_MD).read_text()
     assert "`lm eval` of" in write_report(copy).read_text()
+
+    # A Hugging Face folder of the same model (as `lm export` writes one) scores the same.
+    hf_dir = tmp_path / "hf"
+    to_hf_model(loaded.model, eos_id=loaded.eot_id).save_pretrained(hf_dir)
+    hf_tokenizer(loaded.tokenizer_path, loaded.eot_token).save_pretrained(hf_dir)
+    cli.main(["eval", str(hf_dir), "--tasks", "tiny_mc", "--include-path", str(TASKS)])
+    assert json.loads((hf_dir / rundir.EVAL).read_text())["scores"] == record["scores"]
 
 
 @pytest.mark.slow  # lm-eval indexes its thousands of built-in tasks to say a name is unknown (~10 s)

@@ -9,7 +9,7 @@ Layers, top to bottom (docs/architecture.md draws them):
   4 run services   doctor (every run's preflight), report (every run's last word)
   3 run parts      callbacks, checkpointing
   2 machinery      module, kernels, activation checkpointing, runtime, parallel, generate, storage, remote, data,
-                   hf
+                   hf, evaluate
   1 foundation     model, config, cost, memory, forecast, plan, exits, atomic, rundir, runlock, tables,
                    bench_results
 """
@@ -28,7 +28,7 @@ LAYERS = {
     ],
     2: [
         "lm.module", "lm.kernels", "lm.activation_checkpointing", "lm.runtime", "lm.parallel", "lm.generate",
-        "lm.storage", "lm.remote", "lm.data", "lm.hf",
+        "lm.storage", "lm.remote", "lm.data", "lm.hf", "lm.evaluate",
     ],
     3: ["lm.callbacks", "lm.checkpointing"],
     4: ["lm.doctor", "lm.report"],
