@@ -12,6 +12,7 @@ transformers and lm-eval are the `eval` extra, imported only when an evaluation 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
 import time
@@ -28,13 +29,22 @@ log = logging.getLogger(__name__)
 EXTRA = "pip install -e '.[eval]'"
 
 
+def missing_harness() -> str | None:
+    """Why lm-eval cannot run here (a package of the `eval` extra is not installed), or None; imports
+    nothing, so the doctor's preflight stays cheap."""
+    missing = [name for name in ("lm_eval", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (
+            f"evaluation needs lm-evaluation-harness and transformers ({', '.join(missing)} missing): {EXTRA}"
+        )
+    return None
+
+
 def require_harness() -> None:
-    """lm-eval and transformers, or an ImportError naming the extra that brings them."""
-    try:
-        import lm_eval  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"evaluation needs lm-evaluation-harness and transformers ({e}): {EXTRA}") from e
+    """lm-eval and transformers are installed, or an ImportError naming the extra that brings them."""
+    problem = missing_harness()
+    if problem:
+        raise ImportError(problem)
 
 
 @functools.cache
@@ -66,16 +76,6 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None):
             "passed as --include-path (evals.include_path)"
         )
     return manager
-
-
-def check_tasks(tasks: list[str], include_path: str | Path | None = None) -> str | None:
-    """Why `tasks` cannot run here (lm-eval missing, a task it does not know), or None."""
-    try:
-        require_harness()
-        task_manager(tasks, include_path)
-    except (ImportError, ValueError, FileNotFoundError) as e:
-        return str(e)
-    return None
 
 
 def score(

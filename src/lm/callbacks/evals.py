@@ -22,7 +22,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
-from lm.evaluate import score
+from lm.evaluate import score, task_manager
 from lm.parallel import is_sharded
 from lm.plan import phase_at
 from lm.tables import evals_markdown
@@ -55,6 +55,10 @@ class BenchmarkEvaluator(Callback):
         return False
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:  # an unknown task is refused before the first step, not at a milestone
+            task_manager(self.cfg.tasks, self.cfg.include_path)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
