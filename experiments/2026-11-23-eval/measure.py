@@ -42,8 +42,8 @@ def main(out: Path) -> None:
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     ledger = json.loads((run / "cost.json").read_text())
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "lm.cli", "eval", str(run), "--tasks", "tiny_mc", "--include-path", str(TASKS)]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=900)
+    lm_eval = [sys.executable, "-m", "lm.cli", "eval", str(run), "--tasks", "tiny_mc"]
+    subprocess.run([*lm_eval, "--include-path", str(TASKS)], cwd=ROOT, check=True, timeout=900)
     eval_s = time.monotonic() - started
     evals_s = sum(r["seconds"] for r in records)
     summary = {
