@@ -3,6 +3,7 @@ task, offline) and benchmarks at milestones (`evals=`), on one tiny trained run 
 
 import json
 import math
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -149,14 +150,17 @@ def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
     copy = tmp_path / "copied"
     shutil.copytree(run, copy)
     monkeypatch.setenv("LM_CACHE", str(tmp_path / "empty"))
+    generators = torch.random.get_rng_state(), random.getstate()
     cli.main(["eval", str(copy), "--tasks", "tiny_mc", "--include-path", str(TASKS), "--samples"])
+    # lm-eval seeds every generator globally; a training run's are given back as they were.
+    assert torch.equal(torch.random.get_rng_state(), generators[0]) and random.getstate() == generators[1]
     record = json.loads((copy / rundir.EVAL).read_text())
     loaded = load_run(copy)
     tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
     samples = record["samples"]["tiny_mc"]
     assert len(samples) == 12
     for s in samples:
-        for (context, continuation), ll in zip(s["requests"], s["loglikelihoods"], strict=True):
+        for (context, continuation), ll in zip(s["requests"], s["responses"], strict=True):
             assert ll == pytest.approx(
                 lm_loglikelihood(loaded.model, tokenizer, context, continuation), abs=1e-4
             )

@@ -11,20 +11,20 @@ transformers and lm-eval are the `eval` extra, imported only when an evaluation 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-import logging
 import math
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lm import hf, rundir
 from lm.tables import evals_markdown
-
-log = logging.getLogger(__name__)
 
 EXTRA = "pip install -e '.[eval]'"
 
@@ -101,18 +101,33 @@ def score(
     manager = task_manager(tasks, include_path)
     was_training = model.training
     model.eval()
-    try:
-        out = lm_eval.simple_evaluate(
-            model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
-            tasks=list(tasks),
-            limit=limit,
-            task_manager=manager,
-            log_samples=log_samples,
-        )
-    finally:
-        model.train(was_training)
+    with generators_kept(model.device):
+        try:
+            out = lm_eval.simple_evaluate(
+                model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
+                tasks=list(tasks),
+                limit=limit,
+                task_manager=manager,
+                log_samples=log_samples,
+            )
+        finally:
+            model.train(was_training)
     scores = {task: metrics_of(values) for task, values in out["results"].items()}
     return {"scores": scores, "samples": out.get("samples") if log_samples else None}
+
+
+@contextlib.contextmanager
+def generators_kept(device: torch.device):
+    """Python's, NumPy's and torch's random generators as they were before: lm-eval seeds all three
+    globally, and a training run must continue as if no evaluation had happened (a resumed run would not
+    have evaluated there)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def metrics_of(values: dict[str, Any]) -> dict[str, float]:
@@ -185,16 +200,17 @@ def evaluate_path(
         "scores": out["scores"],
     }
     if with_samples:
-        record["samples"] = {task: [loglikelihoods(s) for s in rows] for task, rows in out["samples"].items()}
+        record["samples"] = {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
     rundir.write_eval(folder, record, evals_markdown(out["scores"]) + "\n")
     return folder, record
 
 
-def loglikelihoods(sample: dict[str, Any]) -> dict[str, Any]:
-    """One logged example, kept small: its requests (context, continuation) and their log-likelihoods."""
+def example(sample: dict[str, Any]) -> dict[str, Any]:
+    """One logged example, kept small: its requests ((context, continuation) for a loglikelihood task) and
+    each one's response: the log-likelihood, or a generation task's text."""
     return {
         "doc_id": sample["doc_id"],
         "target": sample["target"],
         "requests": [list(map(str, args)) for args in sample["arguments"]],
-        "loglikelihoods": [float(r[0][0]) for r in sample["resps"]],
+        "responses": [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in sample["resps"]],
     }

@@ -171,9 +171,8 @@ class LMModule(pl.LightningModule):
         if self.token_bytes is None:
             return
         nats = self.trainer.strategy.reduce(self._val_nats, reduce_op="sum")
-        n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
-        if n_bytes > 0:
-            self.log("val/bpb", (nats / math.log(2) / n_bytes).float())
+        n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum").clamp_min(1)
+        self.log("val/bpb", (nats / math.log(2) / n_bytes).float())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lr_cooldown"] = self.lr_cooldown
