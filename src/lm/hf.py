@@ -191,12 +191,15 @@ def to_hf_model(
     return hf.to(dtype).eval()
 
 
-def hf_tokenizer(tokenizer_json: Path, eot_token: str) -> PreTrainedTokenizerFast:
+def hf_tokenizer(
+    tokenizer_json: Path, eot_token: str, model_max_length: int | None = None
+) -> PreTrainedTokenizerFast:
     """The run's tokenizer as a transformers tokenizer: the same ids for every text (nothing added: no bos
-    prepended), end of text as eos and bos, no pad token."""
+    prepended), end of text as eos and bos, no pad token; `model_max_length` is the model's context."""
     transformers = require_transformers()
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token
+        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token, **extra
     )
 
 
