@@ -1,5 +1,6 @@
 """lm <-> Hugging Face Llama: the weight map against transformers' own model, `lm export`, `model.init_from`."""
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,9 +14,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm import rundir
 from lm.cli import main as lm
-from lm.config import register_configs
+from lm.config import register_configs, to_objects
+from lm.data import LMDataModule
+from lm.exits import EXIT_CONFIG, exit_code
+from lm.export import export
 from lm.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
 from lm.model import ModelConfig, Transformer
+from lm.module import eager_cross_entropy
 from lm.train import main
 
 from .conftest import CONF, TINY
@@ -185,3 +190,34 @@ def test_a_copied_run_directory_samples_and_exports_without_the_data_cache(
     lm(["export", str(copy / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "hf"), "--dtype", "bf16"])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert not any(empty.iterdir())  # nothing was prepared again
+
+
+@pytest.mark.slow
+def test_init_from_an_export_starts_at_the_checkpoints_loss(run, data_cache, tmp_path):
+    """The first step of a run started from an export of `run` has the loss `run`'s checkpoint gives on that
+    batch (what resuming the checkpoint would log for it): the weights and the tokenizer came across whole."""
+    export(run, tmp_path / "hf")
+    runs = tmp_path / "runs"
+    init = compose_run(runs, data_cache, "run.name=init", f"model.init_from={tmp_path / 'hf'}",
+                       "trainer.max_steps=1", "trainer.log_every_n_steps=1")  # fmt: skip
+    main(init)
+    kept = rundir.read_tokenizer(runs / "init")
+    assert kept["sha256"] == hashlib.sha256((tmp_path / "hf" / "tokenizer.json").read_bytes()).hexdigest()
+    first = rundir.read_scalars(runs / "init")["train/loss"]
+    assert first.steps[0] == 0
+
+    data = LMDataModule(to_objects(init).data)  # no trainer: the loader starts at step 0, as the run did
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        logits = load_run(run).model(batch[:, :-1])
+        expected = eager_cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert abs(first.values[0] - float(expected)) < 1e-5
+
+
+def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tmp_path):
+    model = tiny_lm(vocab_size=512, n_layer=2, d_model=64, n_head=4, max_seq_len=64)
+    to_hf_model(model, eos_id=0).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
+        main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
+    assert exit_code(refused.value) == EXIT_CONFIG
+    assert not (tmp_path / "runs" / "smoke" / "config.yaml").exists()  # before the run directory is written

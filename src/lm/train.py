@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_re
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from lm import activation_checkpointing, atomic, cost, plan, rundir, runtime
+from lm import activation_checkpointing, atomic, cost, hf, plan, rundir, runtime
 from lm.callbacks.ac_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
@@ -87,6 +87,8 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     check_resumable(ckpt_path, cfg.model)  # another architecture: refused before the run directory is written
+    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+        hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_config(run_dir, dcfg)
@@ -112,6 +114,8 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
     )
+    if cfg.model.init_from is not None and ckpt_path is None:
+        hf.load_init_from(module.model)
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
     callbacks = run_callbacks(cfg, meter, run_dir, module)
     if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
