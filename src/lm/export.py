@@ -64,6 +64,8 @@ def write_folder(
     hf_tokenizer(run.tokenizer_path, run.eot_token, run.model_cfg.max_seq_len).save_pretrained(folder)
     portable_tokenizer_class(folder / "tokenizer_config.json")
     write_atomic(folder / "README.md", model_card(run, str(dtype).removeprefix("torch."), vocab))
+    for path in folder.iterdir():  # safetensors shards come out 0600: a server running as another user
+        path.chmod(path.stat().st_mode | 0o044)  # (a container's vLLM) could not read them
 
 
 def portable_tokenizer_class(path: Path) -> None:
