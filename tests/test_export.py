@@ -157,6 +157,9 @@ def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypa
     ids = torch.tensor([ours])
     with torch.no_grad():
         assert (model(ids).logits - loaded.model(ids)).abs().max() < 1e-4
+        # The validation loss is the same number (HF shifts the labels itself).
+        ours_loss = eager_cross_entropy(loaded.model(ids[:, :-1]).flatten(0, 1), ids[0, 1:])
+        assert abs(float(model(ids, labels=ids).loss) - float(ours_loss)) < 1e-5
         # Greedy generation of the exported model is `lm sample`'s continuation.
         prompt = "def fibonacci(n):"
         new = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=12, do_sample=False)
