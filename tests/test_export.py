@@ -10,6 +10,7 @@ import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm import rundir
@@ -220,6 +221,10 @@ def test_init_from_an_export_starts_at_the_checkpoints_loss(run, data_cache, tmp
 def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tmp_path):
     model = tiny_lm(vocab_size=512, n_layer=2, d_model=64, n_head=4, max_seq_len=64)
     to_hf_model(model, eos_id=0).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="holds no tokenizer.json; set data.tokenizer"):
+        to_objects(tiny_cfg(f"model.init_from={tmp_path / 'hf'}"))
+    words = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a"))
+    words.save(str(tmp_path / "hf" / "tokenizer.json"))
     with pytest.raises(ValueError, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
         main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
     assert exit_code(refused.value) == EXIT_CONFIG

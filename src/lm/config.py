@@ -634,7 +634,14 @@ class LMConfig:
 def init_tokenizer(init_from: str) -> str:
     """The tokenizer of `model.init_from`: its folder's tokenizer.json, or the Hub name itself."""
     folder = Path(init_from).expanduser()
-    return str(folder / "tokenizer.json") if folder.is_dir() else init_from
+    if not folder.is_dir():
+        return init_from
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"model.init_from={init_from} holds no tokenizer.json; set data.tokenizer to the tokenizer its "
+            "weights were trained with (a tokenizer.json or a Hugging Face name)"
+        )
+    return str(folder / "tokenizer.json")
 
 
 def conf_dir() -> Path:

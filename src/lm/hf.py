@@ -232,8 +232,8 @@ def read_hf_config(name: str) -> dict[str, Any]:
     transformers = require_transformers()
     try:
         return transformers.AutoConfig.from_pretrained(name).to_dict()
-    except OSError as e:
-        raise FileNotFoundError(
+    except OSError as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
+        raise ValueError(
             f"model.init_from={name} is neither a Hugging Face model folder (with config.json) nor a Hub model "
             f"this machine can download: {e}"
         ) from e
