@@ -86,12 +86,15 @@ def test_the_run_keeps_one_tokenizer_and_refuses_another_on_resume(tmp_path):
     first.write_text('{"version": "1.0", "model": "a"}')
     other.write_text('{"version": "1.0", "model": "b"}')
     run_dir = tmp_path / "run"
-    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0)
-    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0)  # a resume with the same tokenizer
+    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0, resumed=False)
+    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0, resumed=True)  # a resume with the same one
     assert (run_dir / rundir.TOKENIZER).read_bytes() == first.read_bytes()
     assert rundir.read_tokenizer(run_dir)["eot_id"] == 0
     with pytest.raises(ValueError, match="data.tokenizer=.*run/tokenizer.json"):
-        rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 0)
+        rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 0, resumed=True)
+    # A fresh start in the directory (nothing to resume) trains with, and keeps, its new tokenizer.
+    rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 3, resumed=False)
+    assert rundir.read_tokenizer(run_dir)["eot_id"] == 3
     (run_dir / rundir.TOKENIZER).write_text("edited")
     with pytest.raises(ValueError, match="sha256 differs"):
         rundir.read_tokenizer(run_dir)

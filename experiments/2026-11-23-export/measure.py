@@ -80,7 +80,7 @@ def fake_run(work: Path, tokenizer: Path) -> tuple[Path, ModelConfig, int]:
         "global_step": 0,
     }
     torch.save(checkpoint, run / rundir.CHECKPOINTS / "last.ckpt")
-    rundir.keep_tokenizer(run, tokenizer, "<|endoftext|>", 0)
+    rundir.keep_tokenizer(run, tokenizer, "<|endoftext|>", 0, resumed=False)
     return run, cfg, model.num_parameters()
 
 

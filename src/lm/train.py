@@ -118,6 +118,7 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         hf.load_init_from(module.model)
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
     callbacks = run_callbacks(cfg, meter, run_dir, module)
+    callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
     if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
         decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
         callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
@@ -219,7 +220,6 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
     consensus = Consensus()
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
-    callbacks.append(KeepTokenizer(run_dir))  # sampling, export and evaluation read the run's own copy
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
