@@ -1,10 +1,30 @@
 """lm <-> Hugging Face Llama: the weight map against transformers' own model, `lm export`, `model.init_from`."""
 
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm.hf import from_hf_state_dict, model_config_from_hf, to_hf_model
+from lm import rundir
+from lm.cli import main as lm
+from lm.config import register_configs, to_objects
+from lm.data import LMDataModule
+from lm.exits import EXIT_CONFIG, exit_code
+from lm.export import export
+from lm.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
 from lm.model import ModelConfig, Transformer
+from lm.module import eager_cross_entropy
+from lm.train import main
+
+from .conftest import CONF, TINY
 
 VARIANTS = {
     "gqa": dict(n_head=4, n_kv_head=2),
@@ -49,3 +69,166 @@ def test_fp32_logits_match_transformers_llama(variant):
     again.load_state_dict(from_hf_state_dict(hf.state_dict(), again.cfg))
     ids = torch.arange(16)[None]
     assert torch.equal(again.eval()(ids), model(ids))
+
+
+def test_truncate_cuts_the_padded_rows_and_keeps_the_real_logits():
+    model = tiny_lm(vocab_size=300, vocab_multiple=128)  # 384 rows, 300 real
+    hf = to_hf_model(model, eos_id=0, vocab="truncate")
+    assert hf.config.vocab_size == 300 and hf.lm_head.weight.shape[0] == 300
+    assert max_logit_diff(model, hf, vocab=300) < 1e-4
+    assert not hf.generation_config.suppress_tokens  # no padding left to suppress
+    keep = to_hf_model(model, eos_id=0)
+    assert keep.generation_config.suppress_tokens == list(range(300, 384))
+
+
+def test_the_run_keeps_one_tokenizer_and_refuses_another_on_resume(tmp_path):
+    first, other = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text('{"version": "1.0", "model": "a"}')
+    other.write_text('{"version": "1.0", "model": "b"}')
+    run_dir = tmp_path / "run"
+    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0, resumed=False)
+    rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0, resumed=True)  # a resume with the same one
+    assert (run_dir / rundir.TOKENIZER).read_bytes() == first.read_bytes()
+    assert rundir.read_tokenizer(run_dir)["eot_id"] == 0
+    with pytest.raises(ValueError, match="data.tokenizer=.*run/tokenizer.json"):
+        rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 0, resumed=True)
+    # A fresh start in the directory (nothing to resume) trains with, and keeps, its new tokenizer.
+    rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 3, resumed=False)
+    assert rundir.read_tokenizer(run_dir)["eot_id"] == 3
+    (run_dir / rundir.TOKENIZER).write_text("edited")
+    with pytest.raises(ValueError, match="sha256 differs"):
+        rundir.read_tokenizer(run_dir)
+
+
+RUN = [
+    *TINY,
+    "data.num_workers=0",
+    "trainer.max_steps=4",
+    "trainer.val_every_steps=2",
+    "trainer.limit_val_batches=1",
+    "+trainer.extra.num_sanity_val_steps=0",
+    "checkpoint.every_n_steps=2",
+    "sampling=off",
+    "model.vocab_multiple=96",  # 512 tokenizer ids padded to 576 rows: the padding is exported too
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_cache) -> Path:
+    """One tiny real run (4 steps) that the tests below export, sample and continue."""
+    runs = tmp_path_factory.mktemp("runs")
+    main(compose_run(runs, data_cache, "run.name=tiny"))
+    return runs / "tiny"
+
+
+def compose_run(runs: Path, cache: Path, *overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(
+            "train", overrides=[*RUN, f"run.root={runs}", f"data.cache_dir={cache}", *overrides]
+        )
+
+
+@pytest.mark.slow
+def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "hf"
+    lm(["export", str(run), "--out", str(out)])
+    assert not list(tmp_path.glob(".*tmp*"))  # the temporary sibling was renamed, nothing left beside it
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+    assert config.get("pad_token_id") is None and config["eos_token_id"] == config["bos_token_id"] == 0
+    loaded = load_run(run)
+    padded, real = (
+        loaded.model_cfg.padded_vocab_size,
+        Tokenizer.from_file(str(loaded.tokenizer_path)).get_vocab_size(),
+    )
+    assert config["vocab_size"] == padded > real
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(real, padded)) and generation["eos_token_id"] == 0
+    card = (out / "README.md").read_text()
+    assert (
+        "validation loss" in card and "dollars" in card and "tokens trained" in card and "n_layer: 2" in card
+    )
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == loaded.eot_id
+    # The same ids as lm's tokenizer, for unicode and an end-of-text inside the text.
+    text = "naïve café — 東京 🚀\n" + loaded.eot_token + "def f(x):\n\treturn x ** 2"
+    ours = Tokenizer.from_file(str(loaded.tokenizer_path)).encode(text).ids
+    assert tokenizer(text)["input_ids"] == ours and loaded.eot_id in ours
+    ids = torch.tensor([ours])
+    with torch.no_grad():
+        assert (model(ids).logits - loaded.model(ids)).abs().max() < 1e-4
+        # The validation loss is the same number (HF shifts the labels itself).
+        ours_loss = eager_cross_entropy(loaded.model(ids[:, :-1]).flatten(0, 1), ids[0, 1:])
+        assert abs(float(model(ids, labels=ids).loss) - float(ours_loss)) < 1e-5
+        # Greedy generation of the exported model is `lm sample`'s continuation.
+        prompt = "def fibonacci(n):"
+        new = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=12, do_sample=False)
+    capsys_text = sample(capsys, run, prompt, 12)
+    assert len(capsys_text) > len(prompt)
+    assert capsys_text == prompt + tokenizer.decode(
+        new[0, len(tokenizer(prompt)["input_ids"]) :], skip_special_tokens=True
+    )
+
+
+def sample(capsys, path: Path, prompt: str, tokens: int) -> str:
+    """What `lm sample PATH PROMPT --max-new-tokens N` prints."""
+    capsys.readouterr()
+    lm(["sample", str(path), prompt, "--max-new-tokens", str(tokens)])
+    return capsys.readouterr().out.rstrip("\n")
+
+
+@pytest.mark.slow
+def test_a_copied_run_directory_samples_and_exports_without_the_data_cache(
+    run, data_cache, tmp_path, monkeypatch, capsys
+):
+    copy = tmp_path / "elsewhere" / "tiny"
+    shutil.copytree(run, copy, symlinks=True)
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    config = copy / "config.yaml"  # the copy's config names a data cache this machine does not have
+    config.write_text(config.read_text().replace(str(data_cache), str(empty)))
+    monkeypatch.setenv("LM_CACHE", str(empty))
+    text = sample(capsys, copy, "def main():", 8)
+    assert text == sample(capsys, run, "def main():", 8) and text.startswith("def main():")
+    lm(["export", str(copy / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "hf"), "--dtype", "bf16"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert not any(empty.iterdir())  # nothing was prepared again
+
+
+@pytest.mark.slow
+def test_init_from_an_export_starts_at_the_checkpoints_loss(run, data_cache, tmp_path):
+    """The first step of a run started from an export of `run` has the loss `run`'s checkpoint gives on that
+    batch (what resuming the checkpoint would log for it): the weights and the tokenizer came across whole."""
+    export(run, tmp_path / "hf")
+    runs = tmp_path / "runs"
+    init = compose_run(runs, data_cache, "run.name=init", f"model.init_from={tmp_path / 'hf'}",
+                       "trainer.max_steps=1", "trainer.log_every_n_steps=1")  # fmt: skip
+    main(init)
+    kept = rundir.read_tokenizer(runs / "init")
+    assert kept["sha256"] == hashlib.sha256((tmp_path / "hf" / "tokenizer.json").read_bytes()).hexdigest()
+    first = rundir.read_scalars(runs / "init")["train/loss"]
+    assert first.steps[0] == 0
+
+    data = LMDataModule(to_objects(init).data)  # no trainer: the loader starts at step 0, as the run did
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        logits = load_run(run).model(batch[:, :-1])
+        expected = eager_cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert abs(first.values[0] - float(expected)) < 1e-5
+
+
+def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tmp_path):
+    model = tiny_lm(vocab_size=512, n_layer=2, d_model=64, n_head=4, max_seq_len=64)
+    to_hf_model(model, eos_id=0).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="holds no tokenizer.json; set data.tokenizer"):
+        to_objects(tiny_cfg(f"model.init_from={tmp_path / 'hf'}"))
+    words = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a"))
+    words.save(str(tmp_path / "hf" / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
+        main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
+    assert exit_code(refused.value) == EXIT_CONFIG
+    assert not (tmp_path / "runs" / "smoke" / "config.yaml").exists()  # before the run directory is written

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from lm.cli import main as lm
 from lm.generate import complete, generate
@@ -50,6 +50,20 @@ def test_generation_stops_at_the_context_and_at_the_stop_token():
     assert generate(model, [1, 2, 3], 30, stop_id=first) == [first]
     with pytest.raises(ValueError, match="shorten the prompt"):
         generate(model, list(range(48)), 5)
+
+
+def test_complete_stops_at_the_given_end_of_text_id_not_at_zero():
+    """A tokenizer whose end of text is not id 0 (gpt2's is 50256): the text ends at its id, without it."""
+    model, tokenizer = (
+        tiny_model(),
+        Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0")),
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()  # joins words with spaces
+    ids = generate(model, [1, 2, 3], 6)
+    stop = ids[2]
+    assert stop != 0 and stop not in ids[:2]
+    assert complete(model, tokenizer, "w1 w2 w3", 6, stop_id=stop) == tokenizer.decode(ids[:2])
 
 
 def test_sampling_is_seeded_and_private():

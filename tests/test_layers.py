@@ -6,7 +6,7 @@ Layers, top to bottom (docs/architecture.md draws them):
   7 entry points   lm.cli (train.py at the repository root)
   6 verbs          bench, sweep, sky, supervise
   5 composition    lm.train: one run
-  4 run services   doctor (every run's preflight), report (every run's last word)
+  4 run services   doctor (every run's preflight), report (every run's last word), export
   3 run parts      callbacks, checkpointing
   2 machinery      module, kernels, activation checkpointing, runtime, parallel, generate, storage, remote, data,
                    hf, evaluate
@@ -31,7 +31,7 @@ LAYERS = {
         "lm.storage", "lm.remote", "lm.data", "lm.hf", "lm.evaluate",
     ],
     3: ["lm.callbacks", "lm.checkpointing"],
-    4: ["lm.doctor", "lm.report"],
+    4: ["lm.doctor", "lm.report", "lm.export"],
     5: ["lm.train"],
     6: ["lm.bench", "lm.sweep", "lm.sky", "lm.supervise"],
     7: ["lm.cli"],

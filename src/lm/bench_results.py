@@ -80,6 +80,11 @@ def load_bench(path: Path) -> dict[str, Any]:
     return payload
 
 
+def without_init(model: dict) -> dict:
+    """A model config less `init_from`: where the weights start does not change a step's speed."""
+    return {k: v for k, v in model.items() if k != "init_from"}
+
+
 def measured_mfu(out_dir: Path, gpu: str, model: ModelConfig, n_params: int) -> float | None:
     """The best MFU `lm bench` measured for this model on this catalog GPU (bench.json in `out_dir`), or None.
 
@@ -90,7 +95,7 @@ def measured_mfu(out_dir: Path, gpu: str, model: ModelConfig, n_params: int) -> 
         payload = load_bench(Path(out_dir))
     except ValueError:
         return None
-    if "model" in payload and payload["model"] != asdict(model):
+    if "model" in payload and without_init(payload["model"]) != without_init(asdict(model)):
         return None
     mfus = [
         r["mfu"]

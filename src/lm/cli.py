@@ -11,6 +11,8 @@ lm bench   [overrides with comma lists...]
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
 lm sample  RUN_DIR|CKPT [PROMPT]
                             continue a prompt with a run's checkpoint (no prompt: read prompts from stdin)
+lm export  RUN_DIR|CKPT --out DIR [--dtype fp32|bf16] [--vocab keep|truncate]
+                            the run as a Hugging Face Llama folder (safetensors, tokenizer, model card)
 lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
                             benchmarks with lm-evaluation-harness -> eval.json + eval.md
 lm supervise [options] -- python train.py [overrides...]
@@ -41,8 +43,9 @@ from lm.data import implied_epochs, load_manifest, prepare
 from lm.data.shards import sample_tokenizer
 from lm.doctor import diagnose, level_of, resolve_target, table
 from lm.evaluate import evaluate_path
+from lm.export import DTYPES, export
 from lm.generate import complete
-from lm.hf import load_run
+from lm.hf import VOCAB, load_run
 from lm.report import write_report
 from lm.sky import rank_gpus, render_task
 from lm.supervise import supervise
@@ -201,6 +204,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
         print(prompt + text, flush=True)
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    out = export(args.path, args.out, dtype=args.dtype, vocab=args.vocab)
+    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it; vllm serve {out}")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     tasks = [t for t in args.tasks.split(",") if t]
     folder, record = evaluate_path(
@@ -276,6 +284,17 @@ def add_run_readers(verbs) -> None:
     sample.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     sample.set_defaults(fn=cmd_sample)
+    export_ = verbs.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama folder")
+    export_.add_argument("path", help="runs/<run.name> (its last.ckpt) or runs/<run.name>/checkpoints/*.ckpt")
+    export_.add_argument("--out", required=True, help="the folder to create (must not exist)")
+    export_.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' dtype (fp32)")
+    export_.add_argument(
+        "--vocab",
+        choices=VOCAB,
+        default="keep",
+        help="padded vocabulary rows: keep (exact logits; never generated) or truncate to the tokenizer",
+    )
+    export_.set_defaults(fn=cmd_export)
     evaluate = verbs.add_parser("eval", help="benchmarks with lm-evaluation-harness -> eval.json + eval.md")
     evaluate.add_argument("path", help="runs/<run.name>, a checkpoint in it, or a Hugging Face model folder")
     evaluate.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")

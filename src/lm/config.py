@@ -654,12 +654,27 @@ class LMConfig:
                 f"tables would not cover a training window; set model.max_seq_len>={d.seq_len} (or leave it "
                 f"at its default, ${{data.seq_len}})"
             )
+        if m.init_from is not None and d.tokenizer is None:  # the model's ids are its tokenizer's ids
+            d.tokenizer = init_tokenizer(m.init_from)
         if m.vocab_size < d.vocab_size:
             raise ValueError(
                 f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: token ids "
                 f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
                 f"default, ${{data.vocab_size}})"
             )
+
+
+def init_tokenizer(init_from: str) -> str:
+    """The tokenizer of `model.init_from`: its folder's tokenizer.json, or the Hub name itself."""
+    folder = Path(init_from).expanduser()
+    if not folder.is_dir():
+        return init_from
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"model.init_from={init_from} holds no tokenizer.json; set data.tokenizer to the tokenizer its "
+            "weights were trained with (a tokenizer.json or a Hugging Face name)"
+        )
+    return str(folder / "tokenizer.json")
 
 
 def conf_dir() -> Path:

@@ -191,12 +191,70 @@ def to_hf_model(
     return hf.to(dtype).eval()
 
 
-def hf_tokenizer(tokenizer_json: Path, eot_token: str) -> PreTrainedTokenizerFast:
-    """The run's tokenizer as a transformers tokenizer: the same ids for every text (nothing added: no bos
-    prepended), end of text as eos and bos, no pad token."""
+ARCHITECTURE = {
+    "n_layer": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_head": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "hidden_dim": "intermediate_size",
+    "rope_theta": "rope_parameters.rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+"""ModelConfig attribute -> the LlamaConfig key it must equal for `model.init_from`."""
+KEY_OF = {"kv_heads": "n_kv_head", "hidden_dim": "ffn_hidden"}
+"""Where an attribute above is a derived property: the config key a user sets."""
+
+
+def check_init_from(model_cfg: ModelConfig) -> None:
+    """Refuse `model.init_from` whose config.json describes another architecture (exit 78, before any
+    training), naming each field with both values."""
+    theirs = model_config_from_hf(read_hf_config(model_cfg.init_from))
+    wrong = [
+        f"model.{KEY_OF.get(attr, attr)}={getattr(model_cfg, attr)} but its {hf_key}={getattr(theirs, attr)}"
+        for attr, hf_key in ARCHITECTURE.items()
+        if getattr(model_cfg, attr) != getattr(theirs, attr)
+    ]
+    if theirs.vocab_size > model_cfg.padded_vocab_size:
+        wrong.append(
+            f"model.vocab_size={model_cfg.vocab_size} (padded to {model_cfg.padded_vocab_size} rows) but its "
+            f"vocab_size={theirs.vocab_size}"
+        )
+    if wrong:
+        raise ValueError(
+            f"model.init_from={model_cfg.init_from} is another architecture than this config: "
+            f"{'; '.join(wrong)}. Set these model keys to its values (or start without model.init_from)"
+        )
+
+
+def read_hf_config(name: str) -> dict[str, Any]:
+    """config.json of an HF folder or Hub name (downloaded when online), as a dict."""
     transformers = require_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(name).to_dict()
+    except OSError as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
+        raise ValueError(
+            f"model.init_from={name} is neither a Hugging Face model folder (with config.json) nor a Hub model "
+            f"this machine can download: {e}"
+        ) from e
+
+
+def load_init_from(model: Transformer) -> None:
+    """Overwrite `model`'s weights with those of `model.init_from` (checked by `check_init_from`)."""
+    transformers = require_transformers()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model.cfg.init_from, dtype=torch.float32)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), model.cfg), strict=True)
+
+
+def hf_tokenizer(
+    tokenizer_json: Path, eot_token: str, model_max_length: int | None = None
+) -> PreTrainedTokenizerFast:
+    """The run's tokenizer as a transformers tokenizer: the same ids for every text (nothing added: no bos
+    prepended), end of text as eos and bos, no pad token; `model_max_length` is the model's context."""
+    transformers = require_transformers()
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token
+        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token, **extra
     )
 
 

@@ -46,6 +46,10 @@ class ModelConfig:
     """Std of the normal initialisation; residual output projections get init_std / sqrt(2 n_layer)."""
     vocab_multiple: int = 64
     """Pad the embedding rows to a multiple of this (a free GPU speed-up: aligned matmul shapes)."""
+    init_from: str | None = None
+    """A Hugging Face Llama folder (`lm export`'s) or Hub name whose weights a fresh run starts from
+    (continued pretraining) instead of `init_std`'s; its config.json must describe this architecture, and its
+    tokenizer becomes data.tokenizer. A resume ignores it: the checkpoint has the weights."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:

@@ -196,14 +196,17 @@ def read_ledger(run_dir: Path) -> dict[str, Any] | None:
 # -- tokenizer.json --------------------------------------------------------------------------------------
 
 
-def keep_tokenizer(run_dir: Path, tokenizer_json: Path, eot_token: str, eot_id: int) -> None:
-    """Copy the tokenizer the run trains with into the run directory (once), or refuse another one.
+def keep_tokenizer(
+    run_dir: Path, tokenizer_json: Path, eot_token: str, eot_id: int, *, resumed: bool
+) -> None:
+    """Copy the tokenizer the run trains with into the run directory; a resumed run must train with the one
+    it kept (a fresh start in the directory, with no checkpoint to continue, replaces it).
 
     The copy makes a run directory self-contained: sampling, export and evaluation read it, never the data
     cache, which another machine or Python version would rebuild with another tokenizer."""
     data = tokenizer_json.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    kept = read_record(run_dir / TOKENIZER_INFO)
+    kept = read_record(run_dir / TOKENIZER_INFO) if resumed else None
     if kept is not None and kept["sha256"] != sha:
         raise ValueError(
             f"{run_dir} trained with the tokenizer in {run_dir / TOKENIZER} (sha256 {kept['sha256']}), but "

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_re
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from lm import activation_checkpointing, atomic, cost, plan, rundir, runtime
+from lm import activation_checkpointing, atomic, cost, hf, plan, rundir, runtime
 from lm.callbacks.ac_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
@@ -88,6 +88,8 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
     check_resumable(ckpt_path, cfg.model)  # another architecture: refused before the run directory is written
+    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+        hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_config(run_dir, dcfg)
@@ -113,8 +115,11 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
     )
+    if cfg.model.init_from is not None and ckpt_path is None:
+        hf.load_init_from(module.model)
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
     callbacks = run_callbacks(cfg, meter, run_dir, module)
+    callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
     if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
         decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
         callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
@@ -216,7 +221,6 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
     consensus = Consensus()
     # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
-    callbacks.append(KeepTokenizer(run_dir))  # sampling, export and evaluation read the run's own copy
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:

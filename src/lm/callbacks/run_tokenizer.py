@@ -16,11 +16,14 @@ class KeepTokenizer(Callback):
     step: rank 0 copies the data's tokenizer.json into the run directory, or refuses a resume whose data was
     made by another tokenizer (exit 78)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resumed: bool) -> None:
         self.run_dir = run_dir
+        self.resumed = resumed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero:
             data = trainer.datamodule
             eot = data.manifest["eot_token"]
-            rundir.keep_tokenizer(self.run_dir, data.data_dir / TOKENIZER, eot, data.eot_id)
+            rundir.keep_tokenizer(
+                self.run_dir, data.data_dir / TOKENIZER, eot, data.eot_id, resumed=self.resumed
+            )
