@@ -152,7 +152,7 @@ def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
     monkeypatch.setenv("LM_CACHE", str(tmp_path / "empty"))
     generators = torch.random.get_rng_state(), random.getstate()
     cli.main(["eval", str(copy), "--tasks", "tiny_mc", "--include-path", str(TASKS), "--samples"])
-    # lm-eval seeds every generator globally; a training run's are given back as they were.
+    # Building the HF copy draws weights and lm-eval seeds every generator: they are given back as they were.
     assert torch.equal(torch.random.get_rng_state(), generators[0]) and random.getstate() == generators[1]
     record = json.loads((copy / rundir.EVAL).read_text())
     loaded = load_run(copy)

@@ -101,26 +101,25 @@ def score(
     manager = task_manager(tasks, include_path)
     was_training = model.training
     model.eval()
-    with generators_kept(model.device):
-        try:
-            out = lm_eval.simple_evaluate(
-                model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
-                tasks=list(tasks),
-                limit=limit,
-                task_manager=manager,
-                log_samples=log_samples,
-            )
-        finally:
-            model.train(was_training)
+    try:
+        out = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
+            tasks=list(tasks),
+            limit=limit,
+            task_manager=manager,
+            log_samples=log_samples,
+        )
+    finally:
+        model.train(was_training)
     scores = {task: metrics_of(values) for task, values in out["results"].items()}
     return {"scores": scores, "samples": out.get("samples") if log_samples else None}
 
 
 @contextlib.contextmanager
 def generators_kept(device: torch.device):
-    """Python's, NumPy's and torch's random generators as they were before: lm-eval seeds all three
-    globally, and a training run must continue as if no evaluation had happened (a resumed run would not
-    have evaluated there)."""
+    """Python's, NumPy's and torch's random generators as they were before: building the HF copy draws
+    its initial weights and lm-eval seeds all three globally, and a training run must continue as if no
+    evaluation had happened (a resumed run would not have evaluated there)."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -180,23 +179,24 @@ def evaluate_path(
     require_harness()
     task_manager(tasks, include_path)  # an unknown task is refused before the model is loaded
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, folder, about = load(path, device)
-    started = time.monotonic()
-    out = score(
-        model,
-        tokenizer,
-        tasks,
-        limit=limit,
-        include_path=include_path,
-        batch_size=batch_size,
-        log_samples=with_samples,
-    )
+    with generators_kept(torch.device(device)):
+        model, tokenizer, folder, about = load(path, device)
+        started = time.monotonic()
+        out = score(
+            model,
+            tokenizer,
+            tasks,
+            limit=limit,
+            include_path=include_path,
+            batch_size=batch_size,
+            log_samples=with_samples,
+        )
     record = {
         **about,
         "tasks": list(tasks),
         "limit": limit,
         "device": device,
-        "seconds": time.monotonic() - started,
+        "seconds": time.monotonic() - started,  # the scoring, without loading
         "scores": out["scores"],
     }
     if with_samples:

@@ -22,7 +22,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
-from lm.evaluate import score, task_manager
+from lm.evaluate import generators_kept, score, task_manager
 from lm.parallel import is_sharded
 from lm.plan import phase_at
 from lm.tables import evals_markdown
@@ -90,7 +90,8 @@ class BenchmarkEvaluator(Callback):
         self.meter.switch("eval")  # paid for, but not training throughput
         started = time.monotonic()
         tokens, usd = self.meter.state.tokens, self.meter.usd()
-        scores = self.run_tasks(trainer, pl_module)
+        with generators_kept(pl_module.device):
+            scores = self.run_tasks(trainer, pl_module)
         seconds = time.monotonic() - started
         index = phase_at(step - 1, tokens - self.meter.tokens_per_step, self.phases) if self.phases else None
         record = {
