@@ -132,6 +132,19 @@ def test_a_resumed_run_does_not_evaluate_a_milestone_again(run, tmp_path, data_c
     assert [r["step"] for r in lines] == [2, 4, 6]  # 6 is the second phase's end and the last step
 
 
+@pytest.mark.slow  # lm-eval and transformers take ~10 s to import
+def test_a_failing_benchmark_does_not_end_the_run(tmp_path, data_cache, caplog):
+    # The task's data is missing (a dataset out of reach on a node without network): logged, training goes on.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name in ("tiny_mc.yaml", "tiny_mc.py"):
+        shutil.copy(TASKS / name, tasks / name)
+    main(run_config(tmp_path, data_cache, "trainer.max_steps=2", f"evals.include_path={tasks}"))
+    run = tmp_path / "smoke"
+    assert (run / "checkpoints" / "step-2.ckpt").is_file() and rundir.read_evals(run) == []
+    assert "benchmarks at step 2 failed; training goes on: FileNotFoundError" in caplog.text
+
+
 def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: str) -> float:
     """log P(continuation | context) from lm's own model, tokenized as lm-eval does: trailing whitespace of
     the context moves to the continuation, the whole string is encoded and split where the context ends."""

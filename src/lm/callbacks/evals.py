@@ -90,8 +90,13 @@ class BenchmarkEvaluator(Callback):
         self.meter.switch("eval")  # paid for, but not training throughput
         started = time.monotonic()
         tokens, usd = self.meter.state.tokens, self.meter.usd()
-        with generators_kept(pl_module.device):
-            scores = self.run_tasks(trainer, pl_module)
+        try:
+            with generators_kept(pl_module.device):
+                scores = self.run_tasks(trainer, pl_module)
+        except Exception as e:  # a benchmark's data out of reach must not end a paid-for training run
+            log.error("benchmarks at step %d failed; training goes on: %s: %s", step, type(e).__name__, e)
+            self.meter.switch("train")
+            return
         seconds = time.monotonic() - started
         index = phase_at(step - 1, tokens - self.meter.tokens_per_step, self.phases) if self.phases else None
         record = {
