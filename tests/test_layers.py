@@ -9,8 +9,8 @@ Layers, top to bottom (docs/architecture.md draws them):
   4 run services   doctor (every run's preflight), report (every run's last word)
   3 run parts      callbacks, checkpointing
   2 machinery      module, kernels, activation checkpointing, runtime, parallel, generate, storage, remote, data
-  1 foundation     model, config, cost, memory, forecast, plan, exits, atomic, rundir, runlock, tables,
-                   bench_results
+  1 foundation     model, config, cost, memory, forecast, schedule, lossmodel, plan, exits, atomic, rundir,
+                   runlock, tables, bench_results
 """
 
 import ast
@@ -23,6 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     1: [
         "lm", "lm.model", "lm.config", "lm.cost", "lm.memory", "lm.forecast", "lm.plan",
+        "lm.schedule", "lm.lossmodel",
         "lm.exits", "lm.atomic", "lm.rundir", "lm.runlock", "lm.tables", "lm.bench_results",
     ],
     2: [
