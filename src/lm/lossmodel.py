@@ -114,21 +114,29 @@ def design(s1: np.ndarray, s2: np.ndarray, alpha: float, k: float | None) -> np.
 
 
 def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
-    """Weighted least squares with every coefficient >= 0, exactly: each active set (at most 2^3) is solved
-    and the best feasible one kept."""
-    sw = np.sqrt(w)
-    Xw, yw = X * sw[:, None], y * sw
-    best, best_sse = np.zeros(X.shape[1]), float(np.sum(yw**2))
-    for r in range(1, X.shape[1] + 1):
+    """Weighted least squares with every coefficient >= 0, exactly: the unconstrained solution when it is
+    feasible (then it is optimal), else each active set (at most 2^3) is solved and the best feasible kept.
+    Solved through the normal equations: a 3x3 system is microseconds, and the fit solves thousands."""
+    G = X.T @ (X * w[:, None])
+    b = X.T @ (w * y)
+    yy = float(np.sum(w * y * y))
+    best, best_sse = np.zeros(X.shape[1]), yy
+    for r in range(X.shape[1], 0, -1):
         for cols in itertools.combinations(range(X.shape[1]), r):
-            sol, *_ = np.linalg.lstsq(Xw[:, cols], yw, rcond=None)
+            idx = list(cols)
+            try:
+                sol = np.linalg.solve(G[np.ix_(idx, idx)], b[idx])
+            except np.linalg.LinAlgError:
+                continue
             if np.any(sol < 0):
                 continue
             coef = np.zeros(X.shape[1])
-            coef[list(cols)] = sol
-            sse = float(np.sum((yw - Xw @ coef) ** 2))
+            coef[idx] = sol
+            sse = max(yy - 2.0 * float(coef @ b) + float(coef @ G @ coef), 0.0)
             if sse < best_sse:
                 best, best_sse = coef, sse
+        if r == X.shape[1] and best_sse < yy:
+            break  # the unconstrained solution is feasible, hence optimal
     return best, best_sse
 
 
@@ -175,10 +183,10 @@ def fit_schedule_law(
         if np.allclose(new, weights, atol=1e-4):
             break
         weights = new
-    profile = alpha_profile(s1, s2, y, weights, k_for, sse)
+    profile = alpha_profile(s1, s2, y, weights, k_for, alpha, sse)
     if gain:  # the prior's own uncertainty: a factor of two either way (the points cannot tell them apart)
         for factor in (0.5, 2.0):
-            profile += alpha_profile(s1, s2, y, weights, lambda a, f=factor: k_for(a) * f, sse)
+            profile += alpha_profile(s1, s2, y, weights, lambda a, f=factor: k_for(a) * f, alpha, sse)
     L0, a = coef[0], coef[1]
     c = coef[2] if gain is None else k_for(alpha) * a
     # Undo the scaling: S1^-alpha = (S1'/scale)^-alpha, S2 = S2' * scale.
@@ -206,7 +214,7 @@ def search_alpha(s1, s2, y, w, k_for) -> tuple[float, np.ndarray, float]:
     i = int(np.argmin(errors))
     lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
     inv_phi = (math.sqrt(5) - 1) / 2
-    for _ in range(30):
+    for _ in range(20):
         c, d = hi - inv_phi * (hi - lo), lo + inv_phi * (hi - lo)
         if sse(c) < sse(d):
             hi = d
@@ -217,14 +225,15 @@ def search_alpha(s1, s2, y, w, k_for) -> tuple[float, np.ndarray, float]:
     return alpha, coef, err
 
 
-def alpha_profile(s1, s2, y, w, k_for, best_sse: float) -> list[tuple]:
-    """(alpha, coef, covariance, k) for each grid alpha whose error is within the 90% profile threshold."""
+def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float) -> list[tuple]:
+    """(alpha, coef, covariance, k) for the best alpha and each grid alpha whose error is within the 90%
+    profile threshold."""
     n_free = 2 if k_for(1.0) is not None else 3
     dof = max(1, len(y) - n_free - 1)
     threshold = best_sse * (1.0 + 2.71 / dof)
     sigma2 = best_sse / dof / max(float(np.mean(w)), 1e-12)
     entries = []
-    for alpha in np.geomspace(*ALPHA_RANGE, 120):
+    for alpha in [best_alpha, *np.geomspace(*ALPHA_RANGE, 60)]:
         X = design(s1, s2, alpha, k_for(alpha))
         coef, err = nonnegative_lstsq(X, y, w)
         if err > threshold:
@@ -259,26 +268,57 @@ def block_means(steps, losses, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class ScheduleForecast:
-    """What the law says about the rest of a run."""
+    """What the law says about the rest of a run: the two ways to end it, and what more steps buy."""
 
     law: ScheduleLaw
     step: int
+    plan_steps: int
     plan_end: Prediction
     """The loss at the plan's end, after its decay."""
     cooldown_now: Prediction
-    """The loss if the run cools down now (a cooldown of the configured length starting at `step`)."""
+    """The loss if the run cools down now (a cooldown of `cooldown_steps` starting at `step`)."""
     cooldown_steps: int
+    steps_per_loss_point: float
+    """Steps that one more point of final loss costs: a plan 10% longer (decay included) against this one."""
+
+    def choices(self, usd_now: float, usd_per_step: float) -> dict:
+        """The decision in dollars: each ending's final loss (with its interval) and total spend, and the
+        price of the next loss point."""
+
+        def option(p: Prediction, steps_left: int) -> dict:
+            return {"loss": p.loss, "low": p.low, "high": p.high, "usd": usd_now + steps_left * usd_per_step}
+
+        return {
+            "cooldown_now": {**option(self.cooldown_now, self.cooldown_steps), "steps": self.cooldown_steps},
+            "plan_end": {**option(self.plan_end, self.plan_steps - self.step), "steps": self.plan_steps},
+            "usd_per_loss_point_next": self.steps_per_loss_point * usd_per_step,
+            "c_source": self.law.c_source,
+        }
 
 
-def schedule_forecast(law: ScheduleLaw, optim: OptimConfig, total_steps: int, step: int, cooldown_steps: int):
-    """The law's predictions for a run at `step` of a `total_steps` plan under `optim`."""
-    length = max(1, min(cooldown_steps, total_steps - step))
+def schedule_forecast(
+    law: ScheduleLaw,
+    optim: OptimConfig,
+    schedule_steps: int,
+    step: int,
+    cooldown_steps: int,
+    plan_steps: int | None = None,
+) -> ScheduleForecast:
+    """The law's predictions at `step` of a run whose LR schedule spans `schedule_steps` under `optim` and
+    whose plan ends at `plan_steps` (default: with the schedule)."""
+    plan_steps = plan_steps or schedule_steps
+    length = max(1, min(cooldown_steps, plan_steps - step))
+    plan_end = law.predict(multipliers(optim, schedule_steps, plan_steps))
+    longer = round(plan_steps * 1.1)
+    drop = plan_end.loss - law.predict(multipliers(optim, longer)).loss
     return ScheduleForecast(
         law=law,
         step=step,
-        plan_end=law.predict(multipliers(optim, total_steps)),
-        cooldown_now=law.predict(multipliers(optim, total_steps, step + length, cooldown=(step, length))),
+        plan_steps=plan_steps,
+        plan_end=plan_end,
+        cooldown_now=law.predict(multipliers(optim, schedule_steps, step + length, cooldown=(step, length))),
         cooldown_steps=length,
+        steps_per_loss_point=(longer - plan_steps) / drop if drop > 0 else math.inf,
     )
 
 
