@@ -1,14 +1,19 @@
 """The schedule-aware loss law: it recovers its own parameters from noisy curves made with it, and its
 predictions move the way they must (a longer plan, a later cooldown, a decay all lower the final loss)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from lm.config import OptimConfig
+from lm.forecast import fit_power_law
 from lm.lossmodel import ScheduleLaw, areas, block_means, fit_schedule_law, loss_for_length, schedule_forecast
 from lm.schedule import lr_lambda, multipliers
 
-TRUE = ScheduleLaw(L0=2.0, A=20.0, alpha=0.5, C=2e-4)
+TRUE = ScheduleLaw(L0=2.0, A=20.0, alpha=0.5, C=2e-3, lam=0.99)  # lam_for(2000), what the fit takes
+CURVES = Path(__file__).parent / "data" / "curves"
 WSD = OptimConfig(schedule="wsd", warmup_steps=50, decay_fraction=0.2)
 COSINE = OptimConfig(schedule="cosine", warmup_steps=50)
 
@@ -84,3 +89,21 @@ def test_block_means_average_without_lag():
 def test_too_few_points_give_no_fit():
     mult = multipliers(WSD, 100)
     assert fit_schedule_law([10, 20, 30], [5.0, 4.0, 3.5], mult) is None
+
+
+def test_on_a_recorded_wsd_run_the_law_foresees_the_decay_that_a_power_law_misses():
+    """The recorded tiny wsd run (tests/data/curves, experiments/2026-11-23-forecast): fitted on the validation
+    points up to the decay (80% of the run), the law predicts the final, decayed loss; the token power law
+    extrapolates the stable phase and lands high."""
+    curve = json.loads((CURVES / "tiny_wsd_2000.json").read_text())
+    o = curve["optim"]
+    optim = OptimConfig(schedule="wsd", warmup_steps=o["warmup_steps"], decay_fraction=o["decay_fraction"])
+    steps, losses = np.array(curve["val"]["step"]), np.array(curve["val"]["loss"])
+    before = steps <= 1600
+    final = losses[-1]
+    law = fit_schedule_law(steps[before], losses[before], multipliers(optim, curve["total_steps"]))
+    assert law.c_source == "prior"
+    p = law.predict(multipliers(optim, curve["total_steps"]))
+    assert abs(p.loss - final) < 0.03 and p.low <= final <= p.high
+    old = fit_power_law(steps[before] * curve["tokens_per_step"], losses[before])
+    assert old.loss(curve["total_steps"] * curve["tokens_per_step"]) - final > 0.05

@@ -100,7 +100,7 @@ def seed_replay(gain: float) -> list[str]:
     lines = []
     for upto in (10_000, 60_000):
         k = steps <= upto
-        law = fit_schedule_law(steps[k], losses[k], mult, anneal_gain=gain, min_points=4)
+        law = fit_schedule_law(steps[k], losses[k], mult, anneal_gain=gain, min_points=3)
         old = fit_power_law(steps[k] * 131_072.0, losses[k], min_points=3)
         p = law.predict(mult)
         lines.append(
@@ -113,6 +113,9 @@ def seed_replay(gain: float) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gain", type=float, default=ANNEAL_GAIN, help="prior anneal gain (lm.lossmodel)")
+    parser.add_argument(
+        "--gain-from", help="take each curve's prior gain from the full fit of this other curve (leave-one-out)"
+    )
     args = parser.parse_args()
     summary = {}
     for path in sorted(CURVES.glob("*.json")):
@@ -133,7 +136,15 @@ def main() -> None:
             f"   full fit on train: L0 {tfull.L0:.3f} A {tfull.A:.3f} alpha {tfull.alpha:.3f} C {tfull.C:.2e} "
             f"rms {tfull.rms:.4f}; g = {gain_of(tfull, mult):.2f}"
         )
-        rows = replay(curve, args.gain)
+        gain = args.gain
+        if args.gain_from:
+            other = json.loads((CURVES / f"{args.gain_from}.json").read_text())
+            if other["name"] == curve["name"]:
+                other = json.loads(next(p for p in sorted(CURVES.glob("*.json")) if p != path).read_text())
+            om = multipliers(optim_of(other), other["total_steps"])
+            gain = gain_of(fit_schedule_law(other["val"]["step"], other["val"]["loss"], om, anneal_gain=None), om)
+            print(f"   prior gain {gain:.2f}, from the full fit of {other['name']} (leave-one-out)")
+        rows = replay(curve, gain)
         for row in rows:
             cells = []
             for key in ("val", "train+val", "power law"):
@@ -143,7 +154,7 @@ def main() -> None:
                     cells.append(f"{key} {e[0]:+.3f}{interval}")
             print(f"   step {row['step']:5d} ({row['fraction']:.0%}): " + "; ".join(cells))
         summary[curve["name"]] = {key: settled(rows, key) for key in ("val", "train+val", "power law")}
-    print(f"\nsettled within {TOLERANCE} from (fraction of the run; None = never), prior gain {args.gain}:")
+    print(f"\nsettled within {TOLERANCE} from (fraction of the run), prior gain {args.gain_from or args.gain}:")
     for name, s in summary.items():
         print(f"   {name}: " + ", ".join(f"{k} {'never' if v is None else f'{v:.0%}'}" for k, v in s.items()))
     print()
