@@ -114,7 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gain", type=float, default=ANNEAL_GAIN, help="prior anneal gain (lm.lossmodel)")
     parser.add_argument(
-        "--gain-from", help="take each curve's prior gain from the full fit of this other curve (leave-one-out)"
+        "--gain-from",
+        help="take each curve's prior gain from the full fit of this other curve (leave-one-out)",
     )
     args = parser.parse_args()
     summary = {}
@@ -142,7 +143,9 @@ def main() -> None:
             if other["name"] == curve["name"]:
                 other = json.loads(next(p for p in sorted(CURVES.glob("*.json")) if p != path).read_text())
             om = multipliers(optim_of(other), other["total_steps"])
-            gain = gain_of(fit_schedule_law(other["val"]["step"], other["val"]["loss"], om, anneal_gain=None), om)
+            gain = gain_of(
+                fit_schedule_law(other["val"]["step"], other["val"]["loss"], om, anneal_gain=None), om
+            )
             print(f"   prior gain {gain:.2f}, from the full fit of {other['name']} (leave-one-out)")
         rows = replay(curve, gain)
         for row in rows:
@@ -154,7 +157,9 @@ def main() -> None:
                     cells.append(f"{key} {e[0]:+.3f}{interval}")
             print(f"   step {row['step']:5d} ({row['fraction']:.0%}): " + "; ".join(cells))
         summary[curve["name"]] = {key: settled(rows, key) for key in ("val", "train+val", "power law")}
-    print(f"\nsettled within {TOLERANCE} from (fraction of the run), prior gain {args.gain_from or args.gain}:")
+    print(
+        f"\nsettled within {TOLERANCE} from (fraction of the run), prior gain {args.gain_from or args.gain}:"
+    )
     for name, s in summary.items():
         print(f"   {name}: " + ", ".join(f"{k} {'never' if v is None else f'{v:.0%}'}" for k, v in s.items()))
     print()
