@@ -158,7 +158,7 @@ def fit_schedule_law(
     anneal_gain: float | None = ANNEAL_GAIN,
     min_points: int = 6,
     huber: float | None = None,
-    iterations: int = 8,
+    iterations: int = 5,
 ) -> ScheduleLaw | None:
     """Fit the law to (step, loss) points of a run whose LR multipliers over the whole plan are `plan_mult`.
 
@@ -220,12 +220,12 @@ def search_alpha(s1, s2, y, w, k_for) -> tuple[float, np.ndarray, float]:
     def sse(alpha: float) -> float:
         return nonnegative_lstsq(design(s1, s2, alpha, k_for(alpha)), y, w)[1]
 
-    grid = np.geomspace(*ALPHA_RANGE, 60)
+    grid = np.geomspace(*ALPHA_RANGE, 40)
     errors = [sse(a) for a in grid]
     i = int(np.argmin(errors))
     lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
     inv_phi = (math.sqrt(5) - 1) / 2
-    for _ in range(20):
+    for _ in range(14):
         c, d = hi - inv_phi * (hi - lo), lo + inv_phi * (hi - lo)
         if sse(c) < sse(d):
             hi = d
@@ -244,7 +244,7 @@ def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float) -> li
     threshold = best_sse * (1.0 + 2.71 / dof)
     sigma2 = best_sse / dof / max(float(np.mean(w)), 1e-12)
     entries = []
-    for alpha in [best_alpha, *np.geomspace(*ALPHA_RANGE, 60)]:
+    for alpha in [best_alpha, *np.geomspace(*ALPHA_RANGE, 30)]:
         X = design(s1, s2, alpha, k_for(alpha))
         coef, err = nonnegative_lstsq(X, y, w)
         if err > threshold:
