@@ -141,7 +141,7 @@ def corpus_tokens(data: DataConfig) -> int:
 def hardware(
     gpu: GpuConfig,
     model: ModelConfig,
-    seq_len: int,
+    flops_per_token: float,
     bench_dir: Path | None,
     *,
     tokens_per_sec: float | None = None,
@@ -156,10 +156,9 @@ def hardware(
         return Hardware(gpu, tokens_per_sec, "given", on_demand, spot)
     if not gpu.peak_bf16_tflops:
         return None
-    n_params = memory.parameter_count(model)[0]
-    mfu = measured_mfu(bench_dir, gpu.name, model, n_params) if bench_dir else None
+    mfu = measured_mfu(bench_dir, gpu.name, model, memory.parameter_count(model)[0]) if bench_dir else None
     source = f"measured by lm bench (MFU {mfu:.2f})" if mfu else f"assumed MFU {ASSUMED_MFU:.2f}"
-    rate = gpu.peak_bf16_tflops * 1e12 * (mfu or ASSUMED_MFU) / cost.flops_per_token(model, seq_len)
+    rate = gpu.peak_bf16_tflops * 1e12 * (mfu or ASSUMED_MFU) / flops_per_token
     return Hardware(gpu, rate, source, on_demand, spot)
 
 
@@ -232,18 +231,19 @@ def make_plans(
     plans = []
     for preset, model in presets.items():
         n = memory.parameter_count(model)[0]
+        flops = cost.flops_per_token(model, seq_len)  # builds the model on the meta device: once per preset
         for gpu in gpus:
             hw = hardware(
-                gpu, model, seq_len, bench_dir, tokens_per_sec=tokens_per_sec, price_per_hour=price_per_hour
+                gpu, model, flops, bench_dir, tokens_per_sec=tokens_per_sec, price_per_hour=price_per_hour
             )
-            fit = fit_micro_batch(model, gpu, seq_len, windows) if hw else None
-            if hw is None or fit is None:
+            if hw is None:
                 continue
             step_seconds = windows * seq_len / hw.tokens_per_sec
             every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
             overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
             steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len)
-            if steps < 1:
+            fit = fit_micro_batch(model, gpu, seq_len, windows) if steps >= 1 else None  # the slow part
+            if fit is None:
                 continue
             hours, usd_on_demand = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_on_demand)
             _, usd_spot = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_spot)
