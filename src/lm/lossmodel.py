@@ -17,7 +17,9 @@ fit is not significantly worse, 90%) and adds the linear parameters' standard er
 Before the LR has dropped, C is not identifiable from the run itself: the fit then takes C from a prior
 `anneal_gain` g: one unit of annealing area is worth g units of forward area at the plan's end,
 C = g * (-dL/dS1 at the end of the plan). Its default was measured on recorded tiny curves
-(experiments/2026-11-23-forecast) and is labelled as a prior wherever it is used.
+(experiments/2026-11-23-forecast) and is labelled as a prior wherever it is used. Once the LR has dropped, C is
+fitted, but the prior stays in the fit as one pseudo-observation (PRIOR_SPREAD): the first points of a decay,
+or a cosine whose S1 and S2 grow together, cannot swing C alone.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ ANNEAL_GAIN = 8.5
 the recorded tiny wsd (9.1) and cosine (8.0) curves at lam_for(2000) = 0.99 (experiments/2026-11-23-forecast)."""
 MIN_ANNEAL_FRACTION = 0.02
 """C is fitted once the annealing area reaches this fraction of the forward area; below it the prior is used."""
+PRIOR_SPREAD = 0.5
+"""Once C is fitted, the prior still counts as one observation that C = g * (-dL/dS1 at the end) to within
+this fraction: the first points of a decay cannot swing C on their own."""
 Z90 = 1.645
 
 
@@ -186,15 +191,21 @@ def fit_schedule_law(
         return None if gain is None else gain * alpha
 
     weights = np.ones_like(y)
+    prior = None
     for _ in range(iterations):
-        alpha, coef, sse = search_alpha(s1, s2, y, weights, k_for)
+        alpha, coef, sse = search_alpha(s1, s2, y, weights, k_for, prior)
         residuals = y - design(s1, s2, alpha, k_for(alpha)) @ coef
         delta = huber if huber is not None else max(1.5 * float(np.median(np.abs(residuals))), 1e-6)
         new = np.minimum(1.0, delta / np.maximum(np.abs(residuals), 1e-12))
-        if np.allclose(new, weights, atol=1e-4):
+        if seen and anneal_gain and coef[1] > 0:
+            # A residual of sigma per point against a prior drop known to PRIOR_SPREAD of its size.
+            sigma = max(1.4826 * float(np.median(np.abs(residuals))), 1e-4)
+            spread = PRIOR_SPREAD * anneal_gain * alpha * coef[1]
+            prior = (anneal_gain, (sigma / spread) ** 2)
+        elif np.allclose(new, weights, atol=1e-4):
             break
         weights = new
-    profile = alpha_profile(s1, s2, y, weights, k_for, alpha, sse)
+    profile = alpha_profile(s1, s2, y, weights, k_for, alpha, sse, prior)
     if gain:  # the prior's own uncertainty: a factor of two either way (the points cannot tell them apart)
         for factor in (0.5, 2.0):
             profile += alpha_profile(s1, s2, y, weights, lambda a, f=factor: k_for(a) * f, alpha, sse)
@@ -214,11 +225,19 @@ def fit_schedule_law(
     )
 
 
-def search_alpha(s1, s2, y, w, k_for) -> tuple[float, np.ndarray, float]:
+def with_prior(X: np.ndarray, y: np.ndarray, w: np.ndarray, alpha: float, prior: tuple | None):
+    """The rows plus, when C is fitted under a prior (gain, weight), one pseudo-observation c - g*alpha*a = 0."""
+    if prior is None:
+        return X, y, w
+    gain, weight = prior
+    return np.vstack([X, [0.0, -gain * alpha, 1.0]]), np.append(y, 0.0), np.append(w, weight)
+
+
+def search_alpha(s1, s2, y, w, k_for, prior=None) -> tuple[float, np.ndarray, float]:
     """The exponent with the least weighted error: a log-spaced grid, then golden-section refinement."""
 
     def sse(alpha: float) -> float:
-        return nonnegative_lstsq(design(s1, s2, alpha, k_for(alpha)), y, w)[1]
+        return nonnegative_lstsq(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))[1]
 
     grid = np.geomspace(*ALPHA_RANGE, 40)
     errors = [sse(a) for a in grid]
@@ -232,11 +251,11 @@ def search_alpha(s1, s2, y, w, k_for) -> tuple[float, np.ndarray, float]:
         else:
             lo = c
     alpha = (lo + hi) / 2
-    coef, err = nonnegative_lstsq(design(s1, s2, alpha, k_for(alpha)), y, w)
+    coef, err = nonnegative_lstsq(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))
     return alpha, coef, err
 
 
-def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float) -> list[tuple]:
+def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float, prior=None) -> list[tuple]:
     """(alpha, coef, covariance, k) for the best alpha and each grid alpha whose error is within the 90%
     profile threshold."""
     n_free = 2 if k_for(1.0) is not None else 3
@@ -245,13 +264,13 @@ def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float) -> li
     sigma2 = best_sse / dof / max(float(np.mean(w)), 1e-12)
     entries = []
     for alpha in [best_alpha, *np.geomspace(*ALPHA_RANGE, 30)]:
-        X = design(s1, s2, alpha, k_for(alpha))
-        coef, err = nonnegative_lstsq(X, y, w)
+        X, yp, wp = with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior)
+        coef, err = nonnegative_lstsq(X, yp, wp)
         if err > threshold:
             continue
         free = coef > 0
         cov = np.zeros((X.shape[1], X.shape[1]))
-        Xf = X[:, free] * np.sqrt(w)[:, None]
+        Xf = X[:, free] * np.sqrt(wp)[:, None]
         if free.any():
             cov[np.ix_(free, free)] = sigma2 * np.linalg.pinv(Xf.T @ Xf)
         entries.append((float(alpha), coef, cov, k_for(alpha)))
