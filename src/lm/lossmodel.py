@@ -337,7 +337,7 @@ def schedule_forecast(
     """The law's predictions at `step` of a run whose LR schedule spans `schedule_steps` under `optim` and
     whose plan ends at `plan_steps` (default: with the schedule)."""
     plan_steps = plan_steps or schedule_steps
-    length = max(1, min(cooldown_steps, plan_steps - step))
+    length = max(0, min(cooldown_steps, plan_steps - step))  # 0 at the plan's end: nothing left to cool
     plan_end = law.predict(multipliers(optim, schedule_steps, plan_steps))
     longer = round(plan_steps * 1.1)
     drop = plan_end.loss - law.predict(multipliers(optim, longer)).loss

@@ -178,7 +178,7 @@ class DiminishingReturnsStopper(Callback):
         if self.optim is None or not self.schedule_steps:
             return None
         step = self.points[-1].step
-        plan_steps = max(self.plan_end_steps or self.schedule_steps, step + 1)
+        plan_steps = max(self.plan_end_steps or self.schedule_steps, step)
         pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
         law = fit_schedule_law(
             [p.step for p in pts],
