@@ -4,14 +4,14 @@ of imports (inside functions included) closes a cycle.
 Layers, top to bottom (docs/architecture.md draws them):
 
   7 entry points   lm.cli (train.py at the repository root)
-  6 verbs          bench, sweep, sky, supervise
+  6 verbs          bench, sweep, sky, supervise, planner
   5 composition    lm.train: one run
   4 run services   doctor (every run's preflight), report (every run's last word), export
   3 run parts      callbacks, checkpointing
   2 machinery      module, kernels, activation checkpointing, runtime, parallel, generate, storage, remote, data,
                    hf, evaluate
-  1 foundation     model, config, cost, memory, forecast, plan, exits, atomic, rundir, runlock, tables,
-                   bench_results
+  1 foundation     model, config, cost, memory, forecast, schedule, lossmodel, plan, exits, atomic, rundir,
+                   runlock, tables, bench_results
 """
 
 import ast
@@ -24,6 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     1: [
         "lm", "lm.model", "lm.config", "lm.cost", "lm.memory", "lm.forecast", "lm.plan",
+        "lm.schedule", "lm.lossmodel",
         "lm.exits", "lm.atomic", "lm.rundir", "lm.runlock", "lm.tables", "lm.bench_results",
     ],
     2: [
@@ -33,7 +34,7 @@ LAYERS = {
     3: ["lm.callbacks", "lm.checkpointing"],
     4: ["lm.doctor", "lm.report", "lm.export"],
     5: ["lm.train"],
-    6: ["lm.bench", "lm.sweep", "lm.sky", "lm.supervise"],
+    6: ["lm.bench", "lm.sweep", "lm.sky", "lm.supervise", "lm.planner"],
     7: ["lm.cli"],
 }  # fmt: skip
 

@@ -159,3 +159,34 @@ def test_a_budget_cap_stops_within_one_step_of_the_budget(tiny_cfg, tmp_path):
 def test_bad_stopping_and_sampling_values_fail_before_anything_is_built(compose, override, message):
     with pytest.raises(ValueError, match=message):
         to_objects(compose(override))
+
+
+def test_the_forecast_knows_the_schedule_and_prices_both_endings(tiny_cfg, tmp_path):
+    """forecast.json and the report give "cool down now: loss X, $Y; continue to the plan's end: X', $Y'"."""
+    main(
+        tiny_cfg(
+            "trainer.max_steps=40",
+            "trainer.val_every_steps=4",
+            "optim.warmup_steps=2",
+            "optim.total_steps=60",  # the schedule and the plan run to step 60; this invocation stops at 40
+            "phases.phases=[]",
+            "sampling=off",
+            "cost.price_per_hour=3600",
+        )
+    )
+    run = tmp_path / "runs" / "smoke"
+    sched = json.loads((run / "forecast.json").read_text())["schedule"]
+    now, end = sched["cooldown_now"], sched["plan_end"]
+    # At step 40 the wsd decay (steps 48-60) has not begun: the decay's drop comes from the prior.
+    assert sched["step"] == 40 and end["steps"] == 60 and sched["law"]["c_source"] == "prior"
+    assert now["steps"] == 4  # cooldown_fraction 0.1 x 40 steps
+    for option in (now, end):
+        assert option["low"] <= option["loss"] <= option["high"]
+        assert 2.0 < option["loss"] < np.log(512)  # below a uniform guess over the vocabulary
+    assert end["loss"] < now["loss"]  # 20 more steps, decayed, beat 4 steps of cooldown
+    # Dollars: what was spent plus the steps each ending still trains, at the run's $/step.
+    spent = scalars(run, "cost/usd")[-1][1]
+    assert (end["usd"] - spent) / (now["usd"] - spent) == pytest.approx(20 / 4, rel=0.05)
+    assert sched["usd_per_loss_point_next"] > 0
+    report = (run / "report.md").read_text()
+    assert "Schedule-aware forecast, at step 40" in report and "continue to the plan's end" in report

@@ -20,6 +20,8 @@ lm supervise [options] -- python train.py [overrides...]
 lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
 lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
                             rank catalog GPUs by $/token for the config; write the SkyPilot task
+lm plan (--usd N | --target-loss L | --hours H) [--gpu G ...] [--corpus-tokens N] [overrides...]
+                            rank model x GPU plans for a budget; write the best as conf/experiment/<name>.yaml
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from lm import plan, rundir
+from lm import plan, planner, rundir
 from lm.atomic import write_atomic
 from lm.bench import run_bench, run_compare
 from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
@@ -149,6 +151,30 @@ def cmd_sky(args: argparse.Namespace) -> None:
         per_b = f"${c.usd_per_billion_tokens:.2f}/B tokens" if c.usd_per_billion_tokens else "unpriced"
         print(f"{c.gpu.name:<13} {per_b:<18} {c.why_not or 'candidate: ' + str(c.sky_name)}")
     print(f"wrote {out}: sky jobs launch -n lm {out} --env CKPT_BUCKET=<bucket>")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    cfg = to_objects(compose(args.overrides))
+    goal = planner.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
+    gpus = planner.pick_gpus(load_catalog(conf_dir()), args.gpu)
+    plans = planner.make_plans(
+        goal,
+        planner.load_presets(conf_dir(), cfg.data),
+        gpus,
+        seq_len=cfg.data.seq_len,
+        tokens_per_step=args.tokens_per_step,
+        corpus=args.corpus_tokens or planner.corpus_tokens(cfg.data),
+        interruptions_per_hour=args.interruptions_per_hour,
+        bench_dir=Path(cfg.bench.out_dir),
+        tokens_per_sec=args.tokens_per_sec,
+        price_per_hour=args.price_per_hour,
+    )
+    planner.check_goal(goal, plans, gpus)
+    print(planner.render(plans, args.top))
+    command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
+    out = Path(args.out_dir) / f"{args.name}.yaml"
+    write_atomic(out, planner.experiment_yaml(plans[0], args.name, command))
+    print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:
@@ -320,12 +346,34 @@ def add_sky(verbs) -> None:
     sky.set_defaults(fn=cmd_sky)
 
 
+def add_plan(verbs) -> None:
+    p = verbs.add_parser("plan", help="rank model x GPU plans for a budget; write the best as an experiment")
+    goal = p.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--usd", type=float, help="dollars to spend")
+    goal.add_argument("--target-loss", type=float, help="the loss to reach, as cheaply as possible")
+    goal.add_argument("--hours", type=float, help="wall-clock hours to train")
+    p.add_argument("--gpu", nargs="+", help="catalog GPUs to consider (conf/gpu/; default: all but cpu)")
+    p.add_argument(
+        "--pricing", choices=["on_demand", "spot"], default="on_demand", help="price --usd buys at"
+    )
+    p.add_argument("--corpus-tokens", type=int, help="training tokens of the corpus (default: its manifest)")
+    p.add_argument("--tokens-per-step", type=int, default=131_072, help="global batch in tokens (131,072)")
+    p.add_argument("--interruptions-per-hour", type=float, default=0.1, help="spot interruption rate (0.1)")
+    p.add_argument("--tokens-per-sec", type=float, help="a measured throughput instead of peak x MFU")
+    p.add_argument("--price-per-hour", type=float, help="$/h instead of the catalog's prices")
+    p.add_argument("--top", type=int, default=10, help="plans to show (10)")
+    p.add_argument("--name", default="planned", help="experiment name (default: planned)")
+    p.add_argument("--out-dir", default="conf/experiment", help="where the experiment file goes")
+    add_overrides(p, "data=text data.paths='corpus/*.txt'")
+    p.set_defaults(fn=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lm", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
-    for add in (add_config_verbs, add_doctor_and_bench, add_run_readers, add_supervise, add_sky):
+    for add in (add_config_verbs, add_doctor_and_bench, add_run_readers, add_supervise, add_sky, add_plan):
         add(verbs)
     return parser
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -17,6 +16,7 @@ from lm.data.bytes import token_byte_lengths
 from lm.kernels import apply_liger
 from lm.model import ModelConfig, Transformer
 from lm.parallel import grad_norm, shard_model
+from lm.schedule import lr_lambda
 
 
 def fused_linear_cross_entropy(
@@ -31,43 +31,6 @@ def fused_linear_cross_entropy(
 def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
     """The eager loss, in fp32 (a bf16 log-softmax over 32K classes loses the small probabilities)."""
     return F.cross_entropy(logits_NV.float(), targets_N)
-
-
-def lr_lambda(
-    optim: OptimConfig, total_steps: int, cooldown: Callable[[], tuple[int, int] | None] | None = None
-):
-    """Learning-rate multiplier as a function of the optimizer step (for `LambdaLR`).
-
-    `cooldown` returns (start step, length) once an early stop has been decided (see callbacks/stopper.py):
-    from `start` the multiplier falls linearly from its value there to the floor over `length` steps.
-    """
-    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
-    decay_start = total_steps - int(optim.decay_fraction * total_steps)
-
-    def multiplier(step: int) -> float:
-        window = cooldown() if cooldown is not None else None
-        if window is not None and step >= window[0]:
-            start, length = window
-            at_start = scheduled(start)
-            progress = min(1.0, (step - start) / max(1, length))
-            return min(scheduled(step), at_start - (at_start - floor) * progress)
-        return scheduled(step)
-
-    def scheduled(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if optim.schedule == "constant":
-            return 1.0
-        if optim.schedule == "cosine":
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        # wsd: flat until the last decay_fraction of the run, then linear down to the floor.
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
-        return 1.0 - (1.0 - floor) * progress
-
-    return multiplier
 
 
 class LMModule(pl.LightningModule):

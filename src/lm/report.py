@@ -47,7 +47,10 @@ def write_report(run_dir: str | Path) -> Path:
     plots = [p for p in plots if p is not None]
     text = render(run_dir.name, cfg, scalars, rows, ledger, plots, rollbacks, remote, evals)
     stop, forecast = rundir.read_record(run_dir / rundir.STOP), rundir.read_record(run_dir / rundir.FORECAST)
-    text += stopping_section(stop, forecast)
+    measured = float(scalars["val/loss"].values[-1]) if "val/loss" in scalars else None
+    decided = (stop or {}).get("forecast")  # what the stopper saw when it decided, else the latest
+    schedule = decided or (forecast or {}).get("schedule")
+    text += stopping_section(stop, forecast) + schedule_forecast_section(schedule, measured, bool(decided))
     text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
     path = run_dir / "report.md"
@@ -345,6 +348,35 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
     if last_eval is not None:
         where = last_eval.get("checkpoint") or last_eval.get("model")
         lines += [f"`lm eval` of {where}:", "", evals_markdown(last_eval["scores"]), ""]
+    return "\n".join(lines)
+
+
+def schedule_forecast_section(sched: dict | None, measured: float | None, at_stop: bool) -> str:
+    """The schedule-aware forecast's two endings (lm.lossmodel; from stop.json when the stopper decided, else
+    forecast.json's latest), with their 90% intervals, against the run's last measured validation loss."""
+    if not sched:
+        return ""
+    law = sched["law"]
+    source = "fitted" if law["c_source"] == "fitted" else "from the prior: the LR had not fallen yet"
+    lines = [
+        "",
+        f"Schedule-aware forecast{' when the stop was decided' if at_stop else ''}, at step {sched['step']:,}: L = {law['L0']:.3f} + {law['A']:.4g} x S1^-{law['alpha']:.3f} "
+        f"- {law['C']:.3g} x S2 (S1 the summed LR, S2 the annealing area; C {source}; {law['n_points']} points, "
+        f"rms {law['rms']:.4f}).",
+        "",
+        "| ending | final loss (90% interval) | dollars |",
+        "|---|---|---|",
+    ]
+    for key, name in (("cooldown_now", "cool down now"), ("plan_end", "continue to the plan's end")):
+        o = sched[key]
+        lines.append(
+            f"| {name} (step {o['steps'] if key == 'plan_end' else sched['step'] + o['steps']:,}) | "
+            f"{o['loss']:.3f} ({o['low']:.3f}-{o['high']:.3f}) | {fmt_money(o['usd'])} |"
+        )
+    lines.append(f"| the next loss point costs | | {fmt_money(sched['usd_per_loss_point_next'])} |")
+    if measured is not None:
+        lines += ["", f"Measured: the last validation loss was {measured:.3f}."]
+    lines.append("")
     return "\n".join(lines)
 
 

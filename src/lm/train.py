@@ -254,6 +254,8 @@ def stopper(
         plan_end_steps=end.steps,
         chinchilla_tokens=plan.chinchilla_tokens(n_params),
         consensus=consensus,
+        optim=cfg.optim,
+        schedule_steps=cfg.optim.total_steps or cfg.trainer.max_steps,
     )
 
 

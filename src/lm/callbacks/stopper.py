@@ -25,7 +25,9 @@ from lm import rundir
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
-from lm.config import EarlyStoppingConfig
+from lm.config import EarlyStoppingConfig, OptimConfig
+from lm.lossmodel import ScheduleForecast, fit_schedule_law, schedule_forecast
+from lm.schedule import multipliers
 from lm.tables import fmt_money
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class DiminishingReturnsStopper(Callback):
         plan_end_steps: int | None = None,
         chinchilla_tokens: int | None = None,
         consensus: Consensus | None = None,
+        optim: OptimConfig | None = None,
+        schedule_steps: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.consensus = consensus or Consensus()
@@ -99,6 +103,11 @@ class DiminishingReturnsStopper(Callback):
         self.since_best = 0
         self.decision: dict[str, Any] | None = None
         self.last_forecast: fc.Forecast | None = None
+        self.optim, self.schedule_steps = optim, schedule_steps
+        """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
+        self.last_schedule: ScheduleForecast | None = None
+        self.last_choices: dict[str, Any] | None = None
+        """The schedule-aware forecast in dollars at the last validation; stop.json keeps the one a stop saw."""
         self.usd_now: float | None = None
         self.usd_before: float | None = None
         """Dollars at the previous optimizer step: the record shows the cap was crossed by this step."""
@@ -115,6 +124,7 @@ class DiminishingReturnsStopper(Callback):
         else:
             self.since_best += 1
         self.last_forecast = self.fit_forecast()
+        self.last_schedule = self.fit_schedule()
         return self.check()
 
     def check(self) -> tuple[str, str] | None:
@@ -161,6 +171,25 @@ class DiminishingReturnsStopper(Callback):
             chinchilla_tokens=self.chinchilla_tokens,
             usd_per_token=usd_per_token(self.points, self.cfg.window),
         )
+
+    def fit_schedule(self) -> ScheduleForecast | None:
+        """The schedule-aware forecast (lm.lossmodel) through the validation points so far: the final loss if
+        the run cools down now and at the plan's end, after its decay (None without a schedule or points)."""
+        if self.optim is None or not self.schedule_steps:
+            return None
+        step = self.points[-1].step
+        plan_steps = max(self.plan_end_steps or self.schedule_steps, step)
+        pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
+        law = fit_schedule_law(
+            [p.step for p in pts],
+            [p.loss for p in pts],
+            multipliers(self.optim, self.schedule_steps, plan_steps),
+            min_points=self.cfg.forecast_min_points,
+        )
+        if law is None:
+            return None
+        cooldown = math.ceil(self.cfg.cooldown_fraction * step)  # what decide() would run
+        return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps)
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
@@ -280,6 +309,7 @@ class DiminishingReturnsStopper(Callback):
             "decided_at_usd": self.meter.usd(),
             "decided_at_tokens": self.meter.state.tokens,
             "usd_per_loss_point": self.marginal()[0] if self.points else None,
+            "forecast": self.last_choices,
             "cooldown": None,
             "stopped": False,
         }
@@ -343,12 +373,41 @@ class DiminishingReturnsStopper(Callback):
                     fmt_money(spent),
                     bought,
                 )
+            record = forecast_record(f, spent, bought, self.points[-1].step)
+            record["schedule"] = self.last_choices = self.schedule_choices()
             if trainer.is_global_zero:
-                rundir.write_record(
-                    self.forecast_path, forecast_record(f, spent, bought, self.points[-1].step)
-                )
+                rundir.write_record(self.forecast_path, record)
         for name, value in metrics.items():
             pl_module.log(name, float(value), on_step=False, on_epoch=True)
+
+    def schedule_choices(self) -> dict[str, Any] | None:
+        """The schedule-aware forecast as a decision in dollars (forecast.json's `schedule`), logged as
+        "cool down now: final loss X, $Y; continue to the plan's end: X', $Y'; the next loss point costs $Z"."""
+        sf, last = self.last_schedule, self.points[-1]
+        per_token = usd_per_token(self.points, self.cfg.window)
+        if sf is None or per_token is None or last.usd is None or last.step < 1:
+            return None
+        choices = sf.choices(last.usd, per_token * last.tokens / last.step)
+        now, end = choices["cooldown_now"], choices["plan_end"]
+        log.info(
+            "cool down now: final loss %.3f [%.3f, %.3f], %s; continue to the plan's end: final loss %.3f "
+            "[%.3f, %.3f], %s; the next loss point costs %s%s",
+            now["loss"],
+            now["low"],
+            now["high"],
+            fmt_money(now["usd"]),
+            end["loss"],
+            end["low"],
+            end["high"],
+            fmt_money(end["usd"]),
+            fmt_money(choices["usd_per_loss_point_next"]),
+            " (the decay's drop from a prior: the LR has not fallen yet)"
+            if sf.law.c_source == "prior"
+            else "",
+        )
+        law = sf.law
+        fields = ("L0", "A", "alpha", "C", "lam", "rms", "n_points", "c_source")
+        return {"step": sf.step, "law": {k: getattr(law, k) for k in fields}, **choices}
 
 
 def forecast_record(f: fc.Forecast, spent: float | None, bought: float | None, step: int) -> dict[str, Any]:
