@@ -146,7 +146,12 @@ class LMModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
+        loss = self.loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        val_source = getattr(self.trainer.datamodule, "val_source", None)
+        source = val_source(batch_idx) if val_source else None
+        if source is not None:  # a data mixture: each validation batch is one source's
+            self.log(f"val/loss/{source}", loss, sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lr_cooldown"] = self.lr_cooldown

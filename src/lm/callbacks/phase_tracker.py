@@ -14,7 +14,6 @@ from lm import rundir
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
-from lm.data.dataset import val_batches
 from lm.plan import phase_at
 from lm.tables import phases_markdown
 
@@ -132,10 +131,8 @@ class PhaseTracker(Callback):
 def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: int) -> float:
     """Mean loss over the first `max_batches` validation batches, under the run's precision."""
     datamodule = trainer.datamodule
-    if datamodule.val_set is None:
-        datamodule.setup("validate")
+    batches = datamodule.val_batch_list()
     windows = datamodule.val_set
-    batches = val_batches(len(windows), datamodule.cfg.batch_size, trainer.world_size, trainer.global_rank)
     was_training = pl_module.training
     pl_module.eval()
     losses = []

@@ -1,0 +1,463 @@
+"""Weighted data mixtures: several prepared corpora sharing one tokenizer, each step drawn from all of them.
+
+Allocation. Within a stretch of constant weights w, source k "ticks" at position p when
+floor((p+1)·w_k + ½) > floor(p·w_k + ½): a Bresenham line of slope w_k, so among any P consecutive positions it
+ticks P·w_k ± 1 times. Reading the ticks in (position, source) order gives one stream: sample t is the t-th tick,
+and it is that source's j-th sample with j its ticks before. Both are closed forms of t, so which window a sample
+is stays a pure function of (seed, sample index, weights): StepSampler's step-and-rank indexing of samples is
+kept unchanged, and with it exact resume and world-size changes. Over any run of n consecutive samples a
+source's share is within about K/n of its weight (K sources), far tighter than drawing sources at random.
+
+Segments. Weights are piecewise constant over optimizer steps: a phase with its own weights (PhaseConfig.mixture)
+or a source reaching its max_epochs cap under `data.on_exhausted=renormalise` starts a new segment, which
+continues every source's count where the previous one left it. Under `stop` the plan ends at the step that
+would take a source past its cap. Each source visits its windows in its own seeded permutation per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lm.config import DataConfig, MixtureSource, PhaseConfig
+from lm.data.datamodule import LMDataModule
+from lm.data.dataset import StepSampler, TokenWindows, val_batches
+from lm.data.manifest import (
+    check_tokenizer,
+    load_manifest,
+    prepared_folder,
+    shard_paths,
+    verify_shards,
+)
+from lm.data.shards import prepare
+
+log = logging.getLogger("lm.data")
+
+
+def source_config(data: DataConfig, source: MixtureSource) -> DataConfig:
+    """The DataConfig that prepares and reads one source: `data`'s fields with the source's own over them."""
+    own = {"source": "tokens", "dir": source.dir} if source.dir is not None else dict(source.data)
+    return dataclasses.replace(data, mixture=[], **own)
+
+
+class Allocation:
+    """Which source each sample of a constant-weight stretch belongs to, and its index within that source."""
+
+    def __init__(self, weights: Sequence[float]):
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+
+    def ticks_before(self, p: np.ndarray) -> np.ndarray:
+        """(..., K) ticks of each source at positions before `p`."""
+        return np.floor(p[..., None] * self.weights + 0.5).astype(np.int64)
+
+    def position(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For samples t (N,): the position p holding the t-th tick, ticks before p (N, K), the sources
+        ticking at p (N, K, 0/1) and which of those ticks sample t is."""
+        k = len(self.weights)
+        # Ticks before p lie within K/2 of p, so the position lies within K+1 of t.
+        cand = np.maximum(t[:, None] + np.arange(-k - 1, k + 2), 0)
+        total = self.ticks_before(cand).sum(-1)  # nondecreasing along the candidates
+        p = cand[np.arange(len(t)), (total <= t[:, None]).sum(-1) - 1]
+        before = self.ticks_before(p)
+        ticks = self.ticks_before(p + 1) - before
+        return p, before, ticks, t - before.sum(-1)
+
+    def locate(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within the source) of samples t."""
+        _, before, ticks, rank = self.position(t)
+        source = (np.cumsum(ticks, -1) <= rank[:, None]).sum(-1)
+        return source, before[np.arange(len(t)), source]
+
+    def counts(self, n: int) -> np.ndarray:
+        """(K,) samples of each source among the first n."""
+        _, before, ticks, rank = self.position(np.array([n], dtype=np.int64))
+        return (before + ticks * (np.cumsum(ticks, -1) <= rank[:, None]))[0]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Stream steps from `start` on drawn with one allocation, every source's count continuing from `base`."""
+
+    start: int
+    allocation: Allocation
+    base: np.ndarray
+
+    def counts_after(self, steps: int, per_step: int) -> np.ndarray:
+        """Samples of each source drawn once `steps` steps of this segment have run."""
+        return self.base + self.allocation.counts(steps * per_step)
+
+
+class Schedule:
+    """The mixture over a whole run: its segments, and the step where it stops (a source's cap, `stop`).
+
+    A pure function of the sources (windows, weights, caps), the phases, `data.on_exhausted` and the samples
+    per step (global batch), so every rank and every resumed process builds the same one.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[MixtureSource],
+        windows: Sequence[int],
+        per_step: int,
+        on_exhausted: str = "stop",
+        phases: Sequence[PhaseConfig] = (),
+        seq_len: int = 1,
+    ):
+        self.names = [s.name for s in sources]
+        self.windows = np.asarray(windows, dtype=np.int64)
+        self.per_step = per_step
+        self.caps = [
+            None if s.max_epochs is None else math.floor(s.max_epochs * n) for s, n in zip(sources, windows)
+        ]
+        self.segments: list[Segment] = []
+        self.stop_step: int | None = None
+        """First stream step that would take a source past its cap under `stop`; None: never."""
+        self.exhausted: dict[str, int] = {}
+        """Source name -> the stream step from which its cap keeps it out of the mixture."""
+        base = np.array([s.weight for s in sources], dtype=np.float64)
+        counts = np.zeros(len(sources), dtype=np.int64)
+        for start, end, weights in periods(base, self.names, phases, per_step * seq_len):
+            counts = self.add_period(start, end, weights, counts, on_exhausted)
+            if self.stop_step is not None:
+                break
+
+    def add_period(
+        self, start: int, end: int | None, weights: np.ndarray, counts: np.ndarray, on_exhausted: str
+    ) -> np.ndarray:
+        """Segments for stream steps [start, end) with `weights`, split where a source meets its cap."""
+        while True:
+            w = weights.copy()
+            w[[self.names.index(n) for n in self.exhausted]] = 0
+            if not w.sum() > 0:  # every source with weight here is used up
+                self.stop_step = start
+                return counts
+            segment = Segment(start, Allocation(w), counts)
+            hit = self.first_cap(segment, end)
+            if hit is None or hit[0] > start:
+                self.segments.append(segment)
+            if hit is None:
+                return segment.counts_after(end - start, self.per_step) if end is not None else counts
+            step, k = hit
+            counts = segment.counts_after(step - start, self.per_step)
+            if on_exhausted == "stop":
+                self.stop_step = step
+                return counts
+            self.exhausted[self.names[k]] = step
+            start = step
+
+    def first_cap(self, segment: Segment, end: int | None) -> tuple[int, int] | None:
+        """(step, source) of the first step of `segment` before `end` that would take a source past its cap."""
+        weights = segment.allocation.weights
+        hits = [
+            (step, k)
+            for k, cap in enumerate(self.caps)
+            if cap is not None
+            and weights[k] > 0
+            and (step := self.cap_step(segment, k, cap, end)) is not None
+        ]
+        return min(hits, default=None)
+
+    def cap_step(self, segment: Segment, k: int, cap: int, end: int | None) -> int | None:
+        """The first step of `segment` (before `end`) after which source k would have drawn more than `cap`."""
+
+        def over(step: int) -> bool:
+            return segment.counts_after(step + 1 - segment.start, self.per_step)[k] > cap
+
+        # By `hi` the source has certainly drawn more than its cap (its ticks stay within 1 of the line).
+        lo = segment.start
+        hi = lo + math.ceil((cap + 2) / (segment.allocation.weights[k] * self.per_step)) + 1
+        if end is not None:
+            if end <= lo or not over(end - 1):
+                return None
+            hi = end - 1
+        while lo < hi:  # binary search: counts only grow with the step
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if over(mid) else (mid + 1, hi)
+        return lo
+
+    def segment_at(self, step: int) -> Segment:
+        """The segment holding stream step `step`."""
+        starts = [s.start for s in self.segments]
+        return self.segments[max(0, int(np.searchsorted(starts, step, side="right")) - 1)]
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within the source) of global samples, all in one step."""
+        segment = self.segment_at(int(samples[0]) // self.per_step)
+        source, index = segment.allocation.locate(samples - segment.start * self.per_step)
+        return source, index + segment.base[source]
+
+    def counts_at(self, step: int) -> np.ndarray:
+        """Samples of each source drawn before stream step `step`."""
+        segment = self.segment_at(step)
+        return segment.counts_after(step - segment.start, self.per_step)
+
+
+def periods(
+    base: np.ndarray, names: list[str], phases: Sequence[PhaseConfig], tokens_per_step: int
+) -> list[tuple[int, int | None, np.ndarray]]:
+    """(first step, end step or None, weights) of each phase; a phase ending at a token count ends at the
+    step those tokens take. One period of the base weights without phases."""
+    out, start = [], 0
+    for i, phase in enumerate(phases):
+        weights = base.copy()
+        for name, weight in (phase.mixture or {}).items():
+            weights[names.index(name)] = weight
+        if (weights < 0).any() or not weights.sum() > 0:
+            raise ValueError(
+                f"phase '{phase.name}' gives the mixture weights {dict(zip(names, weights.tolist()))}: they "
+                f"must be >= 0 with a positive total"
+            )
+        end = phase.end_step if phase.end_step is not None else math.ceil(phase.end_tokens / tokens_per_step)
+        last = i == len(phases) - 1
+        out.append((start, None if last else max(end, start), weights))
+        start = max(end, start)
+    return out or [(0, None, base)]
+
+
+class MixtureWindows(Dataset):
+    """Several sources' TokenWindows as one index space: source k's window i is item offsets[k] + i."""
+
+    def __init__(self, parts: Sequence[TokenWindows]):
+        self.parts = list(parts)
+        self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return self.parts[k][i - int(self.offsets[k])]
+
+    def source_of(self, i: int) -> int:
+        """Which source item `i` comes from."""
+        return int(np.searchsorted(self.offsets, i, side="right")) - 1
+
+
+class MixtureSampler(StepSampler):
+    """StepSampler whose samples are allocated to sources by a Schedule, each source in its own permutation.
+
+    Samples are indexed exactly as StepSampler indexes them (step, micro-batch, rank), so resume, skipped
+    windows and world-size changes behave the same; only the sample -> window map differs.
+    """
+
+    def __init__(self, schedule: Schedule, offsets: np.ndarray, batch_size: int, **kwargs):
+        super().__init__(int(offsets[-1]), batch_size, **kwargs)
+        self.schedule = schedule
+        self.offsets = offsets
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}
+
+    def source_permutation(self, k: int, epoch: int) -> np.ndarray:
+        """Window order of source k's `epoch`; each source's current one is cached."""
+        cached = self._perms.get(k)
+        if cached is None or cached[0] != epoch:
+            n = int(self.schedule.windows[k])
+            cached = (epoch, np.random.default_rng([self.seed, k, epoch]).permutation(n))
+            self._perms[k] = cached
+        return cached[1]
+
+    def micro_batch(self, m: int) -> list[int]:
+        first = (m * self.world_size + self.rank) * self.batch_size
+        samples = np.arange(first, first + self.batch_size, dtype=np.int64)
+        source, index = self.schedule.locate(samples)
+        epochs, slots = np.divmod(index, self.schedule.windows[source])
+        windows = np.empty(self.batch_size, dtype=np.int64)
+        for k, epoch in {(int(k), int(e)) for k, e in zip(source, epochs)}:
+            mask = (source == k) & (epochs == epoch)
+            windows[mask] = self.offsets[k] + self.source_permutation(k, epoch)[slots[mask]]
+        return windows.tolist()
+
+
+def mixed_val_batches(
+    parts: Sequence[int], weights: Sequence[float], batch_size: int, world_size: int = 1, rank: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """This rank's validation batches over all sources, and the source of each.
+
+    Every batch holds one source's windows (so its loss is that source's), and the sources take turns in
+    proportion to the weights, so the first `trainer.limit_val_batches` of them (the mixed `val/loss`)
+    weigh the sources as training does. A source out of batches drops out of the rotation.
+    """
+    offsets = np.concatenate([[0], np.cumsum(parts)])
+    queues = [val_batches(n, batch_size, world_size, rank) for n in parts]
+    total = sum(len(q) for q in queues)
+    taken = [0] * len(parts)
+    batches, sources = [], []
+    turn = Allocation(weights).locate(np.arange(total * len(parts), dtype=np.int64))[0]
+    for k in turn.tolist():
+        if len(batches) == total:
+            break
+        if taken[k] < len(queues[k]):
+            batches.append([int(offsets[k]) + i for i in queues[k][taken[k]]])
+            sources.append(k)
+            taken[k] += 1
+    for k, queue in enumerate(queues):  # sources whose weight left them no turn above still validate
+        for batch in queue[taken[k] :]:
+            batches.append([int(offsets[k]) + i for i in batch])
+            sources.append(k)
+    return batches, sources
+
+
+class MixtureDataModule(LMDataModule):
+    """LMDataModule over data.mixture: every source prepared and verified alone, refused unless they share
+    one tokenizer; training batches from a MixtureSampler; validation batches tagged by source."""
+
+    def __init__(
+        self, cfg: DataConfig, planned_tokens: int | None = None, phases: Sequence[PhaseConfig] = ()
+    ):
+        super().__init__(cfg, planned_tokens)
+        self.phases = list(phases)
+        self.sources = [source_config(cfg, s) for s in cfg.mixture]
+        self.folders: list[Path] = []
+        self.manifests: list[dict] = []
+        self.val_sources: list[int] = []
+        self.schedule: Schedule | None = None
+
+    def prepare_data(self) -> None:
+        for source in self.sources:
+            prepare(source)
+
+    def check_prepared(self) -> None:
+        if all(prepared_folder(s) is not None for s in self.sources):
+            self._resolve()
+
+    def _resolve(self) -> None:
+        if self._manifest is not None:
+            return
+        manifests = []
+        for spec, source in zip(self.cfg.mixture, self.sources):
+            folder = prepare(source)
+            manifest = load_manifest(folder)
+            check_tokenizer(source, folder, manifest)
+            verify_shards(folder, manifest, source.verify)
+            check_not_empty(spec.name, folder, manifest, self.cfg.seq_len)
+            self.folders.append(folder)
+            manifests.append(manifest)
+        check_one_tokenizer([s.name for s in self.cfg.mixture], self.folders, manifests)
+        # The shared tokenizer makes one manifest speak for all: vocabulary, dtype, end-of-text id.
+        self._data_dir, self._manifest = self.folders[0], manifests[0]
+        self.manifests = manifests
+        if manifests[0]["vocab_size"] > self.cfg.vocab_size:
+            raise ValueError(
+                f"the mixture was tokenized with vocab_size={manifests[0]['vocab_size']} but data.vocab_size="
+                f"{self.cfg.vocab_size}; set data.vocab_size={manifests[0]['vocab_size']}"
+            )
+
+    def setup(self, stage: str | None = None) -> None:
+        self._resolve()
+        seq_len, dtype, vocab = self.cfg.seq_len, self._manifest["dtype"], self._manifest["vocab_size"]
+        sets = {
+            split: MixtureWindows(
+                [
+                    TokenWindows(shard_paths(f, m, split), seq_len, dtype, vocab)
+                    for f, m in zip(self.folders, self.manifests)
+                ]
+            )
+            for split in ("train", "val")
+        }
+        self.train_set, self.val_set = sets["train"], sets["val"]
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_set is None:
+            self.setup("fit")
+        trainer = self.trainer
+        world = trainer.world_size if trainer else 1
+        accumulate = trainer.accumulate_grad_batches if trainer else 1
+        self.schedule = Schedule(
+            self.cfg.mixture,
+            [len(p) for p in self.train_set.parts],
+            self.cfg.batch_size * world * accumulate,
+            self.cfg.on_exhausted,
+            self.phases,
+            self.cfg.seq_len,
+        )
+        sampler = MixtureSampler(
+            self.schedule,
+            self.train_set.offsets,
+            self.cfg.batch_size,
+            seed=self.cfg.seed,
+            start_step=trainer.global_step if trainer else 0,
+            accumulate=accumulate,
+            world_size=world,
+            rank=trainer.global_rank if trainer else 0,
+            skips=self.skip_windows,
+        )
+        for name, step in self.schedule.exhausted.items():
+            log.warning(
+                "data.mixture: source '%s' reaches its max_epochs at step %d; the others share its weight",
+                name,
+                step,
+            )
+        if trainer is not None and self.schedule.stop_step is not None:
+            stop = optimizer_step(sampler, self.schedule.stop_step)
+            if trainer.max_steps == -1 or stop < trainer.max_steps:
+                log.warning(
+                    "data.mixture: a source reaches its max_epochs at step %d: training stops there", stop
+                )
+                trainer.fit_loop.epoch_loop.max_steps = stop
+        return self._loader(self.train_set, batch_sampler=sampler)
+
+    def val_batch_list(self) -> list[list[int]]:
+        if self.val_set is None:
+            self.setup("validate")
+        trainer = self.trainer
+        batches, self.val_sources = mixed_val_batches(
+            [len(p) for p in self.val_set.parts],
+            [s.weight for s in self.cfg.mixture],
+            self.cfg.batch_size,
+            world_size=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        return batches
+
+    def val_source(self, batch_idx: int) -> str | None:
+        """Name of the source validation batch `batch_idx` holds (its loss is logged as val/loss/<name>)."""
+        return self.cfg.mixture[self.val_sources[batch_idx]].name
+
+
+def optimizer_step(sampler: StepSampler, stream_step: int) -> int:
+    """The first optimizer step that trains on stream step `stream_step` or later (skipped windows shift it)."""
+    step = max(0, stream_step - sum(last - first + 1 for first, last in sampler.skips))
+    while sampler.stream_step(step) < stream_step:
+        step += 1
+    return step
+
+
+def check_not_empty(name: str, folder: Path, manifest: dict, seq_len: int) -> None:
+    """Refuse a source without one training and one validation window, naming it."""
+    for split in ("train", "val"):
+        tokens = manifest["splits"][split]["tokens"]
+        if tokens < seq_len + 1:
+            raise ValueError(
+                f"data.mixture source '{name}' ({folder}) has {tokens} {split} tokens, fewer than one window of "
+                f"data.seq_len+1={seq_len + 1}: give it more data, or leave it out of data.mixture"
+            )
+
+
+def check_one_tokenizer(names: list[str], folders: list[Path], manifests: list[dict]) -> None:
+    """Refuse sources tokenized differently: the same id would mean different strings in each."""
+    first = manifests[0]["tokenizer_sha256"]
+    for name, folder, manifest in zip(names[1:], folders[1:], manifests[1:]):
+        if manifest["tokenizer_sha256"] != first:
+            raise ValueError(
+                f"data.mixture sources '{names[0]}' and '{name}' were tokenized differently: '{names[0]}' "
+                f"({folders[0]}) by tokenizer sha256 {first}, '{name}' ({folder}) by sha256 "
+                f"{manifest['tokenizer_sha256']}. Prepare every source with one tokenizer: `lm prepare ... "
+                f"data.tokenizer={folders[0] / 'tokenizer.json'}`"
+            )
+
+
+def data_module(
+    cfg: DataConfig, planned_tokens: int | None = None, phases: Sequence[PhaseConfig] = ()
+) -> LMDataModule:
+    """The data module a run trains from: a MixtureDataModule when data.mixture lists sources."""
+    if cfg.mixture:
+        return MixtureDataModule(cfg, planned_tokens, phases)
+    return LMDataModule(cfg, planned_tokens)
