@@ -1,5 +1,6 @@
 """Weighted data mixtures (lm.data.mixture): proportions, exact resume, caps, refusals, per-source validation."""
 
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -8,11 +9,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm.config import DataConfig, MixtureSource, PhaseConfig
-from lm.data import prepare
+from lm.config import DataConfig, MixtureSource, PhaseConfig, compose, to_objects
+from lm.data import load_manifest, prepare
 from lm.data.mixture import Allocation, MixtureDataModule, MixtureSampler, Schedule, mixed_val_batches
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import train_tokenizer
+from lm.doctor import check_mixture, resolve_target
 from lm.exits import EXIT_CONFIG, exit_code
 
 from .conftest import TINY, train_in_process
@@ -248,9 +250,12 @@ def test_a_capped_source_stops_or_renormalises_the_lightning_run_at_its_cap(corp
     assert schedule.counts_at(len(model.seen) // 2)[2] <= cap
 
 
-def mixture_overrides(corpora: dict[str, Path], tmp_path: Path, *extra: str) -> list[str]:
+def mixture_overrides(
+    corpora: dict[str, Path], tmp_path: Path, *extra: str, math_epochs: str = "null"
+) -> list[str]:
     sources = ",".join(
-        f"{{name:{n},dir:'{corpora[n]}',weight:{w}}}" for n, w in [("web", 0.5), ("code", 0.3), ("math", 0.2)]
+        f"{{name:{n},dir:'{corpora[n]}',weight:{w},max_epochs:{e}}}"
+        for n, w, e in [("web", 0.5, "null"), ("code", 0.3, "null"), ("math", 0.2, math_epochs)]
     )
     return [
         *TINY, f"run.root={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}", "data=mixture",
@@ -292,3 +297,17 @@ def test_a_mixture_run_logs_each_source_and_resumes_exactly_across_a_phase_weigh
         )
     resumed = weights(tmp_path / "runs/split")
     assert all(torch.equal(resumed[k], v) for k, v in weights(run).items())
+
+
+def test_the_doctor_tells_each_sources_share_epochs_and_where_a_cap_is_met(corpora, tmp_path):
+    overrides = mixture_overrides(
+        corpora, tmp_path, "trainer.max_steps=2000", "phases.phases=[]", math_epochs="0.5"
+    )
+    target = resolve_target(to_objects(compose(overrides)))
+    found = {f.what.split(":")[0]: f for f in check_mixture(target)}
+    cap = (load_manifest(corpora["math"])["splits"]["train"]["tokens"] - 1) // SEQ // 2
+    assert found["math"].level == "warn" and "data.on_exhausted=renormalise" in found["math"].fix
+    step = int(re.search(r"met at step ([\d,]+): the run stops", found["math"].what)[1].replace(",", ""))
+    assert round(0.8 * step) <= cap < round(0.8 * (step + 1))  # 4 windows a step, 20% of them math
+    assert f"the plan draws {2 * step * SEQ:,}" in found["web"].what  # half of each step, until the cap
+    assert found["code"].level == "ok"

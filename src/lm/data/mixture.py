@@ -121,6 +121,8 @@ class Schedule:
         self.segments: list[Segment] = []
         self.stop_step: int | None = None
         """First stream step that would take a source past its cap under `stop`; None: never."""
+        self.stopped_by: str | None = None
+        """The source whose cap sets stop_step (None when every source with weight was used up)."""
         self.exhausted: dict[str, int] = {}
         """Source name -> the stream step from which its cap keeps it out of the mixture."""
         base = np.array([s.weight for s in sources], dtype=np.float64)
@@ -149,7 +151,7 @@ class Schedule:
             step, k = hit
             counts = segment.counts_after(step - start, self.per_step)
             if on_exhausted == "stop":
-                self.stop_step = step
+                self.stop_step, self.stopped_by = step, self.names[k]
                 return counts
             self.exhausted[self.names[k]] = step
             start = step
@@ -461,3 +463,51 @@ def data_module(
     if cfg.mixture:
         return MixtureDataModule(cfg, planned_tokens, phases)
     return LMDataModule(cfg, planned_tokens)
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """What a plan draws from one source, for the doctor's table."""
+
+    name: str
+    tokens: int | None
+    """Training tokens the source holds; None while it is not prepared."""
+    planned: int
+    """Tokens the plan draws from it (its windows x seq_len)."""
+    epochs: float | None
+    """Passes over its training windows; None while it is not prepared."""
+    capped_at: int | None
+    """Step at which its max_epochs cap stops the run or takes it out of the mixture; None: never."""
+
+
+def plan_sources(
+    cfg: DataConfig, phases: Sequence[PhaseConfig], per_step: int, steps: int
+) -> list[SourcePlan] | None:
+    """Each source's share of a plan of `steps` optimizer steps of `per_step` windows, read from the prepared
+    manifests without tokenizing anything; None while a source is not prepared (its size is unknown)."""
+    manifests = []
+    for source in (source_config(cfg, s) for s in cfg.mixture):
+        folder = prepared_folder(source)
+        if folder is None or not (folder / "manifest.json").is_file():
+            return None
+        manifests.append(load_manifest(folder))
+    tokens = [m["splits"]["train"]["tokens"] for m in manifests]
+    windows = [max(1, (n - 1) // cfg.seq_len) for n in tokens]
+    schedule = Schedule(cfg.mixture, windows, per_step, cfg.on_exhausted, phases, cfg.seq_len)
+    counts = schedule.counts_at(min(steps, schedule.stop_step) if schedule.stop_step is not None else steps)
+    return [
+        SourcePlan(
+            s.name,
+            tokens[k],
+            int(counts[k]) * cfg.seq_len,
+            counts[k] / windows[k],
+            capped_at(schedule, s.name, steps),
+        )
+        for k, s in enumerate(cfg.mixture)
+    ]
+
+
+def capped_at(schedule: Schedule, name: str, steps: int) -> int | None:
+    """The step before `steps` at which source `name` meets its cap (stopping the run or leaving the mix)."""
+    step = schedule.stop_step if schedule.stopped_by == name else schedule.exhausted.get(name)
+    return step if step is not None and step < steps else None
