@@ -59,28 +59,27 @@ class Allocation:
         """(..., K) ticks of each source at positions before `p`."""
         return np.floor(p[..., None] * self.weights + 0.5).astype(np.int64)
 
-    def position(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For samples t (N,): the position p holding the t-th tick, ticks before p (N, K), the sources
-        ticking at p (N, K, 0/1) and which of those ticks sample t is."""
+    def span(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Samples first..first+n-1: their sources (n,), their indices within their sources (n,), and each
+        source's samples before `first` (K,)."""
         k = len(self.weights)
-        # Ticks before p lie within K/2 of p, so the position lies within K+1 of t.
-        cand = np.maximum(t[:, None] + np.arange(-k - 1, k + 2), 0)
-        total = self.ticks_before(cand).sum(-1)  # nondecreasing along the candidates
-        p = cand[np.arange(len(t)), (total <= t[:, None]).sum(-1) - 1]
-        before = self.ticks_before(p)
-        ticks = self.ticks_before(p + 1) - before
-        return p, before, ticks, t - before.sum(-1)
+        # Ticks before position p lie within K/2 of p, so positions lo..first+n+K+1 hold all n samples.
+        lo = max(0, first - k - 1)
+        before = self.ticks_before(np.arange(lo, first + n + k + 2))  # (P, K)
+        pos, source = np.nonzero(np.diff(before, axis=0))  # every tick of the range, in stream order
+        skip = first - int(before[0].sum())
+        index = before[pos, source]
+        counts = before[0] + np.bincount(source[:skip], minlength=k)
+        return source[skip : skip + n], index[skip : skip + n], counts
 
-    def locate(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index within the source) of samples t."""
-        _, before, ticks, rank = self.position(t)
-        source = (np.cumsum(ticks, -1) <= rank[:, None]).sum(-1)
-        return source, before[np.arange(len(t)), source]
+    def locate(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within the source) of samples first..first+n-1."""
+        source, index, _ = self.span(first, n)
+        return source, index
 
     def counts(self, n: int) -> np.ndarray:
         """(K,) samples of each source among the first n."""
-        _, before, ticks, rank = self.position(np.array([n], dtype=np.int64))
-        return (before + ticks * (np.cumsum(ticks, -1) <= rank[:, None]))[0]
+        return self.span(n, 0)[2]
 
 
 @dataclass(frozen=True)
@@ -131,6 +130,12 @@ class Schedule:
             counts = self.add_period(start, end, weights, counts, on_exhausted)
             if self.stop_step is not None:
                 break
+        if not self.segments:
+            raise ValueError(
+                f"data.mixture source '{self.stopped_by}' meets its max_epochs cap before the first step ends: "
+                f"raise its max_epochs or lower its weight"
+            )
+        self.starts = np.array([s.start for s in self.segments], dtype=np.int64)
 
     def add_period(
         self, start: int, end: int | None, weights: np.ndarray, counts: np.ndarray, on_exhausted: str
@@ -188,13 +193,12 @@ class Schedule:
 
     def segment_at(self, step: int) -> Segment:
         """The segment holding stream step `step`."""
-        starts = [s.start for s in self.segments]
-        return self.segments[max(0, int(np.searchsorted(starts, step, side="right")) - 1)]
+        return self.segments[max(0, int(np.searchsorted(self.starts, step, side="right")) - 1)]
 
-    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index within the source) of global samples, all in one step."""
-        segment = self.segment_at(int(samples[0]) // self.per_step)
-        source, index = segment.allocation.locate(samples - segment.start * self.per_step)
+    def locate(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within the source) of global samples first..first+n-1, all in one step."""
+        segment = self.segment_at(first // self.per_step)
+        source, index = segment.allocation.locate(first - segment.start * self.per_step, n)
         return source, index + segment.base[source]
 
     def counts_at(self, step: int) -> np.ndarray:
@@ -268,13 +272,14 @@ class MixtureSampler(StepSampler):
 
     def micro_batch(self, m: int) -> list[int]:
         first = (m * self.world_size + self.rank) * self.batch_size
-        samples = np.arange(first, first + self.batch_size, dtype=np.int64)
-        source, index = self.schedule.locate(samples)
+        source, index = self.schedule.locate(first, self.batch_size)
         epochs, slots = np.divmod(index, self.schedule.windows[source])
-        windows = np.empty(self.batch_size, dtype=np.int64)
-        for k, epoch in {(int(k), int(e)) for k, e in zip(source, epochs)}:
-            mask = (source == k) & (epochs == epoch)
-            windows[mask] = self.offsets[k] + self.source_permutation(k, epoch)[slots[mask]]
+        windows = self.offsets[source] + slots
+        keys = source * (int(epochs.max()) + 1) + epochs  # one key per (source, epoch) present
+        for key in np.unique(keys).tolist():
+            mask = keys == key
+            k = int(source[mask][0])
+            windows[mask] = self.offsets[k] + self.source_permutation(k, int(epochs[mask][0]))[slots[mask]]
         return windows.tolist()
 
 
@@ -292,7 +297,7 @@ def mixed_val_batches(
     total = sum(len(q) for q in queues)
     taken = [0] * len(parts)
     batches, sources = [], []
-    turn = Allocation(weights).locate(np.arange(total * len(parts), dtype=np.int64))[0]
+    turn = Allocation(weights).locate(0, total * len(parts))[0]
     for k in turn.tolist():
         if len(batches) == total:
             break
