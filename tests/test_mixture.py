@@ -16,6 +16,7 @@ from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import train_tokenizer
 from lm.doctor import check_mixture, resolve_target
 from lm.exits import EXIT_CONFIG, exit_code
+from lm.rundir import read_phases
 
 from .conftest import TINY, train_in_process
 from .test_data import BatchRecorder
@@ -287,6 +288,11 @@ def test_a_mixture_run_logs_each_source_and_resumes_exactly_across_a_phase_weigh
     last = max(mixed)
     expected = (3 * per_source["web"][last] + 2 * per_source["code"][last] + per_source["math"][last]) / 6
     assert mixed[last] == pytest.approx(expected, rel=1e-5)
+    rows = read_phases(run)  # the phase table and the report give each source's loss too
+    assert [r["name"] for r in rows] == ["main", "anneal"] and all("web=" in r["source_losses"] for r in rows)
+    assert (
+        f"validation loss, math | {per_source['math'][min(mixed)]:.3f} ->" in (run / "report.md").read_text()
+    )
     # Stopped at step 4 (the phase boundary) and resumed into the re-weighted phase: the same weights.
     for steps in (4, 8):
         assert (

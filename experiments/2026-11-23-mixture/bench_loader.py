@@ -1,10 +1,10 @@
 """Loader throughput of a 3-source data mixture against one source, and the proportions the mixture draws.
 
-    PYTHONPATH=src python experiments/2026-11-23-mixture/bench_loader.py [--steps 300] [--workers 2]
+    PYTHONPATH=src python experiments/2026-11-23-mixture/bench_loader.py [--steps 300] [--workers 2] [--repeats 5]
 
 Both loaders read the same tokens: the stdlib corpus cut into documents, split three ways for the mixture and
 kept whole for the single source, all tokenized by one tokenizer. Each timing is the real DataLoader (workers,
-batch sampler, TokenWindows reads) over the same number of batches, best of --repeats, in one process, so the
+batch sampler, TokenWindows reads) over the same number of batches, alternating with each other --repeats times in one process (medians), so the
 ratio is comparable even on a shared machine.
 """
 
@@ -56,38 +56,57 @@ def windows(folder: Path, seq_len: int) -> TokenWindows:
     return TokenWindows(shard_paths(folder, m, "train"), seq_len, m["dtype"], m["vocab_size"])
 
 
-def throughput(dataset, sampler, steps: int, workers: int, repeats: int) -> float:
-    """Best windows/s of `steps` batches through a fresh DataLoader, first batch (worker start) excluded."""
-    best = 0.0
-    for _ in range(repeats):
-        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers)
-        it = iter(loader)
+def rate(dataset, sampler, steps: int, workers: int) -> float:
+    """Windows/s of `steps` batches through a fresh DataLoader, its first batch (worker start-up) excluded."""
+    it = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=workers))
+    next(it)
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        n += len(next(it))
+    return n / (time.perf_counter() - t0)
+
+
+def compare(single, mixed, schedule, args, workers: int) -> dict:
+    """Single source and mixture timed in alternation (ABAB...), so a neighbour's load hits both alike; the
+    medians and their ratio."""
+    one, mix = [], []
+    for _ in range(args.repeats):
+        one.append(rate(single, StepSampler(len(single), args.batch), args.steps, workers))
+        mix.append(rate(mixed, MixtureSampler(schedule, mixed.offsets, args.batch), args.steps, workers))
+    return {
+        "single_windows_per_s": round(float(np.median(one))),
+        "mixture_windows_per_s": round(float(np.median(mix))),
+        "ratio_of_medians": round(float(np.median(mix) / np.median(one)), 3),
+        "ratios_per_round": [round(m / o, 3) for m, o in zip(mix, one)],
+    }
+
+
+def sampler_cost(sampler, n: int = 3000) -> float:
+    """Microseconds the batch sampler itself takes per batch (it runs in the training process)."""
+    it = iter(sampler)
+    t0 = time.perf_counter()
+    for _ in range(n):
         next(it)
-        t0, n = time.perf_counter(), 0
-        for _ in range(steps):
-            n += len(next(it))
-        best = max(best, n / (time.perf_counter() - t0))
-        del it, loader
-    return best
+    return round((time.perf_counter() - t0) / n * 1e6, 1)
 
 
-def proportions(sampler: MixtureSampler, offsets: np.ndarray, steps: int, stretch: int) -> dict:
-    """Each source's share over all `steps`, and its largest deviation from the weight over any `stretch` steps."""
+def proportions(sampler: MixtureSampler, offsets: np.ndarray, steps: int, stretches=(1, 7, 100)) -> dict:
+    """Each source's share over all `steps`, and its largest deviation from its weight over any run of
+    consecutive steps of each length in `stretches`."""
     it = iter(sampler)
     per_step = np.array(
         [np.bincount(np.searchsorted(offsets, next(it), side="right") - 1, minlength=3) for _ in range(steps)]
     )
     share = per_step.sum(0) / per_step.sum()
-    sums = np.lib.stride_tricks.sliding_window_view(per_step, stretch, axis=0).sum(-1)
-    dev = np.abs(sums / sums.sum(1, keepdims=True) - np.array(list(WEIGHTS.values()))).max(0)
-    return {
-        name: {
-            "weight": w,
-            "share": round(float(share[k]), 5),
-            f"max_dev_any_{stretch}_steps": round(float(dev[k]), 5),
-        }
-        for k, (name, w) in enumerate(WEIGHTS.items())
+    out = {
+        name: {"weight": w, "share": round(float(share[k]), 5)} for k, (name, w) in enumerate(WEIGHTS.items())
     }
+    for stretch in stretches:
+        sums = np.lib.stride_tricks.sliding_window_view(per_step, stretch, axis=0).sum(-1)
+        dev = np.abs(sums / sums.sum(1, keepdims=True) - np.array(list(WEIGHTS.values()))).max(0)
+        for k, name in enumerate(WEIGHTS):
+            out[name][f"max_abs_dev_any_{stretch}_steps"] = round(float(dev[k]), 5)
+    return out
 
 
 def main() -> None:
@@ -96,7 +115,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-bytes", type=int, default=6_000_000)
     p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     args = p.parse_args()
@@ -111,23 +130,14 @@ def main() -> None:
         results = {"args": vars(args), "prepare_s": round(prep_s, 1), "windows": {"single": len(single)}}
         results["windows"].update({n: len(p) for n, p in zip(WEIGHTS, mixed.parts)})
         for workers in sorted({0, args.workers}):
-            one = throughput(single, StepSampler(len(single), args.batch), args.steps, workers, args.repeats)
-            mix = throughput(
-                mixed, MixtureSampler(schedule, mixed.offsets, args.batch), args.steps, workers, args.repeats
-            )
-            results[f"workers={workers}"] = {
-                "single_windows_per_s": round(one), "mixture_windows_per_s": round(mix), "ratio": round(mix / one, 3)
-            }  # fmt: skip
-        sampler = MixtureSampler(schedule, mixed.offsets, args.batch)
-        t0 = time.perf_counter()
-        for _, _ in zip(range(2000), iter(sampler)):
-            pass
-        results["mixture_sampler_us_per_batch"] = round((time.perf_counter() - t0) / 2000 * 1e6, 1)
-        t0 = time.perf_counter()
-        for _, _ in zip(range(2000), iter(StepSampler(len(single), args.batch))):
-            pass
-        results["step_sampler_us_per_batch"] = round((time.perf_counter() - t0) / 2000 * 1e6, 1)
-        results["proportions"] = proportions(sampler, mixed.offsets, 10_000, 10)
+            results[f"workers={workers}"] = compare(single, mixed, schedule, args, workers)
+        results["sampler_us_per_batch"] = {
+            "single": sampler_cost(StepSampler(len(single), args.batch)),
+            "mixture": sampler_cost(MixtureSampler(schedule, mixed.offsets, args.batch)),
+        }
+        results["proportions"] = proportions(
+            MixtureSampler(schedule, mixed.offsets, args.batch), mixed.offsets, 10_000
+        )
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 

@@ -66,7 +66,7 @@ class Allocation:
         # Ticks before position p lie within K/2 of p, so positions lo..first+n+K+1 hold all n samples.
         lo = max(0, first - k - 1)
         before = self.ticks_before(np.arange(lo, first + n + k + 2))  # (P, K)
-        pos, source = np.nonzero(np.diff(before, axis=0))  # every tick of the range, in stream order
+        pos, source = np.nonzero(before[1:] - before[:-1])  # every tick of the range, in stream order
         skip = first - int(before[0].sum())
         index = before[pos, source]
         counts = before[0] + np.bincount(source[:skip], minlength=k)
@@ -259,27 +259,34 @@ class MixtureSampler(StepSampler):
         super().__init__(int(offsets[-1]), batch_size, **kwargs)
         self.schedule = schedule
         self.offsets = offsets
-        self._perms: dict[int, tuple[int, np.ndarray]] = {}
+        # Each source's current epoch order, as item indices side by side: most batches are one gather.
+        self._order = np.zeros(int(offsets[-1]), dtype=np.int64)
+        self._epochs = np.full(len(schedule.windows), -1, dtype=np.int64)
 
     def source_permutation(self, k: int, epoch: int) -> np.ndarray:
-        """Window order of source k's `epoch`; each source's current one is cached."""
-        cached = self._perms.get(k)
-        if cached is None or cached[0] != epoch:
-            n = int(self.schedule.windows[k])
-            cached = (epoch, np.random.default_rng([self.seed, k, epoch]).permutation(n))
-            self._perms[k] = cached
-        return cached[1]
+        """Window order of source k's `epoch`, seeded by (seed, source, epoch)."""
+        return np.random.default_rng([self.seed, k, epoch]).permutation(int(self.schedule.windows[k]))
 
     def micro_batch(self, m: int) -> list[int]:
         first = (m * self.world_size + self.rank) * self.batch_size
         source, index = self.schedule.locate(first, self.batch_size)
         epochs, slots = np.divmod(index, self.schedule.windows[source])
-        windows = self.offsets[source] + slots
-        keys = source * (int(epochs.max()) + 1) + epochs  # one key per (source, epoch) present
-        for key in np.unique(keys).tolist():
-            mask = keys == key
-            k = int(source[mask][0])
-            windows[mask] = self.offsets[k] + self.source_permutation(k, int(epochs[mask][0]))[slots[mask]]
+        if (epochs != self._epochs[source]).any():
+            return self.new_epochs(source, epochs, slots)
+        return self._order[self.offsets[source] + slots].tolist()
+
+    def new_epochs(self, source: np.ndarray, epochs: np.ndarray, slots: np.ndarray) -> list[int]:
+        """A batch reaching a source's epoch that is not the cached one (its first, or one crossing into the
+        next): every window looked up in its own epoch, and each source's latest epoch cached."""
+        windows = np.empty_like(slots)
+        for k, epoch in sorted(
+            {(int(k), int(e)) for k, e in zip(source, epochs)}
+        ):  # a source's last epoch last
+            mask = (source == k) & (epochs == epoch)
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            self._order[lo:hi] = lo + self.source_permutation(k, epoch)
+            self._epochs[k] = epoch
+            windows[mask] = self._order[lo + slots[mask]]
         return windows.tolist()
 
 
