@@ -16,6 +16,7 @@ would take a source past its cap. Each source visits its windows in its own seed
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -235,17 +236,16 @@ class MixtureWindows(Dataset):
     def __init__(self, parts: Sequence[TokenWindows]):
         self.parts = list(parts)
         self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
+        self._starts = self.offsets.tolist()  # bisect on a list: a few times faster than numpy per item
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return self._starts[-1]
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
-        return self.parts[k][i - int(self.offsets[k])]
-
-    def source_of(self, i: int) -> int:
-        """Which source item `i` comes from."""
-        return int(np.searchsorted(self.offsets, i, side="right")) - 1
+        k = bisect.bisect_right(self._starts, i) - 1
+        if not 0 <= i < len(self):
+            raise IndexError(f"item {i} is out of range for a mixture of {len(self)} windows")
+        return self.parts[k][i - self._starts[k]]
 
 
 class MixtureSampler(StepSampler):
