@@ -9,11 +9,19 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.cli import main as lm
 from lm.config import DataConfig, MixtureSource, PhaseConfig, compose, to_objects
 from lm.data import load_manifest, prepare
-from lm.data.mixture import Allocation, MixtureDataModule, MixtureSampler, Schedule, mixed_val_batches
+from lm.data.mixture import (
+    Allocation,
+    MixtureDataModule,
+    MixtureSampler,
+    Schedule,
+    mixed_val_batches,
+    shared_tokenizer,
+)
 from lm.data.stdlib import stdlib_documents
-from lm.data.tokenizer import train_tokenizer
+from lm.data.tokenizer import file_sha256, train_tokenizer
 from lm.doctor import check_mixture, resolve_target
 from lm.exits import EXIT_CONFIG, exit_code
 from lm.rundir import read_phases
@@ -317,3 +325,28 @@ def test_the_doctor_tells_each_sources_share_epochs_and_where_a_cap_is_met(corpo
     assert round(0.8 * step) <= cap < round(0.8 * (step + 1))  # 4 windows a step, 20% of them math
     assert f"the plan draws {2 * step * SEQ:,}" in found["web"].what  # half of each step, until the cap
     assert found["code"].level == "ok"
+
+
+def test_lm_prepare_tokenizes_every_source_with_one_tokenizer_trained_on_a_weighted_sample(
+    corpora, tmp_path, capsys
+):
+    text = corpora["web"].parents[1] / "text"
+    sources = ",".join(
+        f"{{name:{n},weight:{w},data:{{source:text,paths:['{text / n}/*.txt']}}}}"
+        for n, w in [("web", 0.7), ("math", 0.3)]
+    )
+    overrides = [
+        "data=mixture", f"data.mixture=[{sources}]", f"data.vocab_size={VOCAB}", f"data.seq_len={SEQ}",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1", "data.tokenizer_sample_bytes=60000",
+    ]  # fmt: skip
+    assert lm(["prepare", *overrides]) is None
+    printed = capsys.readouterr().out
+    assert "prepared web (weight 0.7)" in printed and "prepared math (weight 0.3)" in printed
+    cfg = to_objects(compose(overrides)).data
+    shared = Path(shared_tokenizer(cfg, train=False))
+    assert shared.parent == tmp_path / "cache" and shared.name.startswith("mixture-tokenizer-")
+    folders = [Path(line.split(": ")[1]) for line in printed.splitlines() if line.startswith("prepared ")]
+    assert {load_manifest(f)["tokenizer_sha256"] for f in folders} == {file_sha256(shared)}
+    dm = MixtureDataModule(cfg)
+    dm.check_prepared()  # found prepared, with the same tokenizer, without training another
+    assert dm.folders == folders

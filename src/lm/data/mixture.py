@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import itertools
+import json
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,25 +32,99 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lm.atomic import write_atomic
 from lm.config import DataConfig, MixtureSource, PhaseConfig
+from lm.data import shards, sources
 from lm.data.datamodule import LMDataModule
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
 from lm.data.manifest import (
+    TOKENIZER,
+    cache_key,
     check_tokenizer,
     load_manifest,
     prepared_folder,
+    resolve_cache_dir,
     shard_paths,
     verify_shards,
 )
 from lm.data.shards import prepare
+from lm.data.tokenizer import sample_texts, train_tokenizer
+from lm.storage import is_url
 
 log = logging.getLogger("lm.data")
 
 
-def source_config(data: DataConfig, source: MixtureSource) -> DataConfig:
-    """The DataConfig that prepares and reads one source: `data`'s fields with the source's own over them."""
-    own = {"source": "tokens", "dir": source.dir} if source.dir is not None else dict(source.data)
-    return dataclasses.replace(data, mixture=[], **own)
+def source_config(data: DataConfig, source: MixtureSource, tokenizer: str | None = None) -> DataConfig:
+    """The DataConfig that prepares and reads one source: `data`'s fields with the source's own over them. A
+    corpus to prepare is tokenized by `tokenizer` (the mixture's shared one) unless its own fields name one."""
+    if source.dir is not None:
+        return dataclasses.replace(data, mixture=[], source="tokens", dir=source.dir)
+    return dataclasses.replace(data, mixture=[], tokenizer=tokenizer or data.tokenizer, **source.data)
+
+
+def mixture_sources(cfg: DataConfig, train: bool = True) -> list[DataConfig] | None:
+    """Every source's DataConfig, the corpora to prepare sharing one tokenizer (`shared_tokenizer`); None
+    when that tokenizer is still to be trained and `train` is false (preflight never trains one)."""
+    tokenizer = shared_tokenizer(cfg, train)
+    if tokenizer is None and any(s.dir is None for s in cfg.mixture):
+        return None
+    return [source_config(cfg, s, tokenizer) for s in cfg.mixture]
+
+
+def shared_tokenizer(cfg: DataConfig, train: bool = True) -> str | None:
+    """The tokenizer the mixture's corpora are prepared with: data.tokenizer; else the tokenizer.json of the
+    first source given as a local prepared folder; else a BPE trained on a weighted sample of the corpora
+    (each gives its weight's share of data.tokenizer_sample_bytes), kept in data.cache_dir under a hash of
+    what determines it, so every later run and `lm prepare` finds the same one."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    local = [s.dir for s in cfg.mixture if s.dir is not None and not is_url(s.dir)]
+    if local:
+        return str(Path(local[0]).expanduser() / TOKENIZER)
+    corpora = [(s, source_config(cfg, s)) for s in cfg.mixture if s.dir is None]
+    if not corpora:
+        return None
+    identity = {s.name: [cache_key(c), s.weight] for s, c in corpora}
+    identity |= {
+        "vocab_size": cfg.vocab_size,
+        "sample_bytes": cfg.tokenizer_sample_bytes,
+        "eot": cfg.eot_token,
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    path = resolve_cache_dir(cfg.cache_dir) / f"mixture-tokenizer-{key}.json"
+    if path.is_file() or not train:
+        return str(path) if path.is_file() else None
+    total = sum(s.weight for s, _ in corpora)
+    t0 = time.perf_counter()
+    texts = itertools.chain.from_iterable(
+        sample_documents(c, int(cfg.tokenizer_sample_bytes * s.weight / total))
+        for s, c in corpora
+        if s.weight > 0
+    )
+    tokenizer = train_tokenizer(texts, cfg.vocab_size, eot_token=cfg.eot_token)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, tokenizer.to_str().encode("utf-8"))
+    log.info(
+        "trained the mixture's shared %d-token BPE in %.1f s: %s",
+        cfg.vocab_size,
+        time.perf_counter() - t0,
+        path,
+    )
+    return str(path)
+
+
+def sample_documents(cfg: DataConfig, max_bytes: int) -> Iterator[str]:
+    """Up to `max_bytes` of a corpus's training documents, sampled as its own tokenizer would sample them."""
+    cfg = dataclasses.replace(cfg, tokenizer_sample_bytes=max_bytes)
+    cfg.check_inputs()
+    plan = sources.plan(cfg)
+    return sample_texts(shards.sample_documents(cfg, plan, shards.forced_validation(cfg, plan)), max_bytes)
+
+
+def prepare_mixture(cfg: DataConfig) -> list[Path]:
+    """`lm prepare` of a mixture: the shared tokenizer first, then every source (a prepared folder is
+    mirrored if it is a URL and checked); the folders in the mixture's order."""
+    return [prepare(source) for source in mixture_sources(cfg)]
 
 
 class Allocation:
@@ -328,18 +406,25 @@ class MixtureDataModule(LMDataModule):
     ):
         super().__init__(cfg, planned_tokens)
         self.phases = list(phases)
-        self.sources = [source_config(cfg, s) for s in cfg.mixture]
+        self._sources: list[DataConfig] | None = None
         self.folders: list[Path] = []
         self.manifests: list[dict] = []
         self.val_sources: list[int] = []
         self.schedule: Schedule | None = None
 
+    @property
+    def sources(self) -> list[DataConfig]:
+        """Each source's DataConfig; resolving it may train the shared tokenizer (`shared_tokenizer`)."""
+        if self._sources is None:
+            self._sources = mixture_sources(self.cfg)
+        return self._sources
+
     def prepare_data(self) -> None:
-        for source in self.sources:
-            prepare(source)
+        prepare_mixture(self.cfg)
 
     def check_prepared(self) -> None:
-        if all(prepared_folder(s) is not None for s in self.sources):
+        ready = mixture_sources(self.cfg, train=False)
+        if ready is not None and all(prepared_folder(s) is not None for s in ready):
             self._resolve()
 
     def _resolve(self) -> None:
@@ -498,8 +583,8 @@ def plan_sources(
     """Each source's share of a plan of `steps` optimizer steps of `per_step` windows, read from the prepared
     manifests without tokenizing anything; None while a source is not prepared (its size is unknown)."""
     manifests = []
-    for source in (source_config(cfg, s) for s in cfg.mixture):
-        folder = prepared_folder(source)
+    for source in mixture_sources(cfg, train=False) or [None]:
+        folder = prepared_folder(source) if source is not None else None
         if folder is None or not (folder / "manifest.json").is_file():
             return None
         manifests.append(load_manifest(folder))
