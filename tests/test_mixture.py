@@ -122,6 +122,8 @@ def test_phase_weights_take_over_at_the_phase_boundary_and_counts_continue():
     # The second phase continues each source's count: no window is drawn twice at the boundary.
     source, index = schedule.locate(1000, 10)
     assert (index[source == 1] >= first[1]).all()
+    across, parts = schedule.locate(995, 10), [schedule.locate(995, 5), schedule.locate(1000, 5)]
+    assert all((a == np.concatenate(b)).all() for a, b in zip(across, zip(*parts)))
 
 
 def test_validation_batches_are_one_source_each_in_weighted_turns():
