@@ -144,6 +144,12 @@ def test_bad_mixture_configs_are_refused_naming_the_fix():
         DataConfig(on_exhausted="wrap")
     with pytest.raises(ValueError, match="val/loss/<name>"):
         MixtureSource("web text", dir="x")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        PhaseConfig("anneal", end_step=10, mixture={"web": -1})
+    with pytest.raises(
+        ValueError, match=r"phase 'anneal' sets mixture weights of \['wbe'\].*its sources: \['code', 'web'\]"
+    ):
+        to_objects(compose(["data=mixture", "phases.phases=[{name:anneal,end_step:10,mixture:{wbe:1}}]"]))
 
 
 # --- real prepared sources ------------------------------------------------------------------------------------

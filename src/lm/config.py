@@ -493,6 +493,8 @@ class PhaseConfig:
     def __post_init__(self) -> None:
         if (self.end_step is None) == (self.end_tokens is None):
             raise ValueError(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
+        if any(w < 0 for w in (self.mixture or {}).values()):
+            raise ValueError(f"phase '{self.name}': mixture weights {self.mixture} must be >= 0")
 
 
 @dataclass
