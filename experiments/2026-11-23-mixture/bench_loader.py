@@ -56,23 +56,33 @@ def windows(folder: Path, seq_len: int) -> TokenWindows:
     return TokenWindows(shard_paths(folder, m, "train"), seq_len, m["dtype"], m["vocab_size"])
 
 
-def rate(dataset, sampler, steps: int, workers: int) -> float:
-    """Windows/s of `steps` batches through a fresh DataLoader, its first batch (worker start-up) excluded."""
+def rate(dataset, sampler, steps: int, workers: int, clock=time.perf_counter) -> float:
+    """Windows per second of `clock` over `steps` batches through a fresh DataLoader, its first batch (worker
+    start-up) excluded. With workers=0 and clock=time.process_time it counts this process's CPU seconds only,
+    which a neighbour's load barely moves; wall-clock rates on a shared machine swing by 2x."""
     it = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=workers))
     next(it)
-    t0, n = time.perf_counter(), 0
+    t0, n = clock(), 0
     for _ in range(steps):
         n += len(next(it))
-    return n / (time.perf_counter() - t0)
+    return n / (clock() - t0)
 
 
-def compare(single, mixed, schedule, args, workers: int) -> dict:
-    """Single source and mixture timed in alternation (ABAB...), so a neighbour's load hits both alike; the
-    medians and their ratio."""
+def compare(single, mixed, schedule, args, workers: int, clock=time.perf_counter) -> dict:
+    """Single source and mixture timed in alternation, so a neighbour's load hits both alike; the medians and
+    their ratio."""
     one, mix = [], []
-    for _ in range(args.repeats):
-        one.append(rate(single, StepSampler(len(single), args.batch), args.steps, workers))
-        mix.append(rate(mixed, MixtureSampler(schedule, mixed.offsets, args.batch), args.steps, workers))
+    for i in range(args.repeats):  # which goes first alternates too (ABBA...): warm caches favour neither
+        runs = [
+            lambda: one.append(
+                rate(single, StepSampler(len(single), args.batch), args.steps, workers, clock)
+            ),
+            lambda: mix.append(
+                rate(mixed, MixtureSampler(schedule, mixed.offsets, args.batch), args.steps, workers)
+            ),
+        ]
+        for run in runs if i % 2 == 0 else runs[::-1]:
+            run()
     return {
         "single_windows_per_s": round(float(np.median(one))),
         "mixture_windows_per_s": round(float(np.median(mix))),
@@ -129,8 +139,9 @@ def main() -> None:
         schedule = Schedule(specs, [len(p) for p in mixed.parts], args.batch)
         results = {"args": vars(args), "prepare_s": round(prep_s, 1), "windows": {"single": len(single)}}
         results["windows"].update({n: len(p) for n, p in zip(WEIGHTS, mixed.parts)})
+        results["workers=0, CPU time"] = compare(single, mixed, schedule, args, 0, time.process_time)
         for workers in sorted({0, args.workers}):
-            results[f"workers={workers}"] = compare(single, mixed, schedule, args, workers)
+            results[f"workers={workers}, wall clock"] = compare(single, mixed, schedule, args, workers)
         results["sampler_us_per_batch"] = {
             "single": sampler_cost(StepSampler(len(single), args.batch)),
             "mixture": sampler_cost(MixtureSampler(schedule, mixed.offsets, args.batch)),
