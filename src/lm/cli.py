@@ -42,6 +42,8 @@ from lm.bench import run_bench, run_compare
 from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
 from lm.cost import load_catalog
 from lm.data import implied_epochs, load_manifest, prepare
+from lm.data.manifest import summary
+from lm.data.mixture import prepare_mixture
 from lm.data.shards import sample_tokenizer
 from lm.doctor import diagnose, level_of, resolve_target, table
 from lm.evaluate import evaluate_path
@@ -62,6 +64,10 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     cfg = to_objects(compose(args.overrides))
+    if cfg.data.mixture:  # every source, with one shared tokenizer (lm.data.mixture)
+        for spec, folder in zip(cfg.data.mixture, prepare_mixture(cfg.data)):
+            print(f"prepared {spec.name} (weight {spec.weight}): {folder}: {summary(load_manifest(folder))}")
+        return
     data_dir = prepare(cfg.data)
     manifest = load_manifest(data_dir)
     print(f"prepared {data_dir}")

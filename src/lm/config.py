@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,41 @@ SCHEDULES = ("wsd", "cosine", "constant")
 
 SOURCES = ("stdlib", "text", "hf", "tokens")
 VERIFY = ("size", "cached", "full")
+ON_EXHAUSTED = ("stop", "renormalise")
+
+
+@dataclass
+class MixtureSource:
+    """One corpus of a weighted data mixture (`data.mixture`, lm.data.mixture)."""
+
+    name: str = "???"
+    """Names the source in messages and in its metric `val/loss/<name>`."""
+    weight: float = 1.0
+    """Share of the training windows (weights are normalised over the sources)."""
+    dir: str | None = None
+    """A folder `lm prepare` wrote, or its URL, as `data=tokens` takes it."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Instead of `dir`: the data.* fields of a corpus to prepare (`{source: text, paths: [...]}`); the
+    fields it leaves out come from `data` (seq_len, vocab_size, tokenizer, cache_dir...)."""
+    max_epochs: float | None = None
+    """Cap on passes over this source's training windows; None repeats it as often as the weight asks."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(
+                f"data.mixture source name {self.name!r} must be letters, digits, '_', '-' or '.' (it becomes "
+                f"the metric val/loss/<name>)"
+            )
+        if (self.dir is None) == (not self.data):
+            raise ValueError(
+                f"data.mixture source '{self.name}' needs exactly one of dir (a prepared folder) or data "
+                f"(a corpus to prepare, e.g. {{source: text, paths: ['corpus/*.txt']}})"
+            )
+        if self.weight < 0 or (self.max_epochs is not None and self.max_epochs <= 0):
+            raise ValueError(
+                f"data.mixture source '{self.name}': weight={self.weight} must be >= 0 and max_epochs="
+                f"{self.max_epochs} positive or null"
+            )
 
 
 @dataclass
@@ -96,6 +132,11 @@ class DataConfig:
     file's size), `cached` (also each shard's sha256 and largest token id, computed once per file and
     remembered in the folder's `verified.json` by size and modification time, so later runs only stat the
     files), or `full` (recompute both on every run)."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Several corpora trained on together, each window drawn from a source in proportion to its weight
+    (lm.data.mixture); the source fields above are then unused. Empty: the one corpus described above."""
+    on_exhausted: str = "stop"
+    """When a source reaches its max_epochs: `stop` the run there, or `renormalise` the other weights."""
 
     def check_inputs(self) -> None:
         """The source's required fields; checked when data is prepared, so every data=* option composes."""
@@ -129,6 +170,15 @@ class DataConfig:
             raise ValueError(f"data.max_line_chars={self.max_line_chars} must be positive")
         if self.verify not in VERIFY:
             raise ValueError(f"data.verify={self.verify!r} is unknown; use one of {', '.join(VERIFY)}")
+        if self.on_exhausted not in ON_EXHAUSTED:
+            raise ValueError(
+                f"data.on_exhausted={self.on_exhausted!r} is unknown; use one of {', '.join(ON_EXHAUSTED)}"
+            )
+        names = [s.name for s in self.mixture]
+        if len(set(names)) < len(names) or (self.mixture and not sum(s.weight for s in self.mixture) > 0):
+            raise ValueError(
+                f"data.mixture needs distinct source names and a positive total weight; got {names}"
+            )
 
 
 @dataclass
@@ -436,10 +486,15 @@ class PhaseConfig:
     """...or when the tokens trained reach this (whichever is given)."""
     goal_loss: float | None = None
     """Validation loss the phase aims to reach; phases.csv says whether it did."""
+    mixture: dict[str, float] | None = None
+    """Weights of data.mixture's sources during this phase, by source name (sources left out keep theirs):
+    e.g. more of the best data in the last phase. None trains on data.mixture's weights."""
 
     def __post_init__(self) -> None:
         if (self.end_step is None) == (self.end_tokens is None):
             raise ValueError(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
+        if any(w < 0 for w in (self.mixture or {}).values()):
+            raise ValueError(f"phase '{self.name}': mixture weights {self.mixture} must be >= 0")
 
 
 @dataclass
@@ -662,6 +717,14 @@ class LMConfig:
                 f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
                 f"default, ${{data.vocab_size}})"
             )
+        known = {s.name for s in d.mixture}
+        for phase in self.phases.phases:
+            unknown = sorted(set(phase.mixture or {}) - known)
+            if unknown:
+                raise ValueError(
+                    f"phase '{phase.name}' sets mixture weights of {unknown}, which data.mixture does not "
+                    f"list (its sources: {sorted(known) or 'none'}); use their names"
+                )
 
 
 def init_tokenizer(init_from: str) -> str:

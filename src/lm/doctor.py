@@ -31,6 +31,7 @@ from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data import LMDataModule, sources
 from lm.data.dataset import TokenWindows
 from lm.data.manifest import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
+from lm.data.mixture import plan_sources
 from lm.evaluate import missing_harness
 
 log = logging.getLogger(__name__)
@@ -386,6 +387,55 @@ def check_plan(t: Target) -> list[Finding]:
     return [Finding("tokens/param", "ok", what)]
 
 
+def check_mixture(t: Target) -> list[Finding]:
+    """Per source of data.mixture: tokens held against tokens the plan draws (weight x plan), the epochs that
+    makes, and where a max_epochs cap will stop the run or leave the source out (lm.data.mixture)."""
+    data = t.cfg.data
+    if not data.mixture:
+        return []
+    end = plan.plan_end(t.cfg)
+    per_step = plan.tokens_per_step(t.cfg) // data.seq_len
+    steps = end.steps if end.steps is not None else math.ceil(end.tokens / (per_step * data.seq_len))
+    rows = plan_sources(data, t.cfg.phases.phases, per_step, steps)
+    if rows is None:
+        return [
+            Finding(
+                "mixture", "ok", f"{len(data.mixture)} sources, not all prepared yet: checked once they are"
+            )
+        ]
+    findings = []
+    for row in rows:
+        what = (
+            f"{row.name}: {row.tokens:,} tokens held, the plan draws {row.planned:,} "
+            f"({row.planned / max(end.tokens, 1):.0%} of {end.tokens:,}) = {row.epochs:.2f} epochs"
+        )
+        if row.capped_at is not None:
+            outcome = "the run stops" if data.on_exhausted == "stop" else "the others take its weight"
+            fix = f"raise its max_epochs, lower its weight{' or data.on_exhausted=renormalise' if data.on_exhausted == 'stop' else ''}"
+            findings.append(
+                Finding(
+                    "mixture",
+                    "warn",
+                    f"{what}; its max_epochs cap is met at step {row.capped_at:,}: {outcome}",
+                    "the plan as written",
+                    fix,
+                )
+            )
+        elif row.epochs > 1:
+            findings.append(
+                Finding(
+                    "mixture",
+                    "warn",
+                    f"{what}: repeated data",
+                    "fresh tokens",
+                    "give it more data, lower its weight or set its max_epochs",
+                )
+            )
+        else:
+            findings.append(Finding("mixture", "ok", what))
+    return findings
+
+
 def usd_per_btok(gpu: GpuConfig, t: Target, fpt: float, mfu: float, pricing: str) -> tuple[float, str] | None:
     """Estimated $/10^9 tokens of this run on `gpu` (with checkpointing if it only fits that way), or None
     when the catalog lacks its price, peak or memory, or the run does not fit it. A GPU without a spot price
@@ -468,6 +518,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_disk,
     check_pickles,
     check_plan,
+    check_mixture,
     check_price,
     check_evals,
 ]

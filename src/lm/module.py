@@ -119,6 +119,10 @@ class LMModule(pl.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self.loss(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        val_source = getattr(self.trainer.datamodule, "val_source", None)
+        source = val_source(batch_idx) if val_source else None
+        if source is not None:  # a data mixture: each validation batch is one source's
+            self.log(f"val/loss/{source}", loss, sync_dist=True)
         if self.token_bytes is not None:
             targets = batch[:, 1:]
             self._val_nats += loss.detach().double() * targets.numel()

@@ -127,6 +127,10 @@ def headline(cfg, scalars, ledger, rollbacks: dict | None = None) -> dict[str, s
             f"{val.values[-1]:.3f} (step {val.steps[-1] + 1})",
         )
         out["validation loss"] = f"{first} -> {last}"
+    for tag in sorted(t for t in scalars if t.startswith("val/loss/")):  # each source of a data mixture
+        out[f"validation loss, {tag.removeprefix('val/loss/')}"] = (
+            f"{scalars[tag].values[0]:.3f} -> {scalars[tag].values[-1]:.3f}"
+        )
     if ledger and ledger.get("usd") is not None:
         out["dollars"] = (
             f"{fmt_money(ledger['usd'])} at ${ledger['price_per_hour']}/h x {ledger.get('devices', 1)}"

@@ -238,6 +238,7 @@ def read_tokenizer(run_dir: Path) -> dict[str, Any]:
 PHASE_COLUMNS = (
     "phase", "name", "status", "start_step", "end_step", "steps", "tokens", "wall_hours", "start_loss",
     "end_loss", "loss_drop", "usd", "usd_per_loss_point", "tokens_per_sec", "goal_loss", "goal_met",
+    "source_losses",
 )  # fmt: skip
 INT_COLUMNS = ("phase", "start_step", "end_step", "steps", "tokens")
 
@@ -263,7 +264,7 @@ def read_phases(run_dir: Path) -> list[dict[str, Any]]:
                 row[key] = None
             elif value in ("True", "False"):
                 row[key] = value == "True"
-            elif key in ("name", "status"):
+            elif key in ("name", "status", "source_losses"):
                 row[key] = value
             else:
                 number = float(value)

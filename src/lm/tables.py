@@ -28,7 +28,8 @@ def phases_markdown(rows: list[dict[str, Any]], benchmark: list[str] | None = No
             f"{r['start_step']:,}-{r['end_step']:,}",
             f"{r['tokens']:,}",
             f"{r['wall_hours']:.3f}",
-            f"{r['start_loss']:.3f} -> {r['end_loss']:.3f}",
+            f"{r['start_loss']:.3f} -> {r['end_loss']:.3f}"
+            + (f" ({r['source_losses']})" if r.get("source_losses") else ""),
             f"{r['loss_drop']:.3f}",
             fmt_money(r["usd"]),
             fmt_money(r["usd_per_loss_point"]),

@@ -38,7 +38,7 @@ from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpointing import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
 from lm.config import LMConfig, conf_dir, to_objects
-from lm.data import LMDataModule
+from lm.data.mixture import data_module
 from lm.doctor import Target, preflight
 from lm.exits import CheckpointSaveError, Preempted, exit_within, intended_code
 from lm.kernels import sdpa_backends
@@ -78,7 +78,7 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
     if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
         preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir())))
-    datamodule = LMDataModule(cfg.data, planned_tokens=plan.plan_end(cfg).tokens)
+    datamodule = data_module(cfg.data, plan.plan_end(cfg).tokens, cfg.phases.phases)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
     remote = remote_checkpoints(cfg, run_dir)  # probes the bucket, refuses another run's folder
     # The refusals above leave the run directory as it was; the lock comes before anything in it changes

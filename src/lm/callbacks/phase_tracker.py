@@ -14,7 +14,6 @@ from lm import rundir
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
-from lm.data.dataset import val_batches
 from lm.plan import phase_at
 from lm.tables import phases_markdown
 
@@ -80,7 +79,7 @@ class PhaseTracker(Callback):
     def snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Progress, money and validation loss right now."""
         self.meter.switch("eval")
-        loss = evaluate(trainer, pl_module, self.eval_batches)
+        loss, by_source = evaluate(trainer, pl_module, self.eval_batches)
         self.meter.switch("train")
         m = self.meter.state
         return {
@@ -90,6 +89,7 @@ class PhaseTracker(Callback):
             "seconds": m.total_seconds,
             "train_seconds": m.seconds["train"],
             "loss": loss,
+            "source_losses": by_source,
         }
 
     def row(self, start: dict[str, Any], end: dict[str, Any], status: str) -> dict[str, Any]:
@@ -116,6 +116,8 @@ class PhaseTracker(Callback):
             "tokens_per_sec": tokens / train_seconds if train_seconds > 0 else None,
             "goal_loss": phase.goal_loss,
             "goal_met": None if phase.goal_loss is None else end["loss"] <= phase.goal_loss,
+            "source_losses": " ".join(f"{k}={v:.3f}" for k, v in end.get("source_losses", {}).items())
+            or None,
         }
 
     def write(self, trainer: pl.Trainer, partial: dict[str, Any] | None) -> None:
@@ -129,20 +131,27 @@ class PhaseTracker(Callback):
             experiment.add_text("phases", phases_markdown(rows), global_step=trainer.global_step)
 
 
-def evaluate(trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: int) -> float:
-    """Mean loss over the first `max_batches` validation batches, under the run's precision."""
+def evaluate(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, max_batches: int
+) -> tuple[float, dict[str, float]]:
+    """Mean loss over the first `max_batches` validation batches, under the run's precision; and with a data
+    mixture, each source's mean over its batches among them (`val/loss/<source>` at this step)."""
     datamodule = trainer.datamodule
-    if datamodule.val_set is None:
-        datamodule.setup("validate")
+    batches = datamodule.val_batch_list()
     windows = datamodule.val_set
-    batches = val_batches(len(windows), datamodule.cfg.batch_size, trainer.world_size, trainer.global_rank)
     was_training = pl_module.training
     pl_module.eval()
-    losses = []
+    losses, sources = [], []
     with torch.no_grad(), trainer.precision_plugin.forward_context():
-        for idx in batches[: max(1, max_batches)]:  # the windows val/loss uses, split across ranks alike
+        # The windows val/loss uses, split across ranks alike.
+        for b, idx in enumerate(batches[: max(1, max_batches)]):
             x = torch.stack([windows[i] for i in idx]).to(pl_module.device)
             losses.append(pl_module.loss(x))
+            sources.append(datamodule.val_source(b))
     pl_module.train(was_training)
-    loss = torch.stack(losses).mean()
-    return float(trainer.strategy.reduce(loss, reduce_op="mean"))  # the same number on every rank
+
+    def mean(values: list[torch.Tensor]) -> float:
+        return float(trainer.strategy.reduce(torch.stack(values).mean(), reduce_op="mean"))
+
+    by_source = {s: mean([x for x, t in zip(losses, sources) if t == s]) for s in dict.fromkeys(sources) if s}
+    return mean(losses), by_source  # the same numbers on every rank

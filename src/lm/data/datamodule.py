@@ -155,16 +155,25 @@ class LMDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         """The validation windows in order, split across ranks as one process with the global batch sees them."""
+        batches = self.val_batch_list()
+        return self._loader(self.val_set, batch_sampler=batches)
+
+    def val_batch_list(self) -> list[list[int]]:
+        """This rank's validation batches (window indices), in order; `val/loss` and the phase table read them."""
         if self.val_set is None:
             self.setup("validate")
         trainer = self.trainer
-        batches = val_batches(
+        return val_batches(
             len(self.val_set),
             self.cfg.batch_size,
             world_size=trainer.world_size if trainer else 1,
             rank=trainer.global_rank if trainer else 0,
         )
-        return self._loader(self.val_set, batch_sampler=batches)
+
+    def val_source(self, batch_idx: int) -> str | None:
+        """Name of the corpus validation batch `batch_idx` comes from, for `val/loss/<name>`: None with one
+        corpus (a mixture names its sources)."""
+        return None
 
 
 def ignore_stop_signals(worker_id: int) -> None:

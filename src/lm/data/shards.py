@@ -231,7 +231,7 @@ def forced_validation(cfg: DataConfig, plan: Plan) -> dict[str, bool]:
     return {}
 
 
-def _sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
+def sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
     """Training documents for the tokenizer: whole units visited in a hash order, validation left out.
 
     Stops once data.tokenizer_sample_bytes have been read, so a 30B-token corpus is not read to sample it.
@@ -260,7 +260,7 @@ def build_tokenizer(cfg: DataConfig, plan: Plan, forced: dict) -> str:
         return text
     t0 = time.perf_counter()
     tok = train_tokenizer(
-        sample_texts(_sample_documents(cfg, plan, forced), cfg.tokenizer_sample_bytes),
+        sample_texts(sample_documents(cfg, plan, forced), cfg.tokenizer_sample_bytes),
         cfg.vocab_size,
         eot_token=cfg.eot_token,
     )
