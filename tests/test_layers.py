@@ -27,7 +27,7 @@ LAYERS = {
     ],
     2: [
         "lm.module", "lm.kernels", "lm.activation_checkpointing", "lm.runtime", "lm.parallel", "lm.generate",
-        "lm.storage", "lm.remote", "lm.data",
+        "lm.storage", "lm.remote", "lm.data", "lm.optim",
     ],
     3: ["lm.callbacks", "lm.checkpointing"],
     4: ["lm.doctor", "lm.report"],
