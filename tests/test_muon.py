@@ -2,6 +2,7 @@
 DDP and the refusal of FSDP2."""
 
 import copy
+import json
 import re
 import sys
 
@@ -9,11 +10,15 @@ import pytest
 import torch
 
 from lm import optim
+from lm.bench import optimizer_overhead, run_bench
+from lm.bench_results import Result
 from lm.config import OptimConfig, to_objects
+from lm.doctor import diagnose, resolve_target
 from lm.model import ModelConfig, Transformer
 from lm.train import main
 
 from .conftest import TINY
+from .test_bench import TINY_BENCH
 from .test_distributed import STEPS, B, W, assert_close_losses, assert_close_weights, last, launch, overrides
 from .test_train import weights
 
@@ -170,3 +175,36 @@ def test_muon_under_ddp_on_2_gloo_ranks_matches_one_process_with_the_global_batc
     assert_close_losses(tmp_path / "ddp", tmp_path / "single", range(STEPS))
     assert_close_weights(last(tmp_path / "ddp")["state_dict"], last(tmp_path / "single")["state_dict"])
     assert last(tmp_path / "ddp")["optimizer_states"][0]["param_groups"][0]["kind"] == "muon"
+
+
+def test_the_doctor_says_which_parameters_muon_takes_and_its_lr_scale(compose):
+    t = resolve_target(to_objects(compose(*TINY, "optim=muon", "optim.muon_lr=0.02")))
+    (line,) = [f.what for f in diagnose(t) if f.check == "optimizer"]
+    assert line.startswith("Muon on 14 block matrices") and "lr 0.02" in line and "match_rms_adamw" in line
+    assert "AdamW on 2 embedding/head matrices" in line and "5 norm gains" in line
+    plain = resolve_target(to_objects(compose(*TINY)))
+    assert not [f for f in diagnose(plain) if f.check == "optimizer"]  # AdamW alone: nothing to say
+
+
+@pytest.mark.slow
+def test_bench_puts_muons_step_time_overhead_beside_adamws(tmp_path):
+    """A real `lm bench optim=adamw,muon`: two rows, and the line that compares their step times."""
+    out = tmp_path / "bench"
+    assert run_bench([*TINY_BENCH, "data.batch_size=4", "optim=adamw,muon", f"bench.out_dir={out}"]) == 0
+    rows = {" ".join(r["combo"]): r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert rows["optim=adamw"]["status"] == rows["optim=muon"]["status"] == "ok"
+    overhead = rows["optim=adamw"]["tokens_per_sec"] / rows["optim=muon"]["tokens_per_sec"] - 1
+    assert (
+        f"optim=muon (the same settings): step time {overhead:+.1%} against optim=adamw"
+        in (out / "bench.md").read_text()
+    )
+    lines = optimizer_overhead(
+        [
+            Result(["kernels=compile", "optim=adamw"], status="ok", tokens_per_sec=300.0),
+            Result(["kernels=compile", "optim=muon"], status="ok", tokens_per_sec=200.0),
+            Result(
+                ["kernels=eager", "optim=muon"], status="ok", tokens_per_sec=100.0
+            ),  # no AdamW row to match
+        ]
+    )
+    assert lines == ["optim=muon (kernels=compile): step time +50.0% against optim=adamw"]

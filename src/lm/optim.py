@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lm.config import OptimConfig
+from lm.model import ModelConfig, Transformer
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -61,6 +62,26 @@ def group_settings(cfg: OptimConfig, fused: bool) -> list[dict[str, Any]]:
         "adjust_lr_fn": cfg.adjust_lr,
     }
     return [muon, *({**g, "kind": "adamw"} for g in groups)]
+
+
+def describe(model_cfg: ModelConfig, cfg: OptimConfig) -> str:
+    """Which parameters each optimizer gets and under which LR scale: the doctor's line for `optim=muon`.
+    Counted on the meta device (no memory, no initialisation)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    groups = split_params(model, cfg)
+    if cfg.name == "adamw":
+        return f"AdamW on all {sum(p.numel() for g in groups for p in g) / 1e6:.2f}M parameters"
+    muon, matrices, gains = ([p.numel() for p in g] for g in groups)
+    lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
+    scale = (
+        "0.2·sqrt(max dim), AdamW's update RMS" if cfg.adjust_lr == "match_rms_adamw" else "sqrt(rows/cols)"
+    )
+    return (
+        f"Muon on {len(muon)} block matrices ({sum(muon) / 1e6:.2f}M parameters; lr {lr:g} x {scale}: "
+        f"{cfg.adjust_lr}; {cfg.ns_steps} Newton-Schulz steps), AdamW on {len(matrices)} embedding/head "
+        f"matrices ({sum(matrices) / 1e6:.2f}M) and {len(gains)} norm gains"
+    )
 
 
 def build(model: torch.nn.Module, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:
