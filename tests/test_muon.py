@@ -20,6 +20,7 @@ from lm.train import main
 from .conftest import TINY
 from .test_bench import TINY_BENCH
 from .test_distributed import STEPS, B, W, assert_close_losses, assert_close_weights, last, launch, overrides
+from .test_sweep import compose_with_hydra
 from .test_train import weights
 
 MUON = OptimConfig(name="muon", lr=2e-3, weight_decay=0.1, muon_lr=0.02, muon_weight_decay=0.05)
@@ -208,3 +209,24 @@ def test_bench_puts_muons_step_time_overhead_beside_adamws(tmp_path):
         ]
     )
     assert lines == ["optim=muon (kernels=compile): step time +50.0% against optim=adamw"]
+
+
+def test_sweep_lr_and_optuna_sweep_muons_lr():
+    """Under match_rms_adamw one `optim.lr` drives both optimizers, so `+experiment=sweep_lr optim=muon` sweeps
+    Muon as it is; Muon's own LR is one more sweeper parameter (README, conf/hydra/sweeper/lm_optuna.yaml)."""
+    grid = compose_with_hydra("+experiment=sweep_lr", "optim=muon")
+    assert grid.optim.name == "muon" and grid.optim.muon_lr is None and grid.optim.total_steps == 2000
+    assert len(grid.hydra.sweeper.params["optim.lr"].split(",")) == 8
+    own = compose_with_hydra(
+        "+experiment=sweep_lr",
+        "optim=muon",
+        '++hydra.sweeper.params={optim.lr:"3e-4",optim.muon_lr:"1e-3,3e-3"}',
+    )
+    assert dict(own.hydra.sweeper.params) == {"optim.lr": "3e-4", "optim.muon_lr": "1e-3,3e-3"}
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    tpe = compose_with_hydra(
+        "hydra/sweeper=lm_optuna",
+        "optim=muon",
+        '++hydra.sweeper.params={optim.muon_lr:"tag(log, interval(3e-4, 1e-2))"}',
+    )
+    assert tpe.optim.name == "muon" and set(tpe.hydra.sweeper.params) == {"optim.lr", "optim.muon_lr"}
