@@ -230,3 +230,25 @@ def test_sweep_lr_and_optuna_sweep_muons_lr():
         '++hydra.sweeper.params={optim.muon_lr:"tag(log, interval(3e-4, 1e-2))"}',
     )
     assert tpe.optim.name == "muon" and set(tpe.hydra.sweeper.params) == {"optim.lr", "optim.muon_lr"}
+
+
+@pytest.mark.slow
+def test_muon_trains_under_bf16_mixed_compile_accumulation_and_clipping(tiny_cfg, tmp_path):
+    knobs = [
+        "precision=bf16",
+        "kernels=compile",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.gradient_clip_val=0.1",
+    ]
+    main(
+        tiny_cfg(
+            "optim=muon", *knobs, "trainer.max_steps=4", "data.num_workers=0", "trainer.limit_val_batches=1"
+        )
+    )
+    ckpt = torch.load(tmp_path / "runs/smoke/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4 and ckpt["optimizer_states"][0]["param_groups"][0]["kind"] == "muon"
+    buffers = [
+        s["momentum_buffer"] for s in ckpt["optimizer_states"][0]["state"].values() if "momentum_buffer" in s
+    ]
+    assert len(buffers) == 14 and all(b.dtype == torch.float32 and b.abs().sum() > 0 for b in buffers)
+    assert all(torch.isfinite(w).all() for w in ckpt["state_dict"].values())
