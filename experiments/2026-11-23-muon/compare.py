@@ -120,7 +120,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--price", type=float, default=2.0, help="$/h of the machine, for the dollar column")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=LRS["adamw"])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=LRS["muon"])
+    parser.add_argument(
+        "--fractions", type=float, nargs="+", default=[0.6, 0.8], help="Muon's shorter budgets"
+    )
     args = parser.parse_args()
+    lrs = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
     args.out.mkdir(parents=True, exist_ok=True)
     tokens_per_step = 16 * int(
         next(o for o in SHAPES[args.shape] if o.startswith("data.seq_len")).split("=")[1]
@@ -128,8 +134,8 @@ def main() -> None:
     val_every = max(1, args.steps // 16)
 
     curves: dict[str, dict] = {}
-    for optim, lrs in LRS.items():
-        for lr in lrs:
+    for optim, grid in lrs.items():
+        for lr in grid:
             name = f"{optim}-lr{lr:g}"
             curves[name] = dict(
                 zip(
@@ -138,12 +144,12 @@ def main() -> None:
                 )
             )
             curves[name].update(optim=optim, lr=lr, final=curves[name]["loss"][-1])
-    best = {o: min((c for c in curves.values() if c["optim"] == o), key=lambda c: c["final"]) for o in LRS}
+    best = {o: min((c for c in curves.values() if c["optim"] == o), key=lambda c: c["final"]) for o in lrs}
     target = best["adamw"]["final"]
 
     # Muon at its best LR with shorter budgets, each decayed to its own end: the shortest that reaches the target.
     budgets = {}
-    for fraction in (0.6, 0.8):
+    for fraction in args.fractions:
         steps = int(args.steps * fraction)
         name = f"muon-lr{best['muon']['lr']:g}-steps{steps}"
         _, losses = val_curve(train(args.out, name, args.shape, "muon", best["muon"]["lr"], steps, val_every))
