@@ -5,6 +5,7 @@ import copy
 import json
 import re
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from lm import optim
 from lm.bench import optimizer_overhead, run_bench
 from lm.bench_results import Result
+from lm.callbacks.resume_check import check_resumable
 from lm.config import OptimConfig, to_objects
 from lm.doctor import diagnose, resolve_target
 from lm.model import ModelConfig, Transformer
@@ -252,3 +254,13 @@ def test_muon_trains_under_bf16_mixed_compile_accumulation_and_clipping(tiny_cfg
     ]
     assert len(buffers) == 14 and all(b.dtype == torch.float32 and b.abs().sum() > 0 for b in buffers)
     assert all(torch.isfinite(w).all() for w in ckpt["state_dict"].values())
+
+
+def test_resuming_with_the_other_optimizer_is_refused_with_the_fix(tmp_path):
+    """AdamW's two groups of moments cannot become Muon's three groups (nor back): named before any load."""
+    model = ModelConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512)
+    path = tmp_path / "last.ckpt"
+    torch.save({"global_step": 5, "hyper_parameters": {"model": asdict(model), "optim": {"lr": 1e-3}}}, path)
+    check_resumable(path, model, "adamw")  # a checkpoint from before optim.name: AdamW's
+    with pytest.raises(ValueError, match=r"optim=adamw, this config has optim=muon.*set optim=adamw"):
+        check_resumable(path, model, "muon")
