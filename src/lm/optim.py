@@ -65,14 +65,11 @@ def group_settings(cfg: OptimConfig, fused: bool) -> list[dict[str, Any]]:
 
 
 def describe(model_cfg: ModelConfig, cfg: OptimConfig) -> str:
-    """Which parameters each optimizer gets and under which LR scale: the doctor's line for `optim=muon`.
+    """Which parameters Muon and AdamW get and under which LR scale: the doctor's line for `optim=muon`.
     Counted on the meta device (no memory, no initialisation)."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    groups = split_params(model, cfg)
-    if cfg.name == "adamw":
-        return f"AdamW on all {sum(p.numel() for g in groups for p in g) / 1e6:.2f}M parameters"
-    muon, matrices, gains = ([p.numel() for p in g] for g in groups)
+    muon, matrices, gains = ([p.numel() for p in g] for g in split_params(model, cfg))
     lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
     scale = (
         "0.2·sqrt(max dim), AdamW's update RMS" if cfg.adjust_lr == "match_rms_adamw" else "sqrt(rows/cols)"
