@@ -205,7 +205,8 @@ class LMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         total_steps = self.schedule_steps
-        optimizer = optim.build(self.model, self.optim_cfg, self.group_settings()[-1]["fused"])
+        fused = self.group_settings()[-1]["fused"]  # the last group is AdamW's under either optimizer
+        optimizer = optim.build(self.model, self.optim_cfg, fused)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(self.optim_cfg, total_steps, lambda: self.lr_cooldown)
         )
