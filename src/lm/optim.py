@@ -8,8 +8,9 @@ and lends them its groups and state at each step, so the update rules are torch'
 
 LR convention: `adjust_lr="match_rms_adamw"` (Moonlight, "Muon is Scalable for LLM Training", 2025) scales each
 matrix's orthogonalised update by 0.2·sqrt(max(rows, cols)), which gives it the RMS of a typical AdamW update.
-Muon then reuses AdamW's peak LR, weight decay and schedule (`optim.muon_lr: null` means `optim.lr`): one LR
-to sweep, and an `optim=adamw` run switches to Muon without retuning. `original` (Keller Jordan's
+Muon then shares AdamW's LR scale, weight decay and schedule (`optim.muon_lr: null` means `optim.lr`): one LR
+to sweep, and an AdamW run's LR is the right order of magnitude for Muon (experiments/2026-11-23-muon: the
+best was ~3x AdamW's on small models). `original` (Keller Jordan's
 sqrt(max(1, rows/cols))) needs its own, ~10-50x larger `optim.muon_lr`.
 """
 
