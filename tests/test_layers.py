@@ -29,7 +29,7 @@ LAYERS = {
     ],
     2: [
         "lm.module", "lm.kernels", "lm.activation_checkpointing", "lm.runtime", "lm.parallel", "lm.generate",
-        "lm.storage", "lm.remote", "lm.data", "lm.hf", "lm.evaluate",
+        "lm.storage", "lm.remote", "lm.data", "lm.hf", "lm.evaluate", "lm.optim",
     ],
     3: ["lm.callbacks", "lm.checkpointing"],
     4: ["lm.doctor", "lm.report", "lm.export"],

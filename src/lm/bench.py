@@ -5,10 +5,11 @@
 Comma lists are expanded like a Hydra multirun (Hydra's own override parser). Each combination runs in a
 fresh Python process (so an out-of-memory, a compile cache or a peak-memory counter never leaks into the
 next) that trains LMModule for `bench.warmup_steps + bench.steps` optimizer steps with a real Lightning
-Trainer: the same precision plugin, optimizer (fused AdamW on CUDA), gradient clipping, accumulation,
-activation checkpointing and torch.compile as `train.py`, so the numbers are what training gets. Batches are
-random token ids of the configured shape, already in memory: the bench measures the model and its knobs, not
-the data pipeline (the doctor checks the workers).
+Trainer: the same precision plugin, optimizer (fused AdamW on CUDA; `optim=adamw,muon` adds a line with
+Muon's step-time overhead), gradient clipping, accumulation, activation checkpointing and torch.compile as
+`train.py`, so the numbers are what training gets. Batches are random token ids of the configured shape,
+already in memory: the bench measures the model and its knobs, not the data pipeline (the doctor checks the
+workers).
 
 Each row: tokens/s over the timed steps, MFU (lm.cost's formula), peak memory (CUDA: max_memory_allocated;
 CPU: the process's peak RSS, which includes ~0.5 GB of libraries), the analytic estimate (lm.memory), status
@@ -283,8 +284,27 @@ def markdown(results: list[Result], pricing: str, header: str) -> str:
         lines.append("| " + " | ".join(row) + " |")
     kind = next((r.peak_mem_kind for r in results if r.peak_mem_kind), "")
     lines += ["", f"peak mem: {kind or 'n/a'}; est.: lm.memory's allocated bytes; ranked by $/Btok {pricing}"]
+    lines += optimizer_overhead(results)
     lines.append(recommendation(results))
     return "\n".join(lines) + "\n"
+
+
+def optimizer_overhead(results: list[Result]) -> list[str]:
+    """Muon's step-time overhead (its Newton-Schulz iterations) against AdamW's row with every other setting
+    equal: `lm bench optim=adamw,muon` puts the $/token of both side by side, this says what Muon costs."""
+
+    def others(r: Result) -> tuple[str, ...]:
+        return tuple(o for o in r.combo if not o.startswith("optim="))
+
+    adamw = {others(r): r for r in results if "optim=adamw" in r.combo and r.tokens_per_sec}
+    lines = []
+    for r in results:
+        base = adamw.get(others(r))
+        if "optim=muon" in r.combo and r.tokens_per_sec and base is not None:
+            where = " ".join(others(r)) or "the same settings"
+            overhead = base.tokens_per_sec / r.tokens_per_sec - 1
+            lines.append(f"optim=muon ({where}): step time {overhead:+.1%} against optim=adamw")
+    return lines
 
 
 def recommendation(ranked: list[Result]) -> str:

@@ -28,6 +28,8 @@ from lm.model import ModelConfig
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
 PRICINGS = ("on_demand", "spot")
 SCHEDULES = ("wsd", "cosine", "constant")
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_SCALES = ("match_rms_adamw", "original")
 
 
 SOURCES = ("stdlib", "text", "hf", "tokens")
@@ -197,8 +199,10 @@ class RunConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimizer (AdamW, or Muon with AdamW: lm.optim) and its learning-rate schedule."""
 
+    name: str = "adamw"
+    """`adamw`, or `muon`: Muon on the blocks' matrices, AdamW (the keys below) on embedding, head and norms."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -219,8 +223,31 @@ class OptimConfig:
     """Steps the schedule spans; None uses trainer.max_steps. Set it to the whole plan when phases split a run."""
     fused: bool | None = None
     """Fused AdamW kernel; None turns it on exactly when training on CUDA."""
+    muon_lr: float | None = None
+    """Muon's peak LR; None uses `lr` (under `match_rms_adamw` the two share a scale). Same schedule."""
+    muon_weight_decay: float | None = None
+    """Muon's decoupled weight decay; None uses `weight_decay`."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalise each matrix's update."""
+    adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix LR scale: `match_rms_adamw` (0.2·sqrt(max dim): AdamW's update RMS, so AdamW's LR
+    carries over) or `original` (sqrt(max(1, rows/cols)), Keller Jordan's; needs a ~10-50x larger muon_lr)."""
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"optim.name='{self.name}' is unknown; use one of {', '.join(OPTIMIZERS)} (optim=muon)"
+            )
+        if self.adjust_lr not in MUON_LR_SCALES:
+            raise ValueError(
+                f"optim.adjust_lr='{self.adjust_lr}' is unknown; use one of {', '.join(MUON_LR_SCALES)}"
+            )
+        if not 1 <= self.ns_steps < 100 or not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError("optim.ns_steps must lie in [1, 99] and optim.muon_momentum in [0, 1)")
+        if (self.muon_lr is not None and self.muon_lr <= 0) or (self.muon_weight_decay or 0.0) < 0:
+            raise ValueError("optim.muon_lr must be positive and optim.muon_weight_decay non-negative")
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"optim.schedule='{self.schedule}' is unknown; use one of {', '.join(SCHEDULES)}"
@@ -725,6 +752,12 @@ class LMConfig:
                     f"phase '{phase.name}' sets mixture weights of {unknown}, which data.mixture does not "
                     f"list (its sources: {sorted(known) or 'none'}); use their names"
                 )
+        if self.optim.name == "muon" and self.trainer.strategy == "fsdp":
+            # torch.optim.Muon would orthogonalise each rank's DTensor shard, not the whole matrix.
+            raise ValueError(
+                "optim=muon cannot run with trainer=fsdp: Newton-Schulz needs each whole matrix and FSDP2 "
+                "gives every rank a shard; use trainer=ddp (or a single device), or optim=adamw with FSDP"
+            )
 
 
 def init_tokenizer(init_from: str) -> str:

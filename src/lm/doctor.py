@@ -24,7 +24,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm import activation_checkpointing as ac
-from lm import cost, memory, plan, rundir, runtime
+from lm import cost, memory, optim, plan, rundir, runtime
 from lm.bench_results import measured_mfu
 from lm.checkpointing import checkpoint_space, estimate_checkpoint_bytes, gib
 from lm.config import GpuConfig, LMConfig, conf_dir
@@ -509,6 +509,14 @@ def check_evals(t: Target) -> list[Finding]:
     return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(evals.tasks)}")]
 
 
+def check_optimizer(t: Target) -> list[Finding]:
+    """`optim=muon`: which parameters Muon takes and its LR convention (lm.optim), so a surprise (a head left
+    to Muon, a Keller-scale LR under Moonlight's scale) shows before the run. AdamW alone needs no line."""
+    if t.cfg.optim.name == "adamw":
+        return []
+    return [Finding("optimizer", "ok", optim.describe(t.cfg.model, t.cfg.optim))]
+
+
 CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_memory,
     check_precision,
@@ -521,6 +529,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_mixture,
     check_price,
     check_evals,
+    check_optimizer,
 ]
 
 

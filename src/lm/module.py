@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from lm import optim
 from lm.config import OptimConfig
 from lm.data.bytes import token_byte_lengths
 from lm.kernels import apply_liger
@@ -34,7 +35,7 @@ def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tor
 
 
 class LMModule(pl.LightningModule):
-    """Next-token prediction with AdamW.
+    """Next-token prediction with AdamW, or Muon and AdamW (lm.optim).
 
     `model` and `optim` are saved as plain dicts in every checkpoint's hyper-parameters, so
     `LMModule.load_from_checkpoint(path)` rebuilds the architecture without the config tree.
@@ -190,24 +191,15 @@ class LMModule(pl.LightningModule):
         return total_steps
 
     def group_settings(self) -> list[dict[str, Any]]:
-        """AdamW's settings for the decay and the no-decay group, from `optim`: what a fresh run is built with
-        and what a resumed one sets over the restored optimizer (`apply_optim_config`)."""
+        """Each optimizer group's settings from `optim` (lm.optim.group_settings) on this device: what a fresh
+        run is built with and what a resumed one sets over the restored optimizer (`apply_optim_config`)."""
         cfg = self.optim_cfg
-        fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
-        common = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "fused": fused}
-        # Matrices decay; norm gains (and any bias) do not: decaying a gain towards 0 only fights the loss.
-        return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
+        return optim.group_settings(cfg, cfg.fused if cfg.fused is not None else self.device.type == "cuda")
 
     def configure_optimizers(self) -> dict[str, Any]:
         total_steps = self.schedule_steps
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        settings = self.group_settings()
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, **settings[0]}, {"params": no_decay, **settings[1]}],
-            lr=self.optim_cfg.lr,
-            fused=settings[0]["fused"],  # the constructor's default is what checks and guards read
-        )
+        fused = self.group_settings()[-1]["fused"]  # the last group is AdamW's under either optimizer
+        optimizer = optim.build(self.model, self.optim_cfg, fused)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(self.optim_cfg, total_steps, lambda: self.lr_cooldown)
         )
@@ -230,7 +222,7 @@ class LMModule(pl.LightningModule):
         optimizer = self.trainer.optimizers[0]
         scheduler = self.trainer.lr_scheduler_configs[0].scheduler
         for group, settings in zip(optimizer.param_groups, self.group_settings(), strict=True):
-            if bool(group.get("fused")) != settings["fused"]:
+            if "fused" in settings and bool(group.get("fused")) != settings["fused"]:  # AdamW's groups
                 place_steps(optimizer, group["params"], settings["fused"])
             group.update(settings, initial_lr=settings["lr"])
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]

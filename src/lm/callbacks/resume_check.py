@@ -42,7 +42,7 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def check_resumable(ckpt_path: Path | None, model: ModelConfig) -> None:
+def check_resumable(ckpt_path: Path | None, model: ModelConfig, optimizer: str = "adamw") -> None:
     """Refuse to resume `ckpt_path` with another architecture, naming the keys and the fix (exit 78).
 
     Called before the run directory is written to, so a refused command leaves the run as it was. Without it a
@@ -52,6 +52,14 @@ def check_resumable(ckpt_path: Path | None, model: ModelConfig) -> None:
     if ckpt_path is None or not ckpt_path.exists():
         return  # nothing to resume (or, on a rank other than 0, rank 0 is still repairing last.ckpt)
     ckpt = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    # optim.name: AdamW's and Muon's states differ in groups and contents (checkpoints before it: AdamW).
+    was = ckpt.get("hyper_parameters", {}).get("optim", {}).get("name", "adamw")
+    if was != optimizer:
+        raise ValueError(
+            f"{ckpt_path} (step {ckpt['global_step']}) was trained with optim={was}, this config has "
+            f"optim={optimizer}: the optimizer state cannot carry over; set optim={was} to continue the run, or "
+            f"start a new one with run.resume=false (the old run moves to archive/) or another run.name"
+        )
     saved = ckpt.get("hyper_parameters", {}).get("model")
     if saved is None:
         return
