@@ -27,6 +27,7 @@ import io
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,18 +284,24 @@ def append_samples(run_dir: Path, records: list[dict[str, Any]]) -> None:
 
 def read_samples(run_dir: Path) -> list[dict[str, Any]]:
     """samples.jsonl as records; a resumed run may have appended a milestone twice: the last one wins."""
-    path = run_dir / SAMPLES
+    latest = read_jsonl_latest(run_dir / SAMPLES, lambda r: (r["step"], r["prompt"], r["mode"]))
+    return sorted(latest, key=lambda r: r["step"])
+
+
+def read_jsonl_latest(path: Path, key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """The records of an append-only JSON-lines file, the last of each `key` kept; none if it is missing.
+    A torn last line (a process killed mid-append) is skipped."""
     if not path.is_file():
         return []
-    latest: dict[tuple, dict[str, Any]] = {}
+    latest: dict[Any, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         try:
             r = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:  # the last line of a process killed mid-append
+        except json.JSONDecodeError:
             continue
         if r is not None:
-            latest[(r["step"], r["prompt"], r["mode"])] = r
-    return sorted(latest.values(), key=lambda r: r["step"])
+            latest[key(r)] = r
+    return list(latest.values())
 
 
 # -- evals.jsonl, eval.json: benchmark scores -------------------------------------------------------------
@@ -307,18 +314,7 @@ def append_evals(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """evals.jsonl as records by step; a milestone evaluated twice (a crash before its checkpoint): the last wins."""
-    path = run_dir / EVALS
-    if not path.is_file():
-        return []
-    latest: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:  # the last line of a process killed mid-append
-            continue
-        if r is not None:
-            latest[r["step"]] = r
-    return [latest[s] for s in sorted(latest)]
+    return sorted(read_jsonl_latest(run_dir / EVALS, lambda r: r["step"]), key=lambda r: r["step"])
 
 
 def write_eval(folder: Path, record: dict[str, Any], markdown: str) -> None:

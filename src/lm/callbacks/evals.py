@@ -11,26 +11,22 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lm import hf, rundir
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.steps import StepWatch
+from lm.callbacks.milestones import MilestoneCallback
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
 from lm.evaluate import generators_kept, score, task_manager
-from lm.parallel import is_sharded
-from lm.plan import phase_at
 from lm.tables import evals_markdown
 
 log = logging.getLogger(__name__)
 
 
-class BenchmarkEvaluator(Callback):
+class BenchmarkEvaluator(MilestoneCallback):
     """Appends one record per milestone to the run's evals.jsonl and logs `eval/<task>/<metric>`.
 
     The milestones already evaluated are read back from evals.jsonl, not from the checkpoint: a run that
@@ -38,55 +34,23 @@ class BenchmarkEvaluator(Callback):
     """
 
     def __init__(self, cfg: EvalsConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
-        self.cfg = cfg
-        self.phases = phases
-        self.meter = meter
-        self.run_dir = run_dir
-        self.steps = StepWatch()
-        self.done: set[int] = set()
-
-    def is_milestone(self, step: int, tokens: int) -> bool:
-        """Whether optimizer step `step` (with `tokens` trained) is a milestone other than the last step."""
-        if step in self.cfg.steps:
-            return True
-        if self.cfg.at_phase_ends and self.phases and step > 0:
-            before = tokens - self.meter.tokens_per_step
-            return phase_at(step, tokens, self.phases) != phase_at(step - 1, before, self.phases)
-        return False
-
-    # --- Lightning hooks ---------------------------------------------------------------------------------
+        super().__init__(cfg, phases, meter, run_dir)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero:  # an unknown task is refused before the first step, not at a milestone
             task_manager(self.cfg.tasks, self.cfg.include_path)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.steps.start(trainer)
+        super().on_train_start(trainer, pl_module)
         self.done = {r["step"] for r in rundir.read_evals(self.run_dir)}
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.steps.ended(trainer):
-            return
-        step = trainer.global_step  # the meter, earlier in the list, has counted this step's tokens
-        if step not in self.done and self.is_milestone(step, self.meter.state.tokens):
-            self.evaluate(trainer, pl_module)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.cfg.at_last_step and trainer.global_step > 0 and trainer.global_step not in self.done:
-            self.evaluate(trainer, pl_module)
 
     # --- evaluation --------------------------------------------------------------------------------------
 
-    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Run the tasks on the model as it is at this step; rank 0 writes and logs the scores."""
+        if not self.claim(trainer, "benchmarks", "score the checkpoint with `lm eval RUN_DIR`"):
+            return
         step = trainer.global_step
-        self.done.add(step)
-        if not trainer.is_global_zero:
-            return
-        if is_sharded(trainer.strategy):
-            # Sharded weights need every rank in each forward; a rank-0-only evaluation would hang.
-            log.warning("benchmarks are skipped under FSDP; score the checkpoint with `lm eval RUN_DIR`")
-            return
         self.meter.switch("eval")  # paid for, but not training throughput
         started = time.monotonic()
         tokens, usd = self.meter.state.tokens, self.meter.usd()
@@ -98,12 +62,11 @@ class BenchmarkEvaluator(Callback):
             self.meter.switch("train")
             return
         seconds = time.monotonic() - started
-        index = phase_at(step - 1, tokens - self.meter.tokens_per_step, self.phases) if self.phases else None
         record = {
             "step": step,
             "tokens": tokens,
             "usd": usd,
-            "phase": self.phases[index].name if index is not None and index < len(self.phases) else None,
+            "phase": self.phase_name(step, tokens),
             "seconds": seconds,
             "limit": self.cfg.limit,
             "scores": scores,

@@ -1,0 +1,85 @@
+"""Milestones: the steps at which a run stops to look at its model (samples, benchmarks).
+
+A milestone is an explicit step, every N steps (where the config has `every_n_steps`), each phase boundary,
+and the last step of an invocation. The callbacks that act at milestones differ only in what they do there;
+when is decided here once, so samples and benchmarks of one run always fall on the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.steps import StepWatch
+from lm.config import PhaseConfig
+from lm.parallel import is_sharded
+from lm.plan import phase_at
+
+log = logging.getLogger(__name__)
+
+
+class MilestoneCallback(Callback):
+    """Calls `at_milestone(trainer, pl_module)` once per milestone step; `done` holds the steps handled.
+
+    `cfg` needs `steps`, `at_phase_ends` and `at_last_step` (and may have `every_n_steps`)."""
+
+    def __init__(self, cfg: Any, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.phases = phases
+        self.meter = meter
+        self.run_dir = run_dir
+        self.steps = StepWatch()
+        self.done: set[int] = set()
+
+    def is_milestone(self, step: int, tokens: int) -> bool:
+        """Whether optimizer step `step` (with `tokens` trained) is a milestone other than the last step."""
+        every = getattr(self.cfg, "every_n_steps", None)
+        if step in self.cfg.steps or (every and step % every == 0):
+            return True
+        if self.cfg.at_phase_ends and self.phases and step > 0:
+            before = tokens - self.meter.tokens_per_step
+            return phase_at(step, tokens, self.phases) != phase_at(step - 1, before, self.phases)
+        return False
+
+    def phase_name(self, step: int, tokens: int) -> str | None:
+        """The phase the trained steps belong to (at a boundary: the phase that just ended); None without
+        phases, "after the plan" past the last one."""
+        if not self.phases:
+            return None
+        index = phase_at(step - 1, tokens - self.meter.tokens_per_step, self.phases)
+        return self.phases[index].name if index < len(self.phases) else "after the plan"
+
+    def claim(self, trainer: pl.Trainer, what: str, instead: str) -> bool:
+        """Marks this step done on every rank; True on the rank that should act (rank 0, unsharded weights)."""
+        self.done.add(trainer.global_step)
+        if not trainer.is_global_zero:
+            return False
+        if is_sharded(trainer.strategy):
+            # Sharded weights need every rank in each forward; a rank-0-only forward would hang.
+            log.warning("%s are skipped under FSDP; %s", what, instead)
+            return False
+        return True
+
+    def at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    # --- Lightning hooks ---------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.start(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.steps.ended(trainer):
+            return
+        step = trainer.global_step  # the meter, earlier in the list, has counted this step's tokens
+        if step not in self.done and self.is_milestone(step, self.meter.state.tokens):
+            self.at_milestone(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.cfg.at_last_step and trainer.global_step > 0 and trainer.global_step not in self.done:
+            self.at_milestone(trainer, pl_module)
