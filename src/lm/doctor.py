@@ -28,9 +28,9 @@ from lm import cost, memory, optim, plan, rundir, runtime
 from lm.bench_results import measured_mfu
 from lm.checkpointing import checkpoint_space, estimate_checkpoint_bytes, gib
 from lm.config import GpuConfig, LMConfig, conf_dir
-from lm.data import LMDataModule, sources
+from lm.data import LMDataModule
 from lm.data.dataset import TokenWindows
-from lm.data.manifest import MANIFEST, cache_key, dataset_dir, load_manifest, shard_paths
+from lm.data.manifest import MANIFEST, load_manifest, prepared_folder, shard_paths
 from lm.data.mixture import plan_sources
 from lm.evaluate import missing_harness
 
@@ -323,19 +323,12 @@ def check_disk(t: Target) -> list[Finding]:
 
 def prepared_dataset(cfg: LMConfig):
     """The training split's Dataset if the data is prepared already, else None. Preflight stays cheap and
-    offline: it never tokenizes, and never lists a Hugging Face dataset (found only through data.dir)."""
-    data = cfg.data
-    if data.dir:
-        folder = Path(data.dir).expanduser()
-    elif data.source in ("stdlib", "text"):
-        data.check_inputs()
-        folder = dataset_dir(data, cache_key(data, sources.plan(data)))
-    else:
-        return None
-    if not (folder / MANIFEST).is_file():
+    offline: it never tokenizes, and never lists a Hugging Face dataset (`prepared_folder`)."""
+    folder = prepared_folder(cfg.data)
+    if folder is None or not (folder / MANIFEST).is_file():
         return None
     manifest = load_manifest(folder)
-    return TokenWindows(shard_paths(folder, manifest, "train"), data.seq_len, manifest["dtype"])
+    return TokenWindows(shard_paths(folder, manifest, "train"), cfg.data.seq_len, manifest["dtype"])
 
 
 def check_pickles(t: Target, dataset=None) -> list[Finding]:
