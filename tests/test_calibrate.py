@@ -8,7 +8,8 @@ import pytest
 from lm import calibrate, planner
 from lm.cli import main as lm
 from lm.config import compose, to_objects
-from tests.conftest import TINY
+
+from .conftest import TINY
 
 TRUE = planner.ChinchillaLaw(2.1, 60.0, 900.0, 0.42, 0.31, "synthetic")
 
