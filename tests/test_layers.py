@@ -4,7 +4,7 @@ of imports (inside functions included) closes a cycle.
 Layers, top to bottom (docs/architecture.md draws them):
 
   7 entry points   lm.cli (train.py at the repository root)
-  6 verbs          bench, sweep, sky, supervise, planner
+  6 verbs          bench, sweep, sky, supervise, planner, calibrate
   5 composition    lm.train: one run
   4 run services   doctor (every run's preflight), report (every run's last word), export
   3 run parts      callbacks, checkpointing
@@ -34,7 +34,7 @@ LAYERS = {
     3: ["lm.callbacks", "lm.checkpointing"],
     4: ["lm.doctor", "lm.report", "lm.export"],
     5: ["lm.train"],
-    6: ["lm.bench", "lm.sweep", "lm.sky", "lm.supervise", "lm.planner"],
+    6: ["lm.bench", "lm.sweep", "lm.sky", "lm.supervise", "lm.planner", "lm.calibrate"],
     7: ["lm.cli"],
 }  # fmt: skip
 

@@ -22,6 +22,8 @@ lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
                             rank catalog GPUs by $/token for the config; write the SkyPilot task
 lm plan (--usd N | --target-loss L | --hours H) [--gpu G ...] [--corpus-tokens N] [overrides...]
                             rank model x GPU plans for a budget; write the best as conf/experiment/<name>.yaml
+        [--calibrate [--calibrate-shapes 2x64,3x96] [--calibrate-steps 100,300]] [--law calibration.json]
+                            fit the loss law to short runs on this corpus first, or use a fitted one
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from lm import plan, planner, rundir
+from lm import calibrate, plan, planner, rundir
 from lm.atomic import write_atomic
 from lm.bench import run_bench, run_compare
 from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
@@ -163,6 +165,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = to_objects(compose(args.overrides))
     goal = planner.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
     gpus = planner.pick_gpus(load_catalog(conf_dir()), args.gpu)
+    law, interval = plan_law(args, cfg)
     plans = planner.make_plans(
         goal,
         planner.load_presets(conf_dir(), cfg.data),
@@ -174,13 +177,35 @@ def cmd_plan(args: argparse.Namespace) -> None:
         bench_dir=Path(cfg.bench.out_dir),
         tokens_per_sec=args.tokens_per_sec,
         price_per_hour=args.price_per_hour,
+        law=law,
+        interval=interval,
     )
-    planner.check_goal(goal, plans, gpus)
+    planner.check_goal(goal, plans, gpus, law)
     print(planner.render(plans, args.top))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
     write_atomic(out, planner.experiment_yaml(plans[0], args.name, command))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
+
+
+def plan_law(args: argparse.Namespace, cfg) -> tuple[planner.ChinchillaLaw, float | None]:
+    """The law `lm plan` predicts with: calibrated now (--calibrate), read from --law, or the published fit."""
+    if args.calibrate:
+        law_file = Path(args.law or Path(cfg.run.root) / "calibration" / "calibration.json")
+        record = calibrate.calibrate(
+            args.overrides,
+            law_file.parent,
+            calibrate.parse_shapes(args.calibrate_shapes),
+            [int(s) for s in args.calibrate_steps.split(",")],
+            cfg.data,
+        )
+        calibrate.write_calibration(law_file, record)
+        print(calibrate.describe(record))
+        print(f"wrote {law_file}: later plans use it with --law {law_file}")
+        return calibrate.load_law(law_file)
+    if args.law:
+        return calibrate.load_law(Path(args.law))
+    return planner.BESIROGLU, None
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:
@@ -370,6 +395,14 @@ def add_plan(verbs) -> None:
     p.add_argument("--top", type=int, default=10, help="plans to show (10)")
     p.add_argument("--name", default="planned", help="experiment name (default: planned)")
     p.add_argument("--out-dir", default="conf/experiment", help="where the experiment file goes")
+    p.add_argument("--calibrate", action="store_true", help="fit the loss law to short runs on this corpus")
+    p.add_argument("--calibrate-shapes", default="2x64,2x128,4x128", help="n_layer x d_model of those runs")
+    p.add_argument("--calibrate-steps", default="100,300", help="training steps of each shape")
+    p.add_argument(
+        "--law",
+        help="calibration file to read (or, with --calibrate, to write; default: "
+        "<run.root>/calibration/calibration.json)",
+    )
     add_overrides(p, "data=text data.paths='corpus/*.txt'")
     p.set_defaults(fn=cmd_plan)
 

@@ -197,7 +197,13 @@ def run_cost(
 
 
 def steps_for(
-    goal: Goal, hw: Hardware, step_seconds: float, overhead: float, n: int, tokens_per_step: int
+    goal: Goal,
+    hw: Hardware,
+    step_seconds: float,
+    overhead: float,
+    n: int,
+    tokens_per_step: int,
+    law: ChinchillaLaw = BESIROGLU,
 ) -> int:
     """Optimizer steps the goal asks for on this hardware (0 when it buys none)."""
     if goal.hours is not None:
@@ -208,7 +214,7 @@ def steps_for(
             return 0
         slow = 1.0 + overhead if goal.pricing == "spot" else 1.0
         return int(goal.usd / (step_seconds * slow * price / 3600.0))
-    tokens = BESIROGLU.tokens_for(n, goal.target_loss)
+    tokens = law.tokens_for(n, goal.target_loss)
     return math.ceil(tokens / tokens_per_step) if math.isfinite(tokens) else 0
 
 
@@ -224,9 +230,12 @@ def make_plans(
     bench_dir: Path | None = None,
     tokens_per_sec: float | None = None,
     price_per_hour: float | None = None,
+    law: ChinchillaLaw = BESIROGLU,
+    interval: float | None = None,
 ) -> list[Plan]:
     """Every (preset, GPU) the goal can be met with, best first: lowest expected loss for a dollar or hour
-    budget, cheapest for a target loss."""
+    budget, cheapest for a target loss. The loss is `law`'s; its interval is +-`interval` (a calibrated law's
+    fit error) or, when None, the span of the two published fits."""
     windows = max(1, tokens_per_step // seq_len)
     plans = []
     for preset, model in presets.items():
@@ -241,14 +250,17 @@ def make_plans(
             step_seconds = windows * seq_len / hw.tokens_per_sec
             every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
             overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
-            steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len)
+            steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law)
             fit = fit_micro_batch(model, gpu, seq_len, windows) if steps >= 1 else None  # the slow part
             if fit is None:
                 continue
             hours, usd_on_demand = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_on_demand)
             _, usd_spot = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_spot)
             d = steps * windows * seq_len
-            losses = [law.loss(n, d) for law in (BESIROGLU, HOFFMANN)]
+            loss = law.loss(n, d)
+            losses = (
+                [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
+            )
             plans.append(
                 Plan(
                     preset=preset,
@@ -267,10 +279,10 @@ def make_plans(
                     checkpoint_every=min(every, steps),
                     storage_gb=estimate_checkpoint_bytes(n) * 4 / 1e9,  # keep_last 3 + last.ckpt's target
                     epochs=d / corpus,
-                    loss=losses[0],
+                    loss=loss,
                     loss_low=min(losses),
                     loss_high=max(losses),
-                    law=BESIROGLU.source,
+                    law=law.source,
                 )
             )
     if goal.target_loss is not None:
@@ -278,7 +290,7 @@ def make_plans(
     return sorted(plans, key=lambda p: p.loss)
 
 
-def check_goal(goal: Goal, plans: list[Plan], gpus: list[GpuConfig]) -> None:
+def check_goal(goal: Goal, plans: list[Plan], gpus: list[GpuConfig], law: ChinchillaLaw = BESIROGLU) -> None:
     """A clear error when the goal buys nothing on any GPU."""
     if plans:
         return
@@ -294,7 +306,7 @@ def check_goal(goal: Goal, plans: list[Plan], gpus: list[GpuConfig]) -> None:
         )
     raise ValueError(
         f"--target-loss {goal.target_loss:g} is below what any preset reaches by the law "
-        f"({BESIROGLU.source}: at least E = {BESIROGLU.E}); raise the target"
+        f"({law.source}: at least E = {law.E:.4g}); raise the target"
     )
 
 
@@ -326,7 +338,13 @@ def render(plans: list[Plan], top: int = 10) -> str:
         )
     if plans:
         lines.append(
-            f"loss: {plans[0].law}; interval: the Hoffmann et al. 2022 and Besiroglu et al. 2024 fits. Spot adds "
+            f"loss: {plans[0].law}; interval: "
+            + (
+                "the calibration fit's RMSE"
+                if "calibrated on" in plans[0].law
+                else "the Hoffmann et al. 2022 and Besiroglu et al. 2024 fits"
+            )
+            + ". Spot adds "
             f"{plans[0].spot_overhead:.1%} expected overhead (lost work + restarts)."
         )
     return "\n".join(lines)
