@@ -48,6 +48,7 @@ def test_sweeps_expand_like_hydra_multirun():
     assert expand(["data.batch_size=8"]) == (["data.batch_size=8"], [[]])
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_bench_tiny_marks_out_of_memory_and_recommends_what_fits(tmp_path, capsys):
     """A real memory cap (the process's address space may grow by 0.15 GB): 512 x 64 tokens of a 512-wide
     vocabulary cannot fit, 4 x 64 can."""

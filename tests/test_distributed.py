@@ -212,6 +212,7 @@ def test_ddp_matches_one_process_counts_the_world_and_resumes_on_one(root, data_
     assert "windows are re-read or skipped" in caplog.text
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_fsdp_under_torchrun_matches_one_process_and_resumes_on_one(root, data_cache, reference):
     run = root / "fsdp"
     # torchrun starts the ranks; Lightning reads its environment (TorchElasticEnvironment).
@@ -359,6 +360,7 @@ def test_fsdp_bf16_compiled_on_gpus_trains_and_resumes_on_one(root, data_cache):
     assert last(run)["global_step"] == 9
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_ranks_that_would_resume_from_different_steps_stop_before_training(root, data_cache, reference):
     """A run.root that only rank 0 sees: rank 0 resumes at step 9, rank 1 would start fresh beside it."""
     shutil.copytree(reference, root / "split0" / "single")
@@ -425,6 +427,7 @@ class RecordStride(pl.Callback):
         (self.out / f"stride-{trainer.global_rank}.json").write_text(json.dumps(pl_module.model.ac_every))
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, data_cache, tmp_path):
     """Ranks with different free memory would choose different strides; rank 0 probes and all follow."""
     ac = "+callbacks.ac"

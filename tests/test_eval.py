@@ -75,6 +75,7 @@ def test_byte_lengths_spell_the_utf8_text_and_end_of_text_is_none():
     assert lengths[EOT_ID] == 0 and not lengths[300:].any()
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(tiny_cfg, tmp_path, data_cache):
     main(tiny_cfg("trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.limit_val_batches=3"))
     run = tmp_path / "runs" / "smoke"

@@ -34,6 +34,7 @@ def test_the_knob_groups_hold_the_issue_options():
     assert {"auto", "eager", "compile", "liger", "liger_compile"} <= set(KNOBS["kernels"])
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores: CI's second pass
 def test_every_knob_combination_composes_and_resolves_on_a_cpu():
     register_configs()
     combos = list(itertools.product(*KNOBS.values()))
