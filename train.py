@@ -1,6 +1,6 @@
 """Train a model:  python train.py [+experiment=NAME] [group=option ...] [key=value ...]
 
-Hydra composes conf/train.yaml with the overrides; lm.train.main does the rest.
+Hydra composes conf/train.yaml with the overrides; lm.run.train.main does the rest.
 """
 
 import os
@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.config import register_configs
-from lm.exits import EXIT_CONFIG, JobFailed, exit_code
-from lm.rundir import in_multirun
-from lm.train import main as train
+from lm.run.train import main as train
+from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code
+from lm.store.rundir import in_multirun
 
 # Hydra prints a compose error (`model.n_layr=3`, `trainer.max_steps=abc`) and exits 1, which `lm supervise`
 # retries as a crash; re-raised, it reaches `run` below and exits 78 like every other refusal.
@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def fail(error: BaseException, code: int, cfg: DictConfig) -> None:
-    """Exit with `code`; in a multirun, fail only this job so the sweep goes on (lm.sweep.SweepSummary)."""
+    """Exit with `code`; in a multirun, fail only this job so the sweep goes on (lm.tools.sweep.SweepSummary)."""
     if in_multirun():
         raise JobFailed(str(error), code) from error
     if code == EXIT_CONFIG:

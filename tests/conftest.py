@@ -8,7 +8,7 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
 from lm.config import register_configs
-from lm.train import main
+from lm.run.train import main
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

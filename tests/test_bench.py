@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.bench import (
+from lm.config import conf_dir
+from lm.numbers.cost import load_catalog
+from lm.tools.bench import (
     Result,
     compare,
     expand,
@@ -19,8 +21,6 @@ from lm.bench import (
     run_compare,
     run_one,
 )
-from lm.config import conf_dir
-from lm.cost import load_catalog
 
 GPU_BENCHES = Path(__file__).parent.parent / "experiments/2026-11-23-gpu"
 

@@ -5,16 +5,16 @@ import json
 
 import pytest
 
-from lm import calibrate, planner
 from lm.cli import main as lm
 from lm.config import compose, to_objects
+from lm.tools import budget, calibrate
 
 from .conftest import TINY
 
-TRUE = planner.ChinchillaLaw(2.1, 60.0, 900.0, 0.42, 0.31, "synthetic")
+TRUE = budget.ChinchillaLaw(2.1, 60.0, 900.0, 0.42, 0.31, "synthetic")
 
 
-def points_of(law: planner.ChinchillaLaw, sizes, tokens) -> list[calibrate.Point]:
+def points_of(law: budget.ChinchillaLaw, sizes, tokens) -> list[calibrate.Point]:
     return [calibrate.Point(f"{n}-{d}", n, d, law.loss(n, d)) for n in sizes for d in tokens]
 
 
@@ -37,9 +37,7 @@ def test_one_diverged_run_does_not_bend_the_prediction(diverged):
 
 
 def test_few_points_fix_the_exponents_and_say_so():
-    law = planner.ChinchillaLaw(
-        2.5, 30.0, 400.0, planner.BESIROGLU.alpha, planner.BESIROGLU.beta, "synthetic"
-    )
+    law = budget.ChinchillaLaw(2.5, 30.0, 400.0, budget.BESIROGLU.alpha, budget.BESIROGLU.beta, "synthetic")
     fit = calibrate.fit_law(points_of(law, [1e5, 1e6], [1e6, 1e7]), "synthetic")
     assert "alpha and beta fixed at Besiroglu" in fit.fixed and "4 runs are too few" in fit.fixed
     assert pytest.approx((law.E, law.A, law.B), rel=1e-3) == (fit.law.E, fit.law.A, fit.law.B)

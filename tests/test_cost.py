@@ -8,13 +8,13 @@ import pytest
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm import cost
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import CostConfig, GpuConfig, PhaseConfig
 from lm.model import ModelConfig
-from lm.plan import phase_at
-from lm.rundir import read_phases, write_ledger
-from lm.train import main
+from lm.numbers import cost
+from lm.numbers.run_plan import phase_at
+from lm.run.train import main
+from lm.store.rundir import read_phases, write_ledger
 
 from .conftest import CONF
 

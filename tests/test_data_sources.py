@@ -27,7 +27,7 @@ from lm.data import (
 )
 from lm.data.sources import is_validation
 from lm.data.tokenizer import file_sha256, train_tokenizer
-from lm.train import main as train_main
+from lm.run.train import main as train_main
 
 VOCAB = 300
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lm.activation_checkpointing import Decision, resolve
-from lm.checkpointing import resume_checkpoint
+from lm.checkpoint.local import resume_checkpoint
 from lm.data.dataset import StepSampler, val_batches
-from lm.parallel import check_strategy, cluster_plugins
+from lm.engine.activation_checkpointing import Decision, resolve
+from lm.engine.parallel import check_strategy, cluster_plugins
 
 from .conftest import CONF, TINY
 from .conftest import train_in_process as train_here
@@ -432,7 +432,7 @@ def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, dat
     """Ranks with different free memory would choose different strides; rank 0 probes and all follow."""
     ac = "+callbacks.ac"
     callbacks = [
-        f"{ac}._target_=lm.callbacks.ac_stride.ActivationCheckpointingStride",
+        f"{ac}._target_=lm.callbacks.activation_stride.ActivationCheckpointingStride",
         f"{ac}.decide._target_=tests.test_distributed.stand_in_decision",
         f"{ac}.decide._partial_=true",
         f"{ac}.decide.out={tmp_path}",

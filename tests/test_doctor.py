@@ -6,11 +6,12 @@ from dataclasses import asdict
 
 import pytest
 
-from lm import memory, sky
 from lm.cli import main as lm
 from lm.config import LMConfig, to_objects
-from lm.doctor import Target, check_pickles, diagnose, resolve_target, table
-from lm.train import main as train_main
+from lm.numbers import memory
+from lm.run.doctor import Target, check_pickles, diagnose, resolve_target, table
+from lm.run.train import main as train_main
+from lm.tools import sky
 
 # The seed's 1B plan, checked as if for an A100 80GB from this CPU machine (`gpu=` names the target).
 PLAN_1B = ["+experiment=plan_1b", "trainer.accelerator=auto", "gpu=a100_80gb"]

@@ -14,16 +14,17 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 
-from lm import cli, rundir
+from lm import cli
 from lm.config import register_configs
 from lm.data import load_manifest, load_tokenizer, shard_paths
 from lm.data.bytes import token_byte_lengths
 from lm.data.dataset import TokenWindows, val_batches
 from lm.data.tokenizer import EOT_ID, train_tokenizer
-from lm.hf import hf_tokenizer, load_run, to_hf_model
-from lm.module import LMModule
-from lm.report import write_report
-from lm.train import main
+from lm.engine.hf import hf_tokenizer, load_run, to_hf_model
+from lm.engine.module import LMModule
+from lm.run.report import write_report
+from lm.run.train import main
+from lm.store import rundir
 
 from .conftest import CONF, TINY
 from .test_train import scalars

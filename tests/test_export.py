@@ -13,16 +13,16 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm import rundir
 from lm.cli import main as lm
 from lm.config import register_configs, to_objects
 from lm.data import LMDataModule
-from lm.exits import EXIT_CONFIG, exit_code
-from lm.export import export
-from lm.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
+from lm.engine.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
+from lm.engine.module import eager_cross_entropy
 from lm.model import ModelConfig, Transformer
-from lm.module import eager_cross_entropy
-from lm.train import main
+from lm.run.train import main
+from lm.store import rundir
+from lm.store.exits import EXIT_CONFIG, exit_code
+from lm.tools.export import export
 
 from .conftest import CONF, TINY
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 from .conftest import train_in_process
 from .faults import fill

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from lm.forecast import PowerLaw, fit_power_law, forecast
+from lm.numbers.forecast import PowerLaw, fit_power_law, forecast
 
 
 @pytest.mark.parametrize(

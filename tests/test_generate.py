@@ -7,10 +7,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from lm.cli import main as lm
-from lm.generate import complete, generate
-from lm.hf import load_run
+from lm.engine.generate import complete, generate
+from lm.engine.hf import load_run
 from lm.model import KVCache, ModelConfig, Transformer
-from lm.train import main
+from lm.run.train import main
 
 
 def tiny_model(**overrides) -> Transformer:

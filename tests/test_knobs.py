@@ -14,13 +14,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lm.activation_checkpointing import allowed_bytes, candidates, resolve
 from lm.config import register_configs, to_objects
-from lm.kernels import check_liger
+from lm.engine.activation_checkpointing import allowed_bytes, candidates, resolve
+from lm.engine.kernels import check_liger
+from lm.engine.module import LMModule
+from lm.engine.runtime import resolve_precision
 from lm.model import ModelConfig
-from lm.module import LMModule
-from lm.runtime import resolve_precision
-from lm.train import main
+from lm.run.train import main
 
 from .conftest import CONF
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lm.activation_checkpointing import cuda_trial_probe, free_device_memory, resolve
+from lm.engine.activation_checkpointing import cuda_trial_probe, free_device_memory, resolve
+from lm.engine.module import LMModule
 from lm.model import ModelConfig
-from lm.module import LMModule
 
 pytestmark = [
     pytest.mark.gpu,

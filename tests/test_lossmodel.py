@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 from lm.config import OptimConfig
-from lm.forecast import fit_power_law
-from lm.lossmodel import ScheduleLaw, areas, block_means, fit_schedule_law, loss_for_length, schedule_forecast
-from lm.schedule import lr_lambda, multipliers
+from lm.numbers.forecast import fit_power_law
+from lm.numbers.loss_law import (
+    ScheduleLaw,
+    areas,
+    block_means,
+    fit_schedule_law,
+    loss_for_length,
+    schedule_forecast,
+)
+from lm.numbers.lr_schedule import lr_lambda, multipliers
 
 TRUE = ScheduleLaw(L0=2.0, A=20.0, alpha=0.5, C=2e-3, lam=0.99)  # lam_for(2000), what the fit takes
 CURVES = Path(__file__).parent / "data" / "curves"

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm import memory
-from lm.memory import estimate, fits
 from lm.model import ModelConfig, Transformer
+from lm.numbers import memory
+from lm.numbers.memory import estimate, fits
 
 PRECISIONS = {"32-true": None, "bf16-mixed": "autocast", "bf16-true": "weights"}
 

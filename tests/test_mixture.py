@@ -22,9 +22,9 @@ from lm.data.mixture import (
 )
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import file_sha256, train_tokenizer
-from lm.doctor import check_mixture, resolve_target
-from lm.exits import EXIT_CONFIG, exit_code
-from lm.rundir import read_phases
+from lm.run.doctor import check_mixture, resolve_target
+from lm.store.exits import EXIT_CONFIG, exit_code
+from lm.store.rundir import read_phases
 
 from .conftest import TINY, train_in_process
 from .test_data import BatchRecorder

@@ -10,14 +10,14 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from lm import optim
-from lm.bench import optimizer_overhead, run_bench
-from lm.bench_results import Result
 from lm.callbacks.resume_check import check_resumable
 from lm.config import OptimConfig, to_objects
-from lm.doctor import diagnose, resolve_target
+from lm.engine import optim
 from lm.model import ModelConfig, Transformer
-from lm.train import main
+from lm.run.doctor import diagnose, resolve_target
+from lm.run.train import main
+from lm.store.bench_file import Result
+from lm.tools.bench import optimizer_overhead, run_bench
 
 from .conftest import TINY
 from .test_bench import TINY_BENCH

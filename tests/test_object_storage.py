@@ -23,12 +23,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lm.checkpointing import resume_checkpoint
+from lm.checkpoint.local import resume_checkpoint
+from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.config import to_objects
-from lm.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
-from lm.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
-from lm.storage import check_writable, retrying, transient
-from lm.train import main
+from lm.run.train import main
+from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
+from lm.store.objects import check_writable, retrying, transient
 
 from .conftest import TINY
 from .conftest import train_in_process as train
@@ -215,7 +215,7 @@ def test_a_hung_upload_does_not_hold_a_stopping_run(s3, tmp_path, caplog):
         )
         uploader.submit(fake_checkpoint(tmp_path / "12.ckpt", 12), 12)
         t0 = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="lm.remote"):
+        with caplog.at_level(logging.ERROR, logger="lm.checkpoint.remote"):
             finished = uploader.wait(timeout=1.0)
         waited = time.monotonic() - t0
         # teardown's wait after on_exception's: the process is leaving; it does not wait for the same upload again

@@ -2,10 +2,10 @@
 
 import pytest
 
-from lm import plan
 from lm.cli import main as lm
 from lm.config import to_objects
-from lm.doctor import check_plan, resolve_target
+from lm.numbers import run_plan
+from lm.run.doctor import check_plan, resolve_target
 
 PHASE1 = ["+experiment=phase1", "trainer.accelerator=cpu"]
 TOKENS_PER_STEP = 8 * 2048 * 8  # the 1B plan: batch 8 x seq 2048 x accumulation 8
@@ -14,7 +14,7 @@ PLAN_TOKENS = 90_000 * TOKENS_PER_STEP  # 11,796,480,000: phase 1 stops at 200 s
 
 def test_the_plan_ends_where_the_schedule_and_phases_do_not_where_this_invocation_stops(compose):
     cfg = to_objects(compose(*PHASE1))
-    end = plan.plan_end(cfg)
+    end = run_plan.plan_end(cfg)
     assert cfg.trainer.max_steps == 200
     assert (end.tokens, end.steps) == (PLAN_TOKENS, 90_000) and "90,000" in end.source
 
@@ -31,9 +31,9 @@ def test_the_plan_ends_where_the_schedule_and_phases_do_not_where_this_invocatio
 )
 def test_a_step_counts_every_device_of_the_job(compose, overrides, world):
     cfg = to_objects(compose(*PHASE1, *overrides))
-    assert plan.world_size(cfg.trainer) == world
-    assert plan.tokens_per_step(cfg) == TOKENS_PER_STEP * world
-    assert plan.plan_end(cfg).tokens == PLAN_TOKENS * world
+    assert run_plan.world_size(cfg.trainer) == world
+    assert run_plan.tokens_per_step(cfg) == TOKENS_PER_STEP * world
+    assert run_plan.plan_end(cfg).tokens == PLAN_TOKENS * world
     # The doctor reads the same number (it used to count one device whatever trainer.devices said).
     (finding,) = check_plan(resolve_target(cfg))
     assert f"{PLAN_TOKENS * world:,} tokens" in finding.what

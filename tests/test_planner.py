@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-from lm import planner
 from lm.cli import main as lm
 from lm.config import conf_dir, to_objects
-from lm.cost import load_catalog
-from lm.train import main
+from lm.numbers.cost import load_catalog
+from lm.run.train import main
+from lm.tools import budget
 
 CPU = load_catalog(conf_dir())["cpu"]
 
 
-def tiny_plans(cfg, goal: planner.Goal, tokens_per_sec: float, price: float) -> list[planner.Plan]:
+def tiny_plans(cfg, goal: budget.Goal, tokens_per_sec: float, price: float) -> list[budget.Plan]:
     """Plans of the tiny preset on the CPU at a measured throughput and a given price."""
-    presets = planner.load_presets(conf_dir(), cfg.data)
-    return planner.make_plans(
+    presets = budget.load_presets(conf_dir(), cfg.data)
+    return budget.make_plans(
         goal,
         {"tiny": presets["tiny"]},
         [CPU],
@@ -40,21 +40,21 @@ def test_the_plan_prices_a_real_run_as_its_cost_meter_did(tiny_cfg, tmp_path):
     per_step = cfg.data.batch_size * cfg.data.seq_len
     assert meter["tokens"] == meter["step"] * per_step  # tokens = steps x tokens per step
     seconds = meter["seconds"]["train"]
-    hours, usd = planner.run_cost(meter["step"], per_step, meter["tokens"] / seconds, 36.0)
+    hours, usd = budget.run_cost(meter["step"], per_step, meter["tokens"] / seconds, 36.0)
     assert usd == pytest.approx(hours * 36.0) == pytest.approx(seconds * 36.0 / 3600.0)  # hours x price = $
     # Asked for the hours the run trained, at its throughput, the planner plans the run's steps and dollars.
-    (plan,) = tiny_plans(cfg, planner.Goal(hours=seconds / 3600.0 * 1.0001), meter["tokens"] / seconds, 36.0)
+    (plan,) = tiny_plans(cfg, budget.Goal(hours=seconds / 3600.0 * 1.0001), meter["tokens"] / seconds, 36.0)
     assert plan.steps == meter["step"] and plan.tokens == meter["tokens"]
     assert plan.usd_on_demand == pytest.approx(seconds * 36.0 / 3600.0, rel=1e-3)
 
 
 def test_the_written_experiment_composes_and_runs_a_few_steps(tiny_cfg, tmp_path):
     cfg = to_objects(tiny_cfg())
-    (plan,) = tiny_plans(cfg, planner.Goal(usd=1.0), tokens_per_sec=20_000.0, price=100.0)
+    (plan,) = tiny_plans(cfg, budget.Goal(usd=1.0), tokens_per_sec=20_000.0, price=100.0)
     assert plan.steps == 1406  # $1 at $100/h = 36 s = 720,000 tokens = 1,406 steps of 512
     experiments = tmp_path / "extra" / "experiment"
     experiments.mkdir(parents=True)
-    (experiments / "planned.yaml").write_text(planner.experiment_yaml(plan, "planned", "lm plan --usd 1"))
+    (experiments / "planned.yaml").write_text(budget.experiment_yaml(plan, "planned", "lm plan --usd 1"))
     composed = tiny_cfg(f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "+experiment=planned")
     run_cfg = to_objects(composed)
     assert run_cfg.optim.total_steps == plan.steps == run_cfg.phases.phases[-1].end_step

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.atomic import append_atomic, write_atomic
-from lm.checkpointing import resume_checkpoint
-from lm.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
-from lm.runlock import RunLock, RunLocked
+from lm.checkpoint.local import resume_checkpoint
+from lm.store.atomic import append_atomic, write_atomic
+from lm.store.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
+from lm.store.lock import RunLock, RunLocked
 
 from .conftest import CONF, TINY
 from .faults import fill
@@ -127,7 +127,7 @@ def test_a_process_stuck_on_the_way_out_is_ended_with_its_code_and_its_stacks(tm
     script = textwrap.dedent(f"""
         import multiprocessing, os, threading, time
         from lm.data.datamodule import ignore_stop_signals
-        from lm.exits import exit_within
+        from lm.store.exits import exit_within
 
         def child():
             ignore_stop_signals(0)
@@ -181,7 +181,7 @@ def test_a_second_trainer_on_a_live_run_is_refused_and_archives_nothing(tmp_path
 
 
 def test_the_lock_dies_with_its_holder(tmp_path):
-    holder = start([sys.executable, "-c", f"from pathlib import Path; from lm.runlock import RunLock; RunLock(Path({str(tmp_path)!r})).acquire(); "
+    holder = start([sys.executable, "-c", f"from pathlib import Path; from lm.store.lock import RunLock; RunLock(Path({str(tmp_path)!r})).acquire(); "
                     "print('held', flush=True); import time; time.sleep(600)"])  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RunLocked, match=f"pid {holder.pid} on host {socket.gethostname()}"):

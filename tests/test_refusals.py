@@ -14,7 +14,7 @@ import pytest
 
 from lm.config import compose, to_objects
 from lm.data.manifest import dataset_dir
-from lm.exits import EXIT_CONFIG
+from lm.store.exits import EXIT_CONFIG
 
 from .conftest import CONF, TINY
 from .conftest import train_in_process as train

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm.checkpointing import rotate
+from lm.checkpoint.local import rotate
 from lm.config import OptimConfig
-from lm.exits import EXIT_CONFIG
-from lm.module import lr_lambda
-from lm.train import main
+from lm.engine.module import lr_lambda
+from lm.run.train import main
+from lm.store.exits import EXIT_CONFIG
 
 from .conftest import CONF, TINY
 

@@ -8,8 +8,8 @@ import torch
 
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
-from lm.module import lr_lambda
-from lm.train import main
+from lm.engine.module import lr_lambda
+from lm.run.train import main
 
 from .test_train import scalars
 

@@ -13,12 +13,12 @@ from hydra import initialize_config_dir
 
 from lm.cli import main as lm
 from lm.config import conf_dir, register_configs, to_objects
-from lm.cost import flops_per_token, load_catalog, non_embedding_params
-from lm.exits import EXIT_CONFIG
-from lm.rundir import read_scalars
-from lm.sky import ASSUMED_MFU, memory_needed_gb, rank_gpus, render_task
-from lm.sweep import read_job, write_summary
-from lm.train import main as train_main
+from lm.numbers.cost import flops_per_token, load_catalog, non_embedding_params
+from lm.run.train import main as train_main
+from lm.store.exits import EXIT_CONFIG
+from lm.store.rundir import read_scalars
+from lm.tools.sky import ASSUMED_MFU, memory_needed_gb, rank_gpus, render_task
+from lm.tools.sweep import read_job, write_summary
 
 from .conftest import CONF, TINY
 
@@ -144,7 +144,7 @@ def test_gpus_rank_by_dollars_per_token_and_memory_fit(compose):
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, non_embedding_params(cfg.model))
     expected = 1.49 / 3600 / (989.4e12 * ASSUMED_MFU / fpt) * 1e9  # spot price, catalog peak
     assert h100.pricing == "spot" and h100.usd_per_billion_tokens == pytest.approx(expected)
-    # lm.memory's estimate for 8 x 2048 tokens without checkpointing: 80 GB cards fit, 48 GB ones do not.
+    # lm.numbers.memory's estimate for 8 x 2048 tokens without checkpointing: 80 GB cards fit, 48 GB ones do not.
     assert 48 < h100.need_gb < 0.9 * 80 and h100.why_not is None
     assert "needs ~" in next(c for c in ranked if c.gpu.name == "l40s").why_not
     # Activation checkpointing frees the memory: the cheapest card per token becomes the first candidate.

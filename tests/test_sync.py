@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from torch.overrides import TorchFunctionMode
 
-from lm import train as lm_train
+from lm.run import train as lm_train
 
 from .conftest import CONF, TINY
 

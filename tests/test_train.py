@@ -11,8 +11,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm.config import OptimConfig
-from lm.module import LMModule, lr_lambda
-from lm.train import main
+from lm.engine.module import LMModule, lr_lambda
+from lm.run.train import main
 
 from .conftest import CONF, TINY
 
@@ -184,7 +184,7 @@ def test_schedules_warm_up_then_end_at_their_floor(schedule):
 
 
 def test_job_directory_names_use_the_swept_keys_only():
-    from lm.rundir import job_dirname
+    from lm.store.rundir import job_dirname
 
     task = ["trainer=cpu", "data.cache_dir=/tmp/x", "optim.lr=0.0003", "run.name=s"]
     argv = ["-m", "optim.lr=1e-4,3e-4", "trainer=cpu", "data.cache_dir=/tmp/x", "run.name=s"]

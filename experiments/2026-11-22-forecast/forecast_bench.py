@@ -1,7 +1,7 @@
 """How early does the loss forecast predict the final validation loss within 0.02?
 
 Replays real loss curves point by point: after each validation point the power law L(D) = E + B * D^(-beta)
-is fitted to the points so far (lm.forecast.fit_power_law, as the stopper does) and asked for the loss at the
+is fitted to the points so far (lm.numbers.forecast.fit_power_law, as the stopper does) and asked for the loss at the
 run's final token count. Reports, per curve, the first point from which every later forecast is within 0.02
 of the final measured loss.
 
@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lm.forecast import fit_power_law
-from lm.report import load_scalars
+from lm.numbers.forecast import fit_power_law
+from lm.run.report import load_scalars
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 0.02

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from lm.generate import generate
+from lm.engine.generate import generate
 from lm.model import ModelConfig, Transformer
 
 parser = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""Upload and verified download of one checkpoint-sized file through lm.remote against moto on loopback.
+"""Upload and verified download of one checkpoint-sized file through lm.checkpoint.remote against moto on loopback.
 
 PYTHONPATH=src python experiments/2026-11-22-object-storage/bench.py 256
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from moto.server import ThreadedMotoServer
 
-from lm.checkpointing import loadable
-from lm.remote import RemoteCheckpoints
+from lm.checkpoint.local import loadable
+from lm.checkpoint.remote import RemoteCheckpoints
 
 mb = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from lm import train as lm_train
 from lm.config import conf_dir, register_configs, to_objects
 from lm.data import LMDataModule
-from lm.module import LMModule, lr_lambda
+from lm.engine.module import LMModule, lr_lambda
+from lm.run import train as lm_train
 
 # Big enough that one step takes well over 50 ms on 2 CPU cores (the floor), small enough to run often.
 MODEL = ["model.d_model=256", "model.n_layer=4", "model.n_head=4", "data.seq_len=256", "data.batch_size=8"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lm.checkpointing import AtomicCheckpointIO, estimate_checkpoint_bytes
+from lm.checkpoint.local import AtomicCheckpointIO, estimate_checkpoint_bytes
 from lm.model import ModelConfig, Transformer
 
 HERE = Path(__file__).resolve().parent

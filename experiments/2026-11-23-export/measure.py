@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from lm import rundir
 from lm.config import compose, to_objects
-from lm.export import export
-from lm.hf import to_hf_model
+from lm.engine.hf import to_hf_model
 from lm.model import ModelConfig, Transformer
+from lm.store import rundir
+from lm.tools.export import export
 
 VARIANTS = {
     "gqa": dict(n_head=4, n_kv_head=2),

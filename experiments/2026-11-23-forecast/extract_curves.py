@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from lm import rundir
-from lm.checkpointing import checkpoint_step
+from lm.checkpoint.local import checkpoint_step
 from lm.config import DataConfig
 from lm.data.datamodule import LMDataModule
-from lm.module import LMModule
+from lm.engine.module import LMModule
+from lm.store import rundir
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
 WINDOWS = 3840

@@ -3,10 +3,10 @@
 Replays the recorded curves (tests/data/curves/*.json) point by point: after each validation point, each
 forecaster sees only the points so far and predicts the loss at the plan's end.
 
-- `val`: the schedule-aware law (lm.lossmodel) fitted to the validation points so far.
+- `val`: the schedule-aware law (lm.numbers.loss_law) fitted to the validation points so far.
 - `train+val`: the law fitted to the smoothed training loss (block means of 5 logged steps, many points) for
   the shape, moved to the validation level by the median offset of the validation points so far.
-- `power law`: the old L(D) = E + B*D^-beta on the validation points (lm.forecast, what the stopper used).
+- `power law`: the old L(D) = E + B*D^-beta on the validation points (lm.numbers.forecast, what the stopper used).
 
 Also replays the seed article's 1B run (its quoted losses) and reports the anneal gain g each full curve fits.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import OptimConfig
-from lm.forecast import fit_power_law
-from lm.lossmodel import ANNEAL_GAIN, areas, block_means, fit_schedule_law
-from lm.schedule import multipliers
+from lm.numbers.forecast import fit_power_law
+from lm.numbers.loss_law import ANNEAL_GAIN, areas, block_means, fit_schedule_law
+from lm.numbers.lr_schedule import multipliers
 
 ROOT = Path(__file__).resolve().parents[2]
 CURVES = ROOT / "tests" / "data" / "curves"
@@ -112,7 +112,9 @@ def seed_replay(gain: float) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--gain", type=float, default=ANNEAL_GAIN, help="prior anneal gain (lm.lossmodel)")
+    parser.add_argument(
+        "--gain", type=float, default=ANNEAL_GAIN, help="prior anneal gain (lm.numbers.loss_law)"
+    )
     parser.add_argument(
         "--gain-from",
         help="take each curve's prior gain from the full fit of this other curve (leave-one-out)",

@@ -3,7 +3,7 @@ process: peak reserved (what the probe returns) and peak allocated, per call."""
 
 import torch
 
-from lm.activation_checkpointing import cuda_trial_probe
+from lm.engine.activation_checkpointing import cuda_trial_probe
 from lm.model import ModelConfig
 
 cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8, max_seq_len=1024)

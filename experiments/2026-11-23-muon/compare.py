@@ -69,7 +69,7 @@ def train(out: Path, name: str, shape: str, optim: str, lr: float, steps: int, v
 
 
 def val_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    from lm.rundir import read_scalars
+    from lm.store.rundir import read_scalars
 
     s = read_scalars(run_dir)["val/loss"]
     return [int(x) for x in s.steps], [float(v) for v in s.values]
@@ -79,8 +79,8 @@ def step_times(shape: str, steps: int) -> dict[str, float]:
     """Median seconds per optimizer step (forward, backward, clip, step) of each optimizer, interleaved."""
     from omegaconf import OmegaConf
 
-    from lm import optim as lm_optim
     from lm.config import OptimConfig, compose, to_objects
+    from lm.engine import optim as lm_optim
     from lm.model import ModelConfig, Transformer
 
     cfg = to_objects(compose([*SHAPES[shape], *DATA]))

@@ -38,24 +38,26 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from lm import calibrate, plan, planner, rundir
-from lm.atomic import write_atomic
-from lm.bench import run_bench, run_compare
 from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
-from lm.cost import load_catalog
 from lm.data import implied_epochs, load_manifest, prepare
 from lm.data.manifest import summary
 from lm.data.mixture import prepare_mixture
 from lm.data.shards import sample_tokenizer
-from lm.doctor import diagnose, level_of, resolve_target, table
-from lm.evaluate import evaluate_path
-from lm.export import DTYPES, export
-from lm.generate import complete
-from lm.hf import VOCAB, load_run
-from lm.report import write_report
-from lm.sky import rank_gpus, render_task
-from lm.supervise import supervise
-from lm.sweep import write_summary
+from lm.engine.generate import complete
+from lm.engine.harness import evaluate_path
+from lm.engine.hf import VOCAB, load_run
+from lm.numbers import run_plan
+from lm.numbers.cost import load_catalog
+from lm.run.doctor import diagnose, level_of, resolve_target, table
+from lm.run.report import write_report
+from lm.store import rundir
+from lm.store.atomic import write_atomic
+from lm.tools import budget, calibrate
+from lm.tools.bench import run_bench, run_compare
+from lm.tools.export import DTYPES, export
+from lm.tools.sky import rank_gpus, render_task
+from lm.tools.supervise import supervise
+from lm.tools.sweep import write_summary
 
 
 def cmd_config(args: argparse.Namespace) -> None:
@@ -81,7 +83,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     )
     if manifest["skipped_count"]:
         print(f"skipped {manifest['skipped_count']} input(s): see `skipped` in {data_dir / 'manifest.json'}")
-    end = plan.plan_end(cfg)
+    end = run_plan.plan_end(cfg)
     epochs = implied_epochs(manifest, end.tokens)
     line = f"the plan ({end.source}) trains on {end.tokens:,} tokens: {epochs:.2f} epochs"
     if epochs > 1:
@@ -163,16 +165,16 @@ def cmd_sky(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     cfg = to_objects(compose(args.overrides))
-    goal = planner.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
-    gpus = planner.pick_gpus(load_catalog(conf_dir()), args.gpu)
+    goal = budget.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
+    gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
-    plans = planner.make_plans(
+    plans = budget.make_plans(
         goal,
-        planner.load_presets(conf_dir(), cfg.data),
+        budget.load_presets(conf_dir(), cfg.data),
         gpus,
         seq_len=cfg.data.seq_len,
         tokens_per_step=args.tokens_per_step,
-        corpus=args.corpus_tokens or planner.corpus_tokens(cfg.data),
+        corpus=args.corpus_tokens or budget.corpus_tokens(cfg.data),
         interruptions_per_hour=args.interruptions_per_hour,
         bench_dir=Path(cfg.bench.out_dir),
         tokens_per_sec=args.tokens_per_sec,
@@ -180,15 +182,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
         law=law,
         interval=interval,
     )
-    planner.check_goal(goal, plans, gpus, law)
-    print(planner.render(plans, args.top))
+    budget.check_goal(goal, plans, gpus, law)
+    print(budget.render(plans, args.top))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
-    write_atomic(out, planner.experiment_yaml(plans[0], args.name, command))
+    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 
 
-def plan_law(args: argparse.Namespace, cfg) -> tuple[planner.ChinchillaLaw, float | None]:
+def plan_law(args: argparse.Namespace, cfg) -> tuple[budget.ChinchillaLaw, float | None]:
     """The law `lm plan` predicts with: calibrated now (--calibrate), read from --law, or the published fit."""
     if args.calibrate:
         law_file = Path(args.law or Path(cfg.run.root) / "calibration" / "calibration.json")
@@ -205,7 +207,7 @@ def plan_law(args: argparse.Namespace, cfg) -> tuple[planner.ChinchillaLaw, floa
         return calibrate.load_law(law_file)
     if args.law:
         return calibrate.load_law(Path(args.law))
-    return planner.BESIROGLU, None
+    return budget.BESIROGLU, None
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:

@@ -22,8 +22,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from lm.exits import EXIT_CONFIG
 from lm.model import ModelConfig
+from lm.store.exits import EXIT_CONFIG
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
 PRICINGS = ("on_demand", "spot")
@@ -199,7 +199,7 @@ class RunConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer (AdamW, or Muon with AdamW: lm.optim) and its learning-rate schedule."""
+    """The optimizer (AdamW, or Muon with AdamW: lm.engine.optim) and its learning-rate schedule."""
 
     name: str = "adamw"
     """`adamw`, or `muon`: Muon on the blocks' matrices, AdamW (the keys below) on embedding, head and norms."""
@@ -269,7 +269,7 @@ class TrainerConfig:
     num_nodes: int = 1
     """Machines in the job."""
     strategy: str = "auto"
-    """Lightning strategy name (`auto`, `ddp`, ...); `fsdp` is FSDP2 per block (lm.parallel.FSDP2Strategy)."""
+    """Lightning strategy name (`auto`, `ddp`, ...); `fsdp` is FSDP2 per block (lm.engine.parallel.FSDP2Strategy)."""
     max_steps: int = 300
     """Optimizer steps at which this invocation stops (a resumed run counts from its checkpoint)."""
     accumulate_grad_batches: int = 1
@@ -659,7 +659,7 @@ ASSUMED_MFU = 0.45
 
 @dataclass
 class DoctorConfig:
-    """The preflight doctor (lm.doctor): run at the start of every training run and by `lm doctor`."""
+    """The preflight doctor (lm.run.doctor): run at the start of every training run and by `lm doctor`."""
 
     enabled: bool = True
     """Run the checks before training starts (errors always refuse the run; warnings are logged)."""
@@ -814,7 +814,7 @@ def to_objects(cfg: DictConfig) -> LMConfig:
 class CheckBeforeRun(Callback):
     """Hydra callback (conf/train.yaml): a single run's config is checked by `to_objects` before Hydra makes
     the invocation's output folder (`hydra/<time>/` in the run directory), so a refused config changes
-    nothing on disk. Each job of a multirun is checked by `lm.train.main` instead, where a refusal fails that
+    nothing on disk. Each job of a multirun is checked by `lm.run.train.main` instead, where a refusal fails that
     job alone and the sweep goes on."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 one trained with the same recipe, and report the error (issue 16's goal: within 0.05).
 
 Step 1 is the documented command itself (`lm plan --calibrate`, in a subprocess with a timeout); step 2 trains
-the larger shape through the same function the calibration uses (lm.calibrate.calibration_run), so the only
+the larger shape through the same function the calibration uses (lm.tools.calibrate.calibration_run), so the only
 difference between the points and the target is N and D.
 
     OMP_NUM_THREADS=1 nice -n 19 python experiments/2026-11-23-plan/calibration/calibration_bench.py \
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from lm import calibrate
+from lm.tools import calibrate
 
 ROOT = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/calib23")
 SHAPES = "2x64,2x96,3x96,3x128"

@@ -17,9 +17,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lm import cost, rundir
 from lm.callbacks.steps import StepWatch
-from lm.rundir import BUCKETS
+from lm.numbers import cost
+from lm.store import rundir
+from lm.store.rundir import BUCKETS
 
 
 @dataclass

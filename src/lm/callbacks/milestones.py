@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
-from lm.parallel import is_sharded
-from lm.plan import phase_at
+from lm.engine.parallel import is_sharded
+from lm.numbers.run_plan import phase_at
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lm.engine.module import LMModule
 from lm.model import ModelConfig
-from lm.module import LMModule
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lm import rundir
 from lm.data.manifest import TOKENIZER
+from lm.store import rundir
 
 
 class KeepTokenizer(Callback):

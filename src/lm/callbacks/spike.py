@@ -23,9 +23,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lm import rundir
 from lm.callbacks.host_copy import HostCopy
 from lm.callbacks.nonfinite import resume_step, roll_back, skip_update, skips_on_device
+from lm.store import rundir
 
 log = logging.getLogger(__name__)
 

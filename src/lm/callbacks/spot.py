@@ -21,7 +21,7 @@ import torch
 
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
-from lm.exits import EXIT_PREEMPTED, Preempted
+from lm.store.exits import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lm import forecast as fc
-from lm import rundir
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EarlyStoppingConfig, OptimConfig
-from lm.lossmodel import ScheduleForecast, fit_schedule_law, schedule_forecast
-from lm.schedule import multipliers
-from lm.tables import fmt_money
+from lm.numbers import forecast as fc
+from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
+from lm.numbers.lr_schedule import multipliers
+from lm.store import rundir
+from lm.store.tables import fmt_money
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class DiminishingReturnsStopper(Callback):
         )
 
     def fit_schedule(self) -> ScheduleForecast | None:
-        """The schedule-aware forecast (lm.lossmodel) through the validation points so far: the final loss if
+        """The schedule-aware forecast (lm.numbers.loss_law) through the validation points so far: the final loss if
         the run cools down now and at the plan's end, after its decay (None without a schedule or points)."""
         if self.optim is None or not self.schedule_steps:
             return None

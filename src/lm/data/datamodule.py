@@ -43,7 +43,7 @@ class LMDataModule(pl.LightningDataModule):
         super().__init__()
         self.cfg = cfg
         self.planned_tokens = planned_tokens
-        """Tokens the whole plan trains on (lm.plan.plan_end), for the repeated-data warning; None: no check."""
+        """Tokens the whole plan trains on (lm.numbers.run_plan.plan_end), for the repeated-data warning; None: no check."""
         self._data_dir: Path | None = None
         self._manifest: dict | None = None
         self._tokenizer: Tokenizer | None = None

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lm.atomic import write_atomic
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.sources import Plan
 from lm.data.tokenizer import file_sha256, load_tokenizer_spec, text_sha256
-from lm.storage import is_url
+from lm.store.atomic import write_atomic
+from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
 

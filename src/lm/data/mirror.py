@@ -18,7 +18,7 @@ import numpy as np
 
 from lm.data.manifest import MANIFEST, SPLITS, TOKENIZER
 from lm.data.tokenizer import file_sha256
-from lm.storage import RETRY_WINDOW_S, RemoteError, download_verified, explain, open_fs, retrying
+from lm.store.objects import RETRY_WINDOW_S, RemoteError, download_verified, explain, open_fs, retrying
 
 log = logging.getLogger("lm.data")
 

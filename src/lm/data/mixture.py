@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lm.atomic import write_atomic
 from lm.config import DataConfig, MixtureSource, PhaseConfig
 from lm.data import shards, sources
 from lm.data.datamodule import LMDataModule
@@ -49,7 +48,8 @@ from lm.data.manifest import (
 )
 from lm.data.shards import prepare
 from lm.data.tokenizer import sample_texts, train_tokenizer
-from lm.storage import is_url
+from lm.store.atomic import write_atomic
+from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
 

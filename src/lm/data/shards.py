@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm.atomic import write_atomic
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.manifest import (
@@ -54,7 +53,8 @@ from lm.data.tokenizer import (
     tokenizer_id,
     train_tokenizer,
 )
-from lm.storage import is_url
+from lm.store.atomic import write_atomic
+from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
 

@@ -1,0 +1,317 @@
+"""lm's decoder as a Hugging Face `LlamaForCausalLM` and back, and the one loader of a trained run.
+
+lm's decoder is numerically a standard Llama (rotate-half RoPE like HF, so no q/k permutation): conversion
+is a renaming of state-dict keys, one table read in both directions (`KEYS`, `LAYER_KEYS`), plus the
+vocabulary rows that lm pads to `model.vocab_multiple`. `load_run` is what `lm sample`, `lm export` and
+`lm eval` open a run with: the weights, the config they were built from and the run's own tokenizer.
+
+`transformers` is an optional dependency (the `export` extra): it is imported inside the functions that
+build its objects, so `lm sample` and training never need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lm.model import ModelConfig, Transformer
+from lm.store import rundir
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+KEYS = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+"""lm key -> HF key for the tensors outside the blocks."""
+LAYER_KEYS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+}
+"""lm key -> HF key inside block i (`blocks.{i}.` <-> `model.layers.{i}.`)."""
+VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")
+"""lm tensors with one row per token id: padded in lm, optionally cut to the tokenizer's size in HF."""
+VOCAB = ("keep", "truncate")
+EXTRA = "transformers is not installed; install the export extra: pip install -e '.[export]'"
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Every lm state-dict key of a model of `cfg` -> its HF key."""
+    keys = dict(KEYS)
+    for i in range(cfg.n_layer):
+        keys |= {f"blocks.{i}.{lm}": f"model.layers.{i}.{hf}" for lm, hf in LAYER_KEYS.items()}
+    return keys
+
+
+def to_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig, *, vocab_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """lm weights under HF Llama names; `vocab_size` cuts the token rows to that many (None keeps lm's
+    padded rows, which gives exactly lm's logits)."""
+    rows = model_cfg.padded_vocab_size if vocab_size is None else vocab_size
+    if not 0 < rows <= model_cfg.padded_vocab_size:
+        raise ValueError(f"vocab_size={rows} must lie in 1..{model_cfg.padded_vocab_size} (the padded rows)")
+    out = {}
+    for lm_key, hf_key in key_map(model_cfg).items():
+        tensor = state_dict[lm_key]
+        out[hf_key] = tensor[:rows] if lm_key in VOCAB_ROWS else tensor
+    return out
+
+
+def from_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """HF Llama weights under lm names, the token rows padded with zeros up to lm's padded vocabulary (a
+    padding row is never a target, and `lm.engine.generate` never samples one).
+
+    A tied HF checkpoint may hold no `lm_head.weight` (safetensors stores a shared tensor once): the
+    embedding stands in for it."""
+    out = {}
+    for lm_key, hf_key in key_map(model_cfg).items():
+        if hf_key not in state_dict and lm_key == "lm_head.weight" and model_cfg.tie_embeddings:
+            hf_key = KEYS["tok_emb.weight"]
+        if hf_key not in state_dict:
+            raise ValueError(f"the Hugging Face weights have no {hf_key}; they are not a Llama of this shape")
+        tensor = state_dict[hf_key]
+        out[lm_key] = pad_rows(tensor, model_cfg.padded_vocab_size) if lm_key in VOCAB_ROWS else tensor
+    return out
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with zero rows appended up to `rows`."""
+    if tensor.shape[0] > rows:
+        raise ValueError(
+            f"the Hugging Face model has {tensor.shape[0]} vocabulary rows but this config pads to {rows}; "
+            f"set model.vocab_size (data.vocab_size) to at least {tensor.shape[0]}"
+        )
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = None) -> LlamaConfig:
+    """The LlamaConfig of an lm model: `vocab_size` None means lm's padded rows.
+
+    Both rope spellings are kept: `rope_parameters` (transformers >= 4.56) and the older top-level
+    `rope_theta`, since a reader that drops the theta silently changes every logit. End of text is both bos
+    and eos; there is no pad id (fine-tuning code that pads with it would never train the eos row)."""
+    transformers = require_transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=model_cfg.padded_vocab_size if vocab_size is None else vocab_size,
+        hidden_size=model_cfg.d_model,
+        intermediate_size=model_cfg.hidden_dim,
+        num_hidden_layers=model_cfg.n_layer,
+        num_attention_heads=model_cfg.n_head,
+        num_key_value_heads=model_cfg.kv_heads,
+        head_dim=model_cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=model_cfg.max_seq_len,
+        initializer_range=model_cfg.init_std,
+        rms_norm_eps=model_cfg.norm_eps,
+        tie_word_embeddings=model_cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+    )
+    config.rope_theta = model_cfg.rope_theta  # set after init: an attribute to_dict() writes out
+    return config
+
+
+def model_config_from_hf(config: LlamaConfig | dict[str, Any], **rest: Any) -> ModelConfig:
+    """The ModelConfig of an HF Llama config (the inverse of `hf_config`); `rest` sets the fields HF does not
+    describe (`vocab_multiple`, `init_std`, ...)."""
+    c = config if isinstance(config, dict) else config.to_dict()
+    if c.get("model_type", "llama") != "llama" or c.get("attention_bias") or c.get("mlp_bias"):
+        raise ValueError("only Llama models without attention/MLP biases can be loaded into lm")
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={rope['rope_type']!r} is not lm's plain RoPE; it cannot be loaded")
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if head_dim * c["num_attention_heads"] != c["hidden_size"]:
+        raise ValueError(f"head_dim={head_dim} x heads != hidden_size: lm needs d_model = n_head x head_dim")
+    return ModelConfig(
+        vocab_size=c["vocab_size"],
+        n_layer=c["num_hidden_layers"],
+        d_model=c["hidden_size"],
+        n_head=c["num_attention_heads"],
+        n_kv_head=c.get("num_key_value_heads") or c["num_attention_heads"],
+        ffn_hidden=c["intermediate_size"],
+        max_seq_len=c["max_position_embeddings"],
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        norm_eps=c["rms_norm_eps"],
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **rest,
+    )
+
+
+def to_hf_model(
+    model: Transformer | dict[str, torch.Tensor],
+    *,
+    eos_id: int,
+    model_cfg: ModelConfig | None = None,
+    vocab: str = "keep",
+    tokenizer_vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """An lm model (or its state dict + `model_cfg`) as an HF LlamaForCausalLM in memory, in eval mode.
+
+    `vocab="keep"` keeps lm's padded rows (exact logits) and tells HF generation never to pick a padding id
+    (`suppress_tokens`); `"truncate"` cuts them to `tokenizer_vocab_size` (default: `model.vocab_size`)."""
+    transformers = require_transformers()
+    if isinstance(model, Transformer):
+        model_cfg, state_dict = model.cfg, model.state_dict()
+    elif model_cfg is None:
+        raise ValueError("to_hf_model of a state dict needs its model_cfg")
+    else:
+        state_dict = model
+    if vocab not in VOCAB:
+        raise ValueError(f"vocab={vocab!r} is unknown; use one of {', '.join(VOCAB)}")
+    real = tokenizer_vocab_size or model_cfg.vocab_size
+    rows = model_cfg.padded_vocab_size if vocab == "keep" else real
+    config = hf_config(model_cfg, eos_id=eos_id, vocab_size=rows)
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(to_hf_state_dict(state_dict, model_cfg, vocab_size=rows), strict=True)
+    hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eos_id
+    hf.generation_config.pad_token_id = None
+    if rows > real:
+        hf.generation_config.suppress_tokens = list(range(real, rows))
+    return hf.to(dtype).eval()
+
+
+ARCHITECTURE = {
+    "n_layer": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_head": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "hidden_dim": "intermediate_size",
+    "rope_theta": "rope_parameters.rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+"""ModelConfig attribute -> the LlamaConfig key it must equal for `model.init_from`."""
+KEY_OF = {"kv_heads": "n_kv_head", "hidden_dim": "ffn_hidden"}
+"""Where an attribute above is a derived property: the config key a user sets."""
+
+
+def check_init_from(model_cfg: ModelConfig) -> None:
+    """Refuse `model.init_from` whose config.json describes another architecture (exit 78, before any
+    training), naming each field with both values."""
+    theirs = model_config_from_hf(read_hf_config(model_cfg.init_from))
+    wrong = [
+        f"model.{KEY_OF.get(attr, attr)}={getattr(model_cfg, attr)} but its {hf_key}={getattr(theirs, attr)}"
+        for attr, hf_key in ARCHITECTURE.items()
+        if getattr(model_cfg, attr) != getattr(theirs, attr)
+    ]
+    if theirs.vocab_size > model_cfg.padded_vocab_size:
+        wrong.append(
+            f"model.vocab_size={model_cfg.vocab_size} (padded to {model_cfg.padded_vocab_size} rows) but its "
+            f"vocab_size={theirs.vocab_size}"
+        )
+    if wrong:
+        raise ValueError(
+            f"model.init_from={model_cfg.init_from} is another architecture than this config: "
+            f"{'; '.join(wrong)}. Set these model keys to its values (or start without model.init_from)"
+        )
+
+
+def read_hf_config(name: str) -> dict[str, Any]:
+    """config.json of an HF folder or Hub name (downloaded when online), as a dict."""
+    transformers = require_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(name).to_dict()
+    except OSError as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
+        raise ValueError(
+            f"model.init_from={name} is neither a Hugging Face model folder (with config.json) nor a Hub model "
+            f"this machine can download: {e}"
+        ) from e
+
+
+def load_init_from(model: Transformer) -> None:
+    """Overwrite `model`'s weights with those of `model.init_from` (checked by `check_init_from`)."""
+    transformers = require_transformers()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model.cfg.init_from, dtype=torch.float32)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), model.cfg), strict=True)
+
+
+def hf_tokenizer(
+    tokenizer_json: Path, eot_token: str, model_max_length: int | None = None
+) -> PreTrainedTokenizerFast:
+    """The run's tokenizer as a transformers tokenizer: the same ids for every text (nothing added: no bos
+    prepended), end of text as eos and bos, no pad token; `model_max_length` is the model's context."""
+    transformers = require_transformers()
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token, **extra
+    )
+
+
+def require_transformers():
+    """transformers, imported here: heavy (seconds), and only the export/eval extras install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(EXTRA) from e
+    return transformers
+
+
+@dataclass
+class Loaded:
+    """A trained run opened for use: what sampling, export and evaluation need."""
+
+    model: Transformer
+    """The decoder with the checkpoint's weights, in eval mode on the CPU."""
+    model_cfg: ModelConfig
+    run_dir: Path
+    ckpt: Path
+    step: int
+    """The optimizer step the checkpoint was saved at."""
+    tokenizer_path: Path
+    """`<run dir>/tokenizer.json`: the tokenizer the run trained with, kept in the run directory."""
+    eot_token: str
+    eot_id: int
+    """End-of-text id: generation stops at it; HF's eos and bos."""
+
+
+def load_run(path: str | Path, device: str = "cpu") -> Loaded:
+    """Open a run directory (its `checkpoints/last.ckpt`) or a checkpoint inside `<run dir>/checkpoints/`.
+
+    Only the run directory is read: the tokenizer is the run's own copy, so the run samples and exports the
+    same on any machine, with or without the data cache."""
+    path = Path(path)
+    run_dir, ckpt = (path, path / rundir.CHECKPOINTS / "last.ckpt") if path.is_dir() else (None, path)
+    if not ckpt.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {ckpt}; pass a run directory (runs/<name>) or runs/<name>/checkpoints/*.ckpt"
+        )
+    run_dir = run_dir or ckpt.absolute().parents[1]
+    tokenizer = rundir.read_tokenizer(run_dir)
+    saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+    model_cfg = ModelConfig(**saved["hyper_parameters"]["model"])
+    model = Transformer(model_cfg)
+    prefix = "model."
+    model.load_state_dict(
+        {k[len(prefix) :]: v for k, v in saved["state_dict"].items() if k.startswith(prefix)}, strict=True
+    )
+    return Loaded(
+        model=model.to(device).eval(),
+        model_cfg=model_cfg,
+        run_dir=run_dir,
+        ckpt=ckpt,
+        step=int(saved["global_step"]),
+        tokenizer_path=run_dir / rundir.TOKENIZER,
+        eot_token=tokenizer["eot_token"],
+        eot_id=tokenizer["eot_id"],
+    )

@@ -1,0 +1,343 @@
+"""main(cfg): compose the objects of one run, train, and leave the run directory behind.
+
+config -> runtime (device, precision, price) -> run directory -> doctor -> resume point
+       -> data + model + callbacks + Trainer -> fit -> report
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
+
+from lm.callbacks.activation_stride import ActivationCheckpointingStride
+from lm.callbacks.consensus import Consensus
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.milestone_evals import BenchmarkEvaluator
+from lm.callbacks.milestone_samples import MilestoneSampler
+from lm.callbacks.nonfinite import NonFiniteGuard
+from lm.callbacks.phase_tracker import PhaseTracker
+from lm.callbacks.progress import LossProgressBar
+from lm.callbacks.resume_check import ResumeCheck, check_resumable
+from lm.callbacks.run_tokenizer import KeepTokenizer
+from lm.callbacks.spike import SpikeGuard
+from lm.callbacks.spot import SpotGuard
+from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.throughput_alarm import ThroughputAlarm
+from lm.checkpoint.callback import RunCheckpoint
+from lm.checkpoint.local import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
+from lm.checkpoint.remote import RemoteCheckpoints
+from lm.config import LMConfig, conf_dir, to_objects
+from lm.data.mixture import data_module
+from lm.engine import activation_checkpointing, hf, runtime
+from lm.engine.kernels import sdpa_backends
+from lm.engine.module import LMModule
+from lm.engine.parallel import build_strategy, check_strategy, cluster_plugins
+from lm.numbers import cost, run_plan
+from lm.run.doctor import Target, preflight
+from lm.run.report import write_report
+from lm.store import atomic, rundir
+from lm.store.exits import CheckpointSaveError, Preempted, exit_within, intended_code
+from lm.store.lock import RunLock
+
+log = logging.getLogger(__name__)
+
+
+def main(dcfg: DictConfig) -> float | None:
+    """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers).
+
+    However the run ends, its DataLoader workers are stopped and its lock released before this returns, and the
+    process is bounded to exit within `EXIT_GRACE_S` with the code the outcome maps to.
+    """
+    error: BaseException | None = None
+    try:
+        with contextlib.ExitStack() as on_exit:
+            return train(dcfg, on_exit)
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        # A sweep's exit code is decided after its last job: a sweep that hangs on the way out is a crash.
+        exit_within(1 if rundir.in_multirun() else intended_code(error))
+
+
+def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
+    """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
+    started_at = time.monotonic()
+    cfg = to_objects(dcfg)
+    rt = runtime.resolve(cfg)  # refuses an impossible precision or Liger without CUDA before any I/O
+    check_strategy(cfg.trainer.strategy, cfg.trainer.devices, rundir.in_multirun())
+    run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
+    if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
+        preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir())))
+    datamodule = data_module(cfg.data, run_plan.plan_end(cfg).tokens, cfg.phases.phases)
+    datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
+    remote = remote_checkpoints(cfg, run_dir)  # probes the bucket, refuses another run's folder
+    # The refusals above leave the run directory as it was; the lock comes before anything in it changes
+    # (a fetched or set-aside checkpoint, an archived run, config.yaml).
+    if rank_zero_only.rank == 0:
+        on_exit.callback(RunLock(run_dir).acquire().release)
+        atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
+    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
+    # Another architecture or optimizer: refused before the run directory is written.
+    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
+    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+        hf.check_init_from(cfg.model)
+    if rank_zero_only.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.write_config(run_dir, dcfg)
+        if remote is not None:
+            rundir.write_run_id(run_dir, remote.run_id)
+
+    runtime.set_matmul_precision(cfg.precision.tf32)
+    # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
+    # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    deferred = cfg.activation_checkpointing.auto and rt.cuda
+    ac = (
+        activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True)
+        if deferred
+        else activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+    )
+    log_runtime(cfg, rt, ac, run_dir)
+    pl.seed_everything(cfg.run.seed, workers=True)
+    module = LMModule(
+        cfg.model,
+        cfg.optim,
+        ac_every=ac.every,
+        compile=rt.compile,
+        compile_mode=cfg.kernels.compile_mode,
+        liger=cfg.kernels.liger,
+    )
+    if cfg.model.init_from is not None and ckpt_path is None:
+        hf.load_init_from(module.model)
+    meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
+    callbacks = run_callbacks(cfg, meter, run_dir, module)
+    callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
+    if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
+        decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
+        callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+    on_exit.callback(stop_data_workers, trainer)
+    if not deferred:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(meter.about)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
+        raise Preempted("SIGTERM") from e
+
+    if trainer.is_global_zero:
+        behind = remote_behind(remote, run_dir) if remote is not None else None  # after the last upload
+        finish_report(trainer, run_dir)
+        if behind:
+            raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
+    val_loss = trainer.callback_metrics.get("val/loss")
+    return float(val_loss) if val_loss is not None else None
+
+
+def stop_data_workers(trainer: pl.Trainer) -> None:
+    """Shut every loop's DataLoader workers down now (a no-op once Lightning's teardown did).
+
+    Lightning's teardown is skipped when an error is raised while it handles another; the workers ignore
+    SIGTERM (`lm.data.datamodule.ignore_stop_signals`), so multiprocessing's exit handler would wait for them
+    for ever.
+    """
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        if loop._combined_loader is not None:
+            for loader in loop._combined_loader.flattened:
+                _shutdown_workers_and_reset_iterator(loader)
+
+
+def log_runtime(
+    cfg: LMConfig, rt: runtime.Runtime, ac: activation_checkpointing.Decision, run_dir: Path
+) -> None:
+    log.info(
+        "run %s on %s (catalog: %s): precision %s, tf32 %s, compile %s, liger %s, activation checkpointing %s "
+        "(%s)%s",
+        run_dir,
+        rt.device_name,
+        rt.gpu.name,
+        rt.precision,
+        cfg.precision.tf32,
+        rt.compile,
+        cfg.kernels.liger,
+        ac.label,
+        ac.reason,
+        f", SDPA backends {sdpa_backends()}" if rt.cuda else "",
+    )
+
+
+def cost_meter(
+    cfg: LMConfig,
+    rt: runtime.Runtime,
+    module: LMModule,
+    run_dir: Path,
+    started_at: float,
+    ac: activation_checkpointing.Decision,
+) -> CostMeter:
+    """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once)."""
+    n_params = module.model.num_parameters()
+    fpt = cost.flops_per_token(
+        cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
+    )
+    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32)
+    log.info(
+        "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
+        f"{n_params:,}",
+        fpt,
+        cost.FLOPS_FORMULA,
+        f"{peak / 1e12:g} TFLOP/s peak" if peak else "no catalogued peak: MFU not reported",
+        rt.price,
+        cfg.cost.pricing if cfg.cost.price_per_hour is None else "cost.price_per_hour",
+        rt.gpu.price_source or "no source",
+    )
+    return CostMeter(
+        tokens_per_device_step=run_plan.tokens_per_step(cfg, world=1),
+        flops_per_token=fpt,
+        peak_flops=peak,
+        price_per_hour=rt.price,
+        log_every=cfg.trainer.log_every_n_steps,
+        run_dir=run_dir,
+        started_at=started_at,
+        about=run_hparams(cfg, rt, n_params, ac),
+    )
+
+
+def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModule) -> list[pl.Callback]:
+    """lm's own callbacks, in the order their hooks must run.
+
+    The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
+    phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
+    checkpoint callback, which Lightning always runs last. The consensus follows every callback that votes
+    in it: at each optimizer step it launches the ranks' agreement on what they voted.
+    """
+    consensus = Consensus()
+    # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
+    callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
+    if cfg.phases.phases:
+        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+    if cfg.sampling.prompts:
+        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
+    if cfg.evals.tasks:
+        callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
+    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters(), consensus))
+    s = cfg.spot
+    callbacks += [
+        SpotGuard(s.signals, consensus),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
+        NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
+        SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
+        consensus,
+    ]
+    return callbacks
+
+
+def stopper(
+    cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int, consensus: Consensus | None = None
+) -> DiminishingReturnsStopper:
+    """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
+    into tokens once it knows the world size)."""
+    end = run_plan.plan_end(cfg, world=1)
+    return DiminishingReturnsStopper(
+        cfg.early_stopping,
+        meter,
+        run_dir,
+        flat_lr=cfg.optim.schedule in ("wsd", "constant"),
+        plan_end_tokens=end.tokens if end.steps is None else None,
+        plan_end_steps=end.steps,
+        chinchilla_tokens=run_plan.chinchilla_tokens(n_params),
+        consensus=consensus,
+        optim=cfg.optim,
+        schedule_steps=cfg.optim.total_steps or cfg.trainer.max_steps,
+    )
+
+
+def build_trainer(
+    cfg: LMConfig,
+    run_dir: Path,
+    precision: str,
+    callbacks: list[pl.Callback],
+    remote: RemoteCheckpoints | None = None,
+) -> pl.Trainer:
+    """The Lightning Trainer with the run directory's checkpointing (mirrored to `remote`) and logging wired in."""
+    t = cfg.trainer
+    callbacks = [
+        *callbacks,
+        *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
+        # Lightning runs checkpoint callbacks last.
+        RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote),
+    ]
+    if t.enable_progress_bar:
+        callbacks.append(LossProgressBar())
+    logger = (
+        TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
+        if cfg.logger.tensorboard
+        else False
+    )
+    return pl.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(
+            t.strategy
+        ),  # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
+        precision=precision,
+        max_steps=t.max_steps,
+        max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        # Lightning counts validation intervals in micro-batches; ours is in optimizer steps.
+        val_check_interval=t.val_every_steps * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        use_distributed_sampler=False,  # the step-indexed sampler shards by rank itself
+        default_root_dir=run_dir,
+        logger=logger,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO(), *cluster_plugins()],
+        **t.extra,
+    )
+
+
+def run_hparams(
+    cfg: LMConfig, rt: runtime.Runtime, n_params: int, ac: activation_checkpointing.Decision
+) -> dict:
+    """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
+    return {
+        "params": n_params,
+        "gpu": rt.gpu.name,
+        "device": rt.device_name,
+        "precision": rt.precision,
+        "compile": rt.compile,
+        "activation_checkpointing": "auto" if ac.pending else ac.every,  # set at setup when pending
+        "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
+        "tf32": cfg.precision.tf32,
+        "liger": cfg.kernels.liger,
+        "fused_adamw": rt.fused_adamw,
+        "padded_vocab": cfg.model.padded_vocab_size,
+        "tokens_per_device_step": run_plan.tokens_per_step(cfg, world=1),
+        "price_per_hour": rt.price if rt.price is not None else "unknown",
+        "pricing": cfg.cost.pricing,
+    }
+
+
+def finish_report(trainer: pl.Trainer, run_dir: Path) -> None:
+    """report.md and its plots, also in TensorBoard's text tab (rank 0)."""
+    report = write_report(run_dir)
+    log.info("report: %s", report)
+    experiment = getattr(trainer.logger, "experiment", None)
+    if hasattr(experiment, "add_text"):
+        experiment.add_text("report", report.read_text(), global_step=trainer.global_step)
+        experiment.flush()

@@ -1,0 +1,113 @@
+"""The one way lm writes a run's files: a crash or a full disk leaves the old file or the whole new one.
+
+Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT for a
+quota) is met in one place: the temporary is removed and `DiskFull` (exit 74: a restart would only fail again)
+names the file and the fix. Temporaries are `.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose
+process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from lm.store.exits import DISK_FULL, DiskFull
+
+log = logging.getLogger(__name__)
+
+TMP = re.compile(r"\.tmp-(\d+)$")
+"""`<name>.tmp-<pid>`: a write in progress, or the remains of one whose process was killed."""
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write `data` (text is UTF-8 encoded) to `path`: a hidden temporary beside it, fsync, then rename."""
+    with open_atomic(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def open_atomic(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that becomes `path` when the block ends (fsync, rename); on any error it is removed and
+    `path` keeps its old content. For writers that want a file object (`savefig`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        raise_disk_full(e, path)
+        raise
+
+
+def append_atomic(path: Path, data: bytes | str) -> None:
+    """Append `data` to `path` whole or not at all: a failed append is cut back to the old end, so the next
+    append never continues a torn line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as e:
+            os.ftruncate(fd, end)
+            raise_disk_full(e, path)
+            raise
+    finally:
+        os.close(fd)
+
+
+def raise_disk_full(error: BaseException, path: Path) -> None:
+    """Re-raise a full disk as `DiskFull` naming the file, the free space and the fix; anything else returns."""
+    if not isinstance(error, OSError) or error.errno not in DISK_FULL or isinstance(error, DiskFull):
+        return
+    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+    what = "the quota" if error.errno == DISK_FULL[1] else "the disk"
+    raise DiskFull(
+        error.errno,
+        f"writing {path} failed: {what} is full ({free / 2**20:.1f} MiB free in {path.parent}). The file's "
+        f"previous version and the checkpoints are intact; free space (or move run.root to a bigger disk) "
+        f"and rerun the same command to resume",
+    ) from error
+
+
+def remove_stale_temporaries(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:
+    """Delete `*.tmp-<pid>` files under `root` whose process is no longer alive (a kill or a full disk
+    interrupted their write: they were never renamed, so never read); top-level folders in `skip` are left
+    alone. Returns what was removed."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for top in root.iterdir():
+        if top.name in skip:
+            continue
+        for path in [top, *top.rglob("*")] if top.is_dir() else [top]:
+            m = TMP.search(path.name)
+            if m and path.is_file() and not alive(int(m.group(1))):
+                log.info("removing %s, left by an interrupted write", path)
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -1,0 +1,163 @@
+"""Exit codes and the exceptions that carry them: how a run tells `lm supervise` (or any restarter) what to do.
+
+| code | meaning | a restart |
+|---|---|---|
+| 0 | finished (or stopped early on purpose) | not needed |
+| 75 `EXIT_PREEMPTED` | a stop signal's checkpoint is saved, or a rollback after non-finite steps | resumes |
+| 65 `EXIT_DIVERGED` | non-finite again after a rollback: deterministic divergence | cannot help |
+| 74 `EXIT_SAVE_FAILED` | a checkpoint or any run file could not be written (disk full, quota) | would fail again |
+| 78 `EXIT_CONFIG` | a config, data or preflight refusal that names its fix | cannot help |
+| 69 `EXIT_UNAVAILABLE` | something a later restart can fix is unavailable (object storage down past the retry window, the run directory locked by a live process) | resumes, after a backoff |
+
+Codes follow sysexits.h, so other supervisors read them the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+EXIT_PREEMPTED = 75
+"""A stop signal was handled and the checkpoint saved, or a rollback: "restart me" (EX_TEMPFAIL)."""
+EXIT_DIVERGED = 65
+"""Training diverged again after a rollback: a human must look (EX_DATAERR)."""
+EXIT_SAVE_FAILED = 74
+"""A checkpoint could not be written; the previous ones are intact and a restart would only fail at the next
+save (EX_IOERR)."""
+EXIT_CONFIG = 78
+"""A config or preflight check refused the run; restarting cannot help (EX_CONFIG)."""
+EXIT_UNAVAILABLE = 69
+"""Something the run needs is temporarily unavailable (object storage down past the in-process retry window,
+the run directory locked by another live process): a later restart can succeed, so `lm supervise` restarts
+with backoff (EX_UNAVAILABLE)."""
+EXIT_GRACE_S = 30.0
+"""How long a process may take to exit once training is over before it is ended with its exit code."""
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class Preempted(SystemExit):
+    """Raised at a step boundary once a stop signal's checkpoint is saved; the process exits with 75."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.reason = reason
+
+
+class Diverged(SystemExit):
+    """Training hit `spot.max_nonfinite` non-finite steps in a row: 75 to roll back, 65 on a repeat."""
+
+    def __str__(self) -> str:
+        if self.code == EXIT_DIVERGED:
+            return "diverged again after a rollback (see checkpoints/rollbacks.json)"
+        return "non-finite steps in a row: rolling back to the last checkpoint"
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the previous checkpoints are untouched (exit 74)."""
+
+
+class DiskFull(OSError):
+    """A run file could not be written because the disk (or the quota) is full; its temporary is removed and the
+    previous version of the file is intact (exit 74)."""
+
+
+class Unavailable(OSError):
+    """Something the run needs is unavailable for longer than the process waits for it (exit 69): object
+    storage down past the retry window, the run directory locked by another live process. Not a refusal,
+    since the same command succeeds once it is back, and not a crash."""
+
+
+class JobFailed(Exception):
+    """A job of a sweep that failed for a reason a rerun would meet again (a refusal, a divergence).
+
+    `train.py` raises it instead of exiting in a multirun, so Hydra records the job as failed and runs the next
+    one; `lm.tools.sweep.SweepSummary` turns it into a `failed` row and ends the sweep with `exit_code`.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def exit_code(error: BaseException) -> int | None:
+    """The code a run that raised `error` leaves with when no restart can help (or, for 69, when a restart must
+    wait), or None for a crash (exit 1, which `lm supervise` retries) or a rollback (75, raised as it is).
+
+    A full disk anywhere in the chain of causes is 74 whatever wraps it: Hydra turns an error in its own config
+    writer into `SystemExit(1)`, and a restart on a full disk would only fail again."""
+    if isinstance(error, CheckpointSaveError) or disk_full(error):
+        return EXIT_SAVE_FAILED
+    if isinstance(error, Unavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(error, ValueError):  # a refusal that names its fix (config, data, disk)
+        return EXIT_CONFIG
+    if isinstance(error, Diverged) and error.code == EXIT_DIVERGED:
+        return EXIT_DIVERGED
+    return None
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or any exception it was raised from or while handling, is ENOSPC or EDQUOT."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def intended_code(error: BaseException | None) -> int:
+    """The status a run that ended with `error` (None: returned) exits with: what `train.py` maps it to."""
+    if error is None:
+        return 0
+    code = exit_code(error)
+    if code is not None:
+        return code
+    if isinstance(error, SystemExit):  # sys.exit(None) is 0, sys.exit("message") is 1
+        return 0 if error.code is None else error.code if isinstance(error.code, int) else 1
+    return 1
+
+
+_exit: dict = {"code": 0, "watch": None}
+
+
+def exit_within(code: int, seconds: float = EXIT_GRACE_S) -> None:
+    """Bound the exit of this process: once it starts exiting, it has `seconds` to finish, else the stacks of
+    every thread go to stderr and it leaves with `code` (os._exit).
+
+    The last resort behind a clean shutdown: a child that ignores SIGTERM (DataLoader workers do, on purpose)
+    makes multiprocessing's exit handler wait for ever, and a hung process on a rented GPU bills until someone
+    looks. The clock starts when the interpreter begins to exit, not now, so a process that goes on after a run
+    (tests, a sweep's next job) is never cut short. The latest call's code wins.
+    """
+    _exit["code"] = code
+    if _exit["watch"] is None:
+        exiting = threading.Event()
+        _exit["watch"] = threading.Thread(
+            target=_watch, args=(exiting, seconds), name="lm-exit-bound", daemon=True
+        )
+        _exit["watch"].start()
+        # Called as the interpreter starts to exit: before it joins non-daemon threads and before the atexit
+        # handlers (multiprocessing's joins its children there), either of which can hang. `atexit` itself
+        # runs too late for the first; CPython's concurrent.futures uses this hook for the same reason.
+        threading._register_atexit(exiting.set)
+
+
+def _watch(exiting: threading.Event, seconds: float) -> None:
+    exiting.wait()
+    time.sleep(seconds)
+    code = _exit["code"]
+    print(
+        f"lm: the process did not exit within {seconds:g} s of the end of the run; leaving with {code}. "
+        f"Still running (a child or a thread that ignores shutdown):",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    os._exit(code)

@@ -1,0 +1,393 @@
+"""`lm plan`: what a budget (dollars, a target loss or hours) buys on a corpus, ranked, and the chosen plan
+written as an experiment file that `python train.py +experiment=<name>` runs.
+
+For every model preset (conf/model/*.yaml) and catalogued GPU: the throughput (peak bf16 FLOP/s x MFU /
+FLOPs per token; the MFU `lm bench` measured for that model and GPU where bench.json has one, else
+config.ASSUMED_MFU, labelled "assumed"), the micro-batch and activation checkpointing that fit the GPU
+(lm.numbers.memory), the steps the budget buys, hours, dollars on demand and on spot (spot pays for the work lost at
+each interruption: half a checkpoint interval plus a restart), checkpoint storage, epochs of the corpus, and
+the expected final loss from the Chinchilla-form law L(N, D) = E + A/N^alpha + B/D^beta.
+
+The law's constants are published fits on another corpus and tokenizer (Besiroglu et al. 2024's replication
+of Hoffmann et al. 2022), so its absolute loss is labelled "uncalibrated"; its interval spans the two
+published fits. Ranking by it is still meaningful: it orders shapes and token counts as compute-optimal
+scaling does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from lm.checkpoint.local import estimate_checkpoint_bytes
+from lm.config import ASSUMED_MFU, DataConfig, GpuConfig
+from lm.data.manifest import load_manifest, prepared_folder
+from lm.model import ModelConfig
+from lm.numbers import cost, memory
+from lm.store.bench_file import measured_mfu
+from lm.store.tables import fmt_money
+
+RESTART_HOURS = 0.1
+"""Time a spot interruption costs besides the lost work: a new machine, the image, reloading the checkpoint."""
+DECAY_FRACTION = 0.2
+"""The written plan's wsd schedule decays over its last 20%, as the seed's 1B plan did."""
+CHECKPOINT_HOURS = 0.5
+"""Checkpoint interval the plan aims for (Young/Daly for roughly one hard failure a day; experiments/2026-11-22-spot)."""
+
+
+@dataclass(frozen=True)
+class ChinchillaLaw:
+    """L(N, D) = E + A / N^alpha + B / D^beta, N parameters, D training tokens."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    source: str
+
+    def loss(self, n: float, d: float) -> float:
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    def tokens_for(self, n: float, loss: float) -> float:
+        """Tokens at which a model of n parameters reaches `loss`; inf when it never does."""
+        gap = loss - self.E - self.A / n**self.alpha
+        return (self.B / gap) ** (1.0 / self.beta) if gap > 0 else math.inf
+
+
+BESIROGLU = ChinchillaLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024 (uncalibrated)")
+HOFFMANN = ChinchillaLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Hoffmann et al. 2022 (uncalibrated)")
+
+
+@dataclass(frozen=True)
+class Goal:
+    """Exactly one of: spend this many dollars, reach this loss, train this many hours."""
+
+    usd: float | None = None
+    target_loss: float | None = None
+    hours: float | None = None
+    pricing: str = "on_demand"
+    """Which price a dollar budget is spent at: `on_demand` or `spot` (with its interruption overhead)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU of the catalog as the plan prices it."""
+
+    gpu: GpuConfig
+    tokens_per_sec: float
+    throughput_source: str
+    """`measured by lm bench (MFU x)`, `assumed MFU x` or `given`."""
+    price_on_demand: float | None
+    price_spot: float | None
+
+
+@dataclass
+class Plan:
+    """One ranked option."""
+
+    preset: str
+    model: ModelConfig
+    params: int
+    hw: Hardware
+    tokens_per_step: int
+    micro_batch: int
+    accumulate: int
+    ac_every: int
+    steps: int
+    hours: float
+    usd_on_demand: float | None
+    usd_spot: float | None
+    spot_overhead: float
+    """Expected extra wall clock on spot, as a fraction of the run."""
+    checkpoint_every: int
+    storage_gb: float
+    epochs: float
+    loss: float
+    loss_low: float
+    loss_high: float
+    law: str
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+
+def load_presets(conf: Path, data: DataConfig) -> dict[str, ModelConfig]:
+    """The model presets of conf/model/, at the data config's vocabulary and sequence length."""
+    presets = {}
+    for path in sorted((conf / "model").glob("*.yaml")):
+        raw = OmegaConf.load(path)
+        raw.vocab_size, raw.max_seq_len = data.vocab_size, data.seq_len
+        presets[path.stem] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    return presets
+
+
+def corpus_tokens(data: DataConfig) -> int:
+    """Training tokens of the prepared corpus, from its manifest; a clear error when it is not prepared."""
+    folder = prepared_folder(data)
+    if folder is None or not (folder / "manifest.json").is_file():
+        raise ValueError(
+            f"the corpus (data.source={data.source}) is not prepared yet: run `lm prepare <the same data "
+            "overrides>` first, or give its size with --corpus-tokens N"
+        )
+    return int(load_manifest(folder)["splits"]["train"]["tokens"])
+
+
+def hardware(
+    gpu: GpuConfig,
+    model: ModelConfig,
+    flops_per_token: float,
+    bench_dir: Path | None,
+    *,
+    tokens_per_sec: float | None = None,
+    price_per_hour: float | None = None,
+) -> Hardware | None:
+    """Throughput and prices of `model` on `gpu`; None when the catalog cannot price or time it."""
+    on_demand = price_per_hour if price_per_hour is not None else gpu.price_on_demand
+    spot = price_per_hour if price_per_hour is not None else gpu.price_spot
+    if on_demand is None and spot is None:
+        return None
+    if tokens_per_sec is not None:
+        return Hardware(gpu, tokens_per_sec, "given", on_demand, spot)
+    if not gpu.peak_bf16_tflops:
+        return None
+    mfu = measured_mfu(bench_dir, gpu.name, model, memory.parameter_count(model)[0]) if bench_dir else None
+    source = f"measured by lm bench (MFU {mfu:.2f})" if mfu else f"assumed MFU {ASSUMED_MFU:.2f}"
+    rate = gpu.peak_bf16_tflops * 1e12 * (mfu or ASSUMED_MFU) / flops_per_token
+    return Hardware(gpu, rate, source, on_demand, spot)
+
+
+def fit_micro_batch(model: ModelConfig, gpu: GpuConfig, seq_len: int, windows: int) -> tuple[int, int] | None:
+    """(micro-batch, activation checkpointing stride) that fit the GPU: the largest power-of-two micro-batch
+    dividing the step's windows, without checkpointing if possible, else checkpointing every block. A device
+    without catalogued memory (the CPU) takes the whole step in one micro-batch. None when nothing fits."""
+    if not gpu.memory_gb:
+        return windows, 0
+    for ac_every in (0, 1):
+        micro = 1 << int(math.log2(windows))
+        while micro >= 1:
+            if windows % micro == 0:
+                est = memory.estimate(
+                    model, batch_size=micro, seq_len=seq_len, precision="bf16-mixed", ac_every=ac_every
+                )
+                if memory.fits(est, gpu.memory_gb * 1e9):
+                    return micro, ac_every
+            micro //= 2
+    return None
+
+
+def spot_overhead(step_seconds: float, checkpoint_every: int, interruptions_per_hour: float) -> float:
+    """Expected extra wall clock on spot per hour of training: each interruption loses half a checkpoint
+    interval of work on average, plus a restart."""
+    interval_hours = step_seconds * checkpoint_every / 3600.0
+    return interruptions_per_hour * (interval_hours / 2.0 + RESTART_HOURS)
+
+
+def run_cost(
+    steps: int, tokens_per_step: int, tokens_per_sec: float, price: float | None
+) -> tuple[float, float | None]:
+    """(hours, dollars) of `steps` optimizer steps: tokens / (tokens/s), priced as the cost meter does."""
+    seconds = steps * tokens_per_step / tokens_per_sec
+    return seconds / 3600.0, (cost.usd(seconds, price, 1) if price is not None else None)
+
+
+def steps_for(
+    goal: Goal,
+    hw: Hardware,
+    step_seconds: float,
+    overhead: float,
+    n: int,
+    tokens_per_step: int,
+    law: ChinchillaLaw = BESIROGLU,
+) -> int:
+    """Optimizer steps the goal asks for on this hardware (0 when it buys none)."""
+    if goal.hours is not None:
+        return int(goal.hours * 3600.0 / step_seconds)
+    if goal.usd is not None:
+        price = hw.price_spot if goal.pricing == "spot" else hw.price_on_demand
+        if price is None:
+            return 0
+        slow = 1.0 + overhead if goal.pricing == "spot" else 1.0
+        return int(goal.usd / (step_seconds * slow * price / 3600.0))
+    tokens = law.tokens_for(n, goal.target_loss)
+    return math.ceil(tokens / tokens_per_step) if math.isfinite(tokens) else 0
+
+
+def make_plans(
+    goal: Goal,
+    presets: dict[str, ModelConfig],
+    gpus: list[GpuConfig],
+    *,
+    seq_len: int,
+    tokens_per_step: int,
+    corpus: int,
+    interruptions_per_hour: float = 0.1,
+    bench_dir: Path | None = None,
+    tokens_per_sec: float | None = None,
+    price_per_hour: float | None = None,
+    law: ChinchillaLaw = BESIROGLU,
+    interval: float | None = None,
+) -> list[Plan]:
+    """Every (preset, GPU) the goal can be met with, best first: lowest expected loss for a dollar or hour
+    budget, cheapest for a target loss. The loss is `law`'s; its interval is +-`interval` (a calibrated law's
+    fit error) or, when None, the span of the two published fits."""
+    windows = max(1, tokens_per_step // seq_len)
+    plans = []
+    for preset, model in presets.items():
+        n = memory.parameter_count(model)[0]
+        flops = cost.flops_per_token(model, seq_len)  # builds the model on the meta device: once per preset
+        for gpu in gpus:
+            hw = hardware(
+                gpu, model, flops, bench_dir, tokens_per_sec=tokens_per_sec, price_per_hour=price_per_hour
+            )
+            if hw is None:
+                continue
+            step_seconds = windows * seq_len / hw.tokens_per_sec
+            every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
+            overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
+            steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law)
+            fit = fit_micro_batch(model, gpu, seq_len, windows) if steps >= 1 else None  # the slow part
+            if fit is None:
+                continue
+            hours, usd_on_demand = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_on_demand)
+            _, usd_spot = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_spot)
+            d = steps * windows * seq_len
+            loss = law.loss(n, d)
+            losses = (
+                [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
+            )
+            plans.append(
+                Plan(
+                    preset=preset,
+                    model=model,
+                    params=n,
+                    hw=hw,
+                    tokens_per_step=windows * seq_len,
+                    micro_batch=fit[0],
+                    accumulate=windows // fit[0],
+                    ac_every=fit[1],
+                    steps=steps,
+                    hours=hours,
+                    usd_on_demand=usd_on_demand,
+                    usd_spot=usd_spot * (1.0 + overhead) if usd_spot is not None else None,
+                    spot_overhead=overhead,
+                    checkpoint_every=min(every, steps),
+                    storage_gb=estimate_checkpoint_bytes(n) * 4 / 1e9,  # keep_last 3 + last.ckpt's target
+                    epochs=d / corpus,
+                    loss=loss,
+                    loss_low=min(losses),
+                    loss_high=max(losses),
+                    law=law.source,
+                )
+            )
+    if goal.target_loss is not None:
+        return sorted(plans, key=lambda p: p.usd_on_demand if p.usd_on_demand is not None else math.inf)
+    return sorted(plans, key=lambda p: p.loss)
+
+
+def check_goal(goal: Goal, plans: list[Plan], gpus: list[GpuConfig], law: ChinchillaLaw = BESIROGLU) -> None:
+    """A clear error when the goal buys nothing on any GPU."""
+    if plans:
+        return
+    names = ", ".join(g.name for g in gpus)
+    if goal.usd is not None:
+        raise ValueError(
+            f"--usd {goal.usd:g} is below the price of one optimizer step of every preset on {names}; "
+            "raise the budget, or lower the tokens per step (--tokens-per-step)"
+        )
+    if goal.hours is not None:
+        raise ValueError(
+            f"--hours {goal.hours:g} is shorter than one optimizer step of every preset on {names}"
+        )
+    raise ValueError(
+        f"--target-loss {goal.target_loss:g} is below what any preset reaches by the law "
+        f"({law.source}: at least E = {law.E:.4g}); raise the target"
+    )
+
+
+def pick_gpus(catalog: dict[str, GpuConfig], names: list[str] | None) -> list[GpuConfig]:
+    """The catalog entries asked for (all but the CPU by default); unknown names are refused."""
+    if not names:
+        return [g for name, g in catalog.items() if name != "cpu"]
+    unknown = [n for n in names if n not in catalog]
+    if unknown:
+        raise ValueError(f"unknown GPU {', '.join(unknown)}: use one of {', '.join(catalog)} (conf/gpu/)")
+    return [catalog[n] for n in names]
+
+
+def render(plans: list[Plan], top: int = 10) -> str:
+    """The ranking as a text table."""
+    head = (
+        f"{'#':>2} {'model':<6} {'params':>8} {'gpu':<12} {'tok/s':>9} {'micro x acc':>11} {'AC':>3} "
+        f"{'steps':>8} {'tokens':>9} {'epochs':>6} {'hours':>7} {'on demand':>10} {'spot':>10} "
+        f"{'loss (interval)':>20}  throughput"
+    )
+    lines = [head]
+    for i, p in enumerate(plans[:top], 1):
+        lines.append(
+            f"{i:>2} {p.preset:<6} {p.params / 1e6:>7.1f}M {p.hw.gpu.name:<12} {p.hw.tokens_per_sec:>9,.0f} "
+            f"{f'{p.micro_batch}x{p.accumulate}':>11} {'on' if p.ac_every else 'off':>3} {p.steps:>8,} "
+            f"{p.tokens / 1e9:>8.3f}B {p.epochs:>6.2f} {p.hours:>7.2f} {fmt_money(p.usd_on_demand):>10} "
+            f"{fmt_money(p.usd_spot):>10} {f'{p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f})':>20}  "
+            f"{p.hw.throughput_source}"
+        )
+    if plans:
+        lines.append(
+            f"loss: {plans[0].law}; interval: "
+            + (
+                "the calibration fit's RMSE"
+                if "calibrated on" in plans[0].law
+                else "the Hoffmann et al. 2022 and Besiroglu et al. 2024 fits"
+            )
+            + ". Spot adds "
+            f"{plans[0].spot_overhead:.1%} expected overhead (lost work + restarts)."
+        )
+    return "\n".join(lines)
+
+
+def experiment_yaml(p: Plan, name: str, command: str) -> str:
+    """The plan as a sparse experiment file with phases (warm-up, stable, decay)."""
+    warmup = max(1, min(2000, p.steps // 20))
+    decay_start = max(warmup + 1, p.steps - int(DECAY_FRACTION * p.steps))
+    phases = [("warm-up", warmup), ("stable", decay_start), ("decay", p.steps)]
+    phases = [(n, s) for n, s in phases if s <= p.steps]
+    gpu = p.hw.gpu.name
+    lines = [
+        "# @package _global_",
+        f"# Written by `{command}` on {date.today().isoformat()}: {p.preset} ({p.params / 1e6:.1f}M) on {gpu},",
+        f"# {p.steps:,} steps x {p.tokens_per_step:,} tokens, ~{p.hours:.2f} h, {fmt_money(p.usd_on_demand)} on demand, "
+        f"expected final loss {p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f}, {p.law}).",
+        f"#   python train.py +experiment={name}",
+        "defaults:",
+        f"  - override /model: {p.preset}",
+        "  - override /activation_checkpointing: " + ("on" if p.ac_every else '"off"'),
+        f"  - override /gpu: {gpu}",
+        "",
+        "run:",
+        f"  name: {name}",
+        "data:",
+        f"  batch_size: {p.micro_batch}",
+        f"  seq_len: {p.model.max_seq_len}",
+        "trainer:",
+        *(["  accelerator: gpu"] if gpu != "cpu" else []),
+        f"  max_steps: {p.steps}",
+        f"  accumulate_grad_batches: {p.accumulate}",
+        f"  val_every_steps: {max(1, min(500, p.steps // 20))}",
+        "optim:",
+        "  schedule: wsd",
+        f"  warmup_steps: {warmup}",
+        f"  decay_fraction: {DECAY_FRACTION}",
+        f"  total_steps: {p.steps}",
+        "checkpoint:",
+        f"  every_n_steps: {p.checkpoint_every}",
+        "phases:",
+        f"  plan: {name}",
+        "  phases:",
+        *(f"    - {{name: {n}, end_step: {s}}}" for n, s in phases),
+    ]
+    return "\n".join(lines) + "\n"

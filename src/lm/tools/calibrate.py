@@ -1,0 +1,231 @@
+"""`lm plan --calibrate`: fit the planner's law L(N, D) = E + A/N^alpha + B/D^beta to short runs of small
+models on the user's own corpus and hardware, so the plan's losses are in that corpus's and tokenizer's units
+instead of the published fits' ("uncalibrated").
+
+Each calibration run is a real `lm.run.train` run (in this process, one after another) of one shape of a small
+width/depth grid for one token count; its final validation loss is one point (N, D, L). The fit is the one
+Hoffmann et al. 2022 used, made robust without scipy: a grid over (alpha, beta), and for each pair the
+non-negative least-squares E, A, B under a Huber loss (iteratively reweighted), the best pair kept. A handful
+of points cannot pin five constants: below FREE_EXPONENTS_MIN points the exponents are fixed at the Besiroglu
+et al. 2024 values and only E, A, B are fitted, and the law file says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lm.config import DataConfig, compose, to_objects
+from lm.data.manifest import prepared_folder
+from lm.numbers import memory
+from lm.run.train import main as train
+from lm.store import rundir
+from lm.store.atomic import write_atomic
+from lm.tools.budget import BESIROGLU, ChinchillaLaw
+
+MIN_POINTS = 4
+"""Fewest points a fit accepts: three constants (E, A, B) and one residual to judge them by."""
+FREE_EXPONENTS_MIN = 8
+"""Points from which alpha and beta are fitted too; fewer fix them at the Besiroglu et al. 2024 values."""
+HUBER_DELTA = 0.01
+"""Residual (in loss units) beyond which a point counts linearly: one diverged run must not bend the law."""
+EXPONENTS = np.round(np.arange(0.05, 1.0001, 0.01), 2)
+"""The (alpha, beta) grid: published fits lie in 0.28-0.37; the grid is wide enough for other corpora."""
+HEAD_DIM = 32
+"""Attention head width of the calibration shapes (n_head = d_model / HEAD_DIM)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One calibration run: its parameters, training tokens and final validation loss."""
+
+    shape: str
+    n: int
+    d: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The fitted law, how well it fits, and what was held fixed."""
+
+    law: ChinchillaLaw
+    rmse: float
+    fixed: str | None
+    """Why the exponents were not fitted, or None when all five constants were."""
+
+
+def check_counts(runs: int, sizes: int, tokens: int) -> None:
+    """A clear error when so few runs, sizes or token counts cannot determine the law."""
+    if runs < MIN_POINTS or sizes < 2 or tokens < 2:
+        raise ValueError(
+            f"calibration needs at least {MIN_POINTS} runs spanning at least 2 model sizes and 2 token counts "
+            f"(got {runs} run(s), {sizes} size(s), {tokens} token count(s)); give more --calibrate-shapes "
+            "or --calibrate-steps"
+        )
+
+
+def check_points(points: list[Point]) -> None:
+    """A clear error when the points cannot determine the law."""
+    check_counts(len(points), len({p.n for p in points}), len({p.d for p in points}))
+    bad = [p.shape for p in points if not math.isfinite(p.loss)]
+    if bad:
+        raise ValueError(f"calibration runs {', '.join(bad)} ended without a finite validation loss")
+
+
+def nnls_huber(x: np.ndarray, y: np.ndarray, iterations: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative Huber regression of y on x for a batch of designs: x (G, P, 3), y (P,) -> coefficients
+    (G, 3) and each design's Huber loss (G,). Three columns make the exact NNLS cheap: solve every subset of
+    columns, keep the best solution whose coefficients are all non-negative."""
+    g, p, k = x.shape
+    weights = np.ones((g, p))
+    for _ in range(iterations):
+        best = np.full(g, np.inf)
+        coef = np.zeros((g, k))
+        for cols in (c for r in range(1, k + 1) for c in itertools.combinations(range(k), r)):
+            xs = x[:, :, cols]
+            scale = np.linalg.norm(xs, axis=1, keepdims=True)  # columns span 1 to 1e-7: solve them unit-sized
+            xtw = np.swapaxes(xs / scale * weights[:, :, None], 1, 2)
+            gram = xtw @ (xs / scale) + 1e-12 * np.eye(len(cols))
+            sol = np.linalg.solve(gram, (xtw @ y)[:, :, None])[:, :, 0] / scale[:, 0, :]
+            err = ((xs @ sol[:, :, None])[:, :, 0] - y) ** 2 * weights
+            ok = (sol >= 0).all(axis=1) & (err.sum(axis=1) < best)
+            best = np.where(ok, err.sum(axis=1), best)
+            full = np.zeros((g, k))
+            full[:, cols] = sol
+            coef = np.where(ok[:, None], full, coef)
+        resid = np.abs((x @ coef[:, :, None])[:, :, 0] - y)
+        weights = np.where(resid <= HUBER_DELTA, 1.0, HUBER_DELTA / np.maximum(resid, 1e-12))
+    huber = np.where(resid <= HUBER_DELTA, 0.5 * resid**2, HUBER_DELTA * (resid - 0.5 * HUBER_DELTA))
+    return coef, huber.sum(axis=1)
+
+
+def fit_law(points: list[Point], source: str) -> Fit:
+    """The Chinchilla-form law that fits the points best (see the module docstring)."""
+    check_points(points)
+    n = np.array([p.n for p in points], dtype=float)
+    d = np.array([p.d for p in points], dtype=float)
+    y = np.array([p.loss for p in points])
+    fixed = None
+    if len(points) < FREE_EXPONENTS_MIN:
+        pairs = np.array([[BESIROGLU.alpha, BESIROGLU.beta]])
+        fixed = (
+            f"alpha and beta fixed at Besiroglu et al. 2024's ({BESIROGLU.alpha}, {BESIROGLU.beta}): "
+            f"{len(points)} runs are too few to fit them (need {FREE_EXPONENTS_MIN})"
+        )
+    else:
+        pairs = np.array(list(itertools.product(EXPONENTS, EXPONENTS)))
+    x = np.stack([np.ones((len(pairs), len(points))), n[None] ** -pairs[:, :1], d[None] ** -pairs[:, 1:]], 2)
+    coef, huber = nnls_huber(x, y)
+    i = int(np.argmin(huber))
+    law = ChinchillaLaw(*map(float, coef[i]), float(pairs[i, 0]), float(pairs[i, 1]), source)
+    rmse = math.sqrt(sum((law.loss(p.n, p.d) - p.loss) ** 2 for p in points) / len(points))
+    return Fit(law, rmse, fixed)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """`2x64,4x128` -> [(n_layer, d_model), ...]; a clear error for anything else."""
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or s[1] % HEAD_DIM for s in shapes):
+        raise ValueError(
+            f"--calibrate-shapes {text!r}: give n_layer x d_model pairs, d_model a multiple of {HEAD_DIM}, "
+            "e.g. 2x64,3x96,4x128"
+        )
+    return shapes
+
+
+def calibration_run(
+    overrides: list[str], root: Path, layers: int, width: int, steps: int
+) -> tuple[Point, dict]:
+    """Train one shape for `steps` steps (validated once, at the end) and return its point and cost ledger."""
+    name = f"cal_{layers}x{width}_s{steps}"
+    cfg = compose(
+        [
+            *overrides,
+            f"run.root={root}",
+            f"run.name={name}",
+            "run.resume=false",
+            f"model.n_layer={layers}",
+            f"model.d_model={width}",
+            f"model.n_head={width // HEAD_DIM}",
+            "model.n_kv_head=null",
+            f"trainer.max_steps={steps}",
+            f"trainer.val_every_steps={steps}",
+            "optim.total_steps=null",
+            f"optim.warmup_steps={max(1, steps // 10)}",
+            "sampling=off",
+        ]
+    )
+    model = to_objects(cfg).model
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches
+    loss = train(cfg)
+    point = Point(name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan))
+    return point, rundir.read_ledger(root / name) or {}
+
+
+def calibrate(
+    overrides: list[str], root: Path, shapes: list[tuple[int, int]], steps: list[int], data: DataConfig
+) -> dict:
+    """Train every shape x step count on `data`, fit the law and return the calibration record."""
+    check_counts(len(shapes) * len(steps), len(set(shapes)), len(set(steps)))  # before any training
+    started = time.monotonic()
+    points, usd = [], 0.0
+    for (layers, width), n_steps in itertools.product(shapes, steps):
+        point, ledger = calibration_run(overrides, root, layers, width, n_steps)
+        points.append(point)
+        usd += ledger.get("usd") or 0.0
+    fit = fit_law(points, f"calibrated on {corpus_label(data)}")  # now prepared: named by its folder
+    return {
+        "law": asdict(fit.law),
+        "rmse": fit.rmse,
+        "fixed": fit.fixed,
+        "points": [asdict(p) for p in points],
+        "cost": {"seconds": time.monotonic() - started, "usd": usd},
+        "overrides": overrides,
+    }
+
+
+def write_calibration(path: Path, record: dict) -> None:
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
+
+
+def load_law(path: Path) -> tuple[ChinchillaLaw, float]:
+    """The law of a calibration file and its fit's RMSE (the plan's interval); a clear error when unreadable."""
+    try:
+        record = json.loads(Path(path).read_text())
+        return ChinchillaLaw(**record["law"]), float(record["rmse"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"--law {path}: not a calibration file ({e}); write one with `lm plan --calibrate`"
+        ) from e
+
+
+def describe(record: dict) -> str:
+    """What the calibration found and cost, for the terminal."""
+    law, cost = record["law"], record["cost"]
+    lines = [
+        f"{p['shape']:<16} N={p['n']:>10,} D={p['d']:>12,} val loss {p['loss']:.4f}" for p in record["points"]
+    ]
+    lines.append(
+        f"law ({law['source']}): L = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.2f} + "
+        f"{law['B']:.4g}/D^{law['beta']:.2f}, fit RMSE {record['rmse']:.4f}"
+    )
+    if record["fixed"]:
+        lines.append(record["fixed"])
+    lines.append(f"calibration cost: {cost['seconds']:.0f} s wall, ${cost['usd']:.4f} at the run's price")
+    return "\n".join(lines)
+
+
+def corpus_label(data: DataConfig) -> str:
+    """How the law file names the corpus: its prepared folder, else its source."""
+    folder = prepared_folder(data)
+    return folder.name if folder is not None else data.source
