@@ -12,9 +12,13 @@ TOKENS_PER_STEP = 8 * 2048 * 8  # the 1B plan: batch 8 x seq 2048 x accumulation
 PLAN_TOKENS = 90_000 * TOKENS_PER_STEP  # 11,796,480,000: phase 1 stops at 200 steps, the plan at 90K
 
 
+def resolve(cfg):
+    return run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)
+
+
 def test_the_plan_ends_where_the_schedule_and_phases_do_not_where_this_invocation_stops(compose):
     cfg = to_objects(compose(*PHASE1))
-    end = run_plan.plan_end(cfg)
+    end = resolve(cfg).end
     assert cfg.trainer.max_steps == 200
     assert (end.tokens, end.steps) == (PLAN_TOKENS, 90_000) and "90,000" in end.source
 
@@ -32,8 +36,8 @@ def test_the_plan_ends_where_the_schedule_and_phases_do_not_where_this_invocatio
 def test_a_step_counts_every_device_of_the_job(compose, overrides, world):
     cfg = to_objects(compose(*PHASE1, *overrides))
     assert run_plan.world_size(cfg.trainer) == world
-    assert run_plan.tokens_per_step(cfg) == TOKENS_PER_STEP * world
-    assert run_plan.plan_end(cfg).tokens == PLAN_TOKENS * world
+    assert resolve(cfg).tokens_per_step == TOKENS_PER_STEP * world
+    assert resolve(cfg).end.tokens == PLAN_TOKENS * world
     # The doctor reads the same number (it used to count one device whatever trainer.devices said).
     (finding,) = check_plan(resolve_target(cfg))
     assert f"{PLAN_TOKENS * world:,} tokens" in finding.what

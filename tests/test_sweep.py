@@ -137,7 +137,7 @@ def plan_1b(compose, *extra: str):
 
 def test_gpus_rank_by_dollars_per_token_and_memory_fit(compose):
     cfg = plan_1b(compose)
-    ranked = rank_gpus(cfg, load_catalog(conf_dir()))
+    ranked = rank_gpus(cfg.model, cfg.data, cfg.activation_checkpointing.every, load_catalog(conf_dir()))
     per_b = [c.usd_per_billion_tokens for c in ranked if c.usd_per_billion_tokens is not None]
     assert per_b == sorted(per_b) and len(per_b) >= 8
     h100 = next(c for c in ranked if c.gpu.name == "h100_sxm")
@@ -148,14 +148,15 @@ def test_gpus_rank_by_dollars_per_token_and_memory_fit(compose):
     assert 48 < h100.need_gb < 0.9 * 80 and h100.why_not is None
     assert "needs ~" in next(c for c in ranked if c.gpu.name == "l40s").why_not
     # Activation checkpointing frees the memory: the cheapest card per token becomes the first candidate.
-    on = rank_gpus(plan_1b(compose, "activation_checkpointing=on"), load_catalog(conf_dir()))
+    on_cfg = plan_1b(compose, "activation_checkpointing=on")
+    on = rank_gpus(on_cfg.model, on_cfg.data, on_cfg.activation_checkpointing.every, load_catalog(conf_dir()))
     assert next(c.gpu.name for c in on if c.why_not is None) == "l40s"
-    assert memory_needed_gb(plan_1b(compose, "activation_checkpointing=on")) < h100.need_gb
+    assert memory_needed_gb(on_cfg.model, on_cfg.data, on_cfg.activation_checkpointing.every) < h100.need_gb
 
 
 def test_committed_sky_task_is_generated_from_the_catalog(compose):
     cfg = plan_1b(compose)
-    ranked = rank_gpus(cfg, load_catalog(conf_dir()))
+    ranked = rank_gpus(cfg.model, cfg.data, cfg.activation_checkpointing.every, load_catalog(conf_dir()))
     text = render_task(["+experiment=plan_1b"], ranked)
     assert (ROOT / "sky/train.yaml").read_text() == text, "stale: run `lm sky` and commit sky/train.yaml"
     task = yaml.safe_load(text)

@@ -83,7 +83,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     )
     if manifest["skipped_count"]:
         print(f"skipped {manifest['skipped_count']} input(s): see `skipped` in {data_dir / 'manifest.json'}")
-    end = run_plan.plan_end(cfg)
+    end = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases).end
     epochs = implied_epochs(manifest, end.tokens)
     line = f"the plan ({end.source}) trains on {end.tokens:,} tokens: {epochs:.2f} epochs"
     if epochs > 1:
@@ -148,7 +148,8 @@ def cmd_sweep_summary(args: argparse.Namespace) -> None:
 def cmd_sky(args: argparse.Namespace) -> None:
     overrides = args.overrides or ["+experiment=plan_1b"]
     cfg = to_objects(compose(overrides))
-    ranked = rank_gpus(cfg, load_catalog(conf_dir()), args.pricing, args.mfu)
+    every = cfg.activation_checkpointing.every
+    ranked = rank_gpus(cfg.model, cfg.data, every, load_catalog(conf_dir()), args.pricing, args.mfu)
     text = render_task(overrides, ranked, args.mfu)
     out = Path(args.out)
     if args.check:

@@ -23,10 +23,11 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from lm.checkpoint.remote import RemoteCheckpoints, new_run_id, run_identity
-from lm.config import LMConfig
+from lm.checkpoint.remote import RemoteCheckpoints, new_run_id
+from lm.config import CheckpointConfig, RunConfig
 from lm.store import rundir
 from lm.store.exits import CheckpointSaveError
+from lm.store.findings import Finding
 from lm.store.lock import LOCK
 from lm.store.objects import check_writable
 
@@ -317,21 +318,22 @@ def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
     return fetched
 
 
-def remote_checkpoints(cfg: LMConfig, run_dir: Path) -> RemoteCheckpoints | None:
+def remote_checkpoints(
+    c: CheckpointConfig, identity: dict[str, Any], run: RunConfig, run_dir: Path
+) -> RemoteCheckpoints | None:
     """The run's remote checkpoint folder, `<checkpoint.remote>/<run dir under run.root>/checkpoints`, after a
     write probe (credentials, bucket, permissions) so that a bad URL fails before training, and claimed for
-    this run (`RemoteCheckpoints.claim`: another run's folder is refused before anything is downloaded); None
-    if off. Takes the whole config because a run's identity spans run, model and data."""
-    c = cfg.checkpoint
+    this run (`RemoteCheckpoints.claim`: another run's folder, told by its `identity` (`run_identity`), is
+    refused before anything is downloaded); None if off."""
     if c.remote is None:
         return None
-    url = f"{c.remote.rstrip('/')}/{run_dir.relative_to(Path(cfg.run.root)).as_posix()}/checkpoints"
+    url = f"{c.remote.rstrip('/')}/{run_dir.relative_to(Path(run.root)).as_posix()}/checkpoints"
     check_writable(url, c.storage_options, c.retry_window_s)
     remote = RemoteCheckpoints(url, c.storage_options, c.keep_last, c.retry_window_s)
-    if cfg.run.resume:
-        remote.claim(rundir.read_run_id(run_dir), run_identity(cfg), c.run_id)
+    if run.resume:
+        remote.claim(rundir.read_run_id(run_dir), identity, c.run_id)
     else:  # starting over: the bucket's pointer is archived by resume_checkpoint
-        remote.run_id, remote.identity = c.run_id or new_run_id(), run_identity(cfg)
+        remote.run_id, remote.identity = c.run_id or new_run_id(), identity
     return remote
 
 
@@ -354,3 +356,21 @@ def remote_behind(remote: RemoteCheckpoints, run_dir: Path) -> str | None:
         f"older step, or from scratch, until a later save is uploaded. Check the bucket (the upload errors "
         f"above say why)"
     )
+
+
+def disk_findings(run_dir: Path, n_params: int, keep_last: int) -> list[Finding]:
+    """The doctor's disk check: free space for keep_last + 1 checkpoints (the save guard's own arithmetic)."""
+    ckpt = estimate_checkpoint_bytes(n_params)
+    keep, need, free = checkpoint_space(run_dir / rundir.CHECKPOINTS, ckpt, keep_last)
+    what = f"{keep}+1 checkpoints of ~{gib(ckpt)} need {gib(max(need, 0))}; {gib(free)} free at {run_dir}"
+    if need > free:
+        return [
+            Finding(
+                "disk",
+                "error",
+                what,
+                "no crash at the first save",
+                f"checkpoint.keep_last={max(1, int(free / (ckpt * 1.05)) - 1)} or run.root=<bigger disk>",
+            )
+        ]
+    return [Finding("disk", "ok", what)]

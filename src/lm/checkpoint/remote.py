@@ -38,7 +38,8 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.config import LMConfig
+from lm.config import DataConfig, RunConfig
+from lm.model import ModelConfig
 from lm.store.objects import (
     CHUNK,
     RETRY_WINDOW_S,
@@ -64,12 +65,12 @@ DATA_IDENTITY = ("source", "dir", "paths", "name", "subset", "tokenizer", "vocab
 """The data keys that say which tokens, in which order (not seq_len, batch size, workers or cache_dir)."""
 
 
-def run_identity(cfg: LMConfig) -> dict[str, Any]:
+def run_identity(run: RunConfig, model: ModelConfig, data: DataConfig) -> dict[str, Any]:
     """What makes two invocations one run, as the pointer records it: name, root and seed as written, the
     weights' shape and the data's identity. A new machine running the same command has the same identity."""
-    identity = {"run.name": cfg.run.name, "run.root": cfg.run.root, "run.seed": cfg.run.seed}
-    identity |= {f"model.{k}": getattr(cfg.model, k) for k in MODEL_IDENTITY}
-    identity |= {f"data.{k}": getattr(cfg.data, k) for k in DATA_IDENTITY}
+    identity = {"run.name": run.name, "run.root": run.root, "run.seed": run.seed}
+    identity |= {f"model.{k}": getattr(model, k) for k in MODEL_IDENTITY}
+    identity |= {f"data.{k}": getattr(data, k) for k in DATA_IDENTITY}
     return json.loads(json.dumps(identity))  # as read back from the pointer (tuples become lists)
 
 

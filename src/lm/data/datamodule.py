@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 from lm.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
 from lm.data.manifest import (
+    MANIFEST,
     check_tokenizer,
     implied_epochs,
     load_manifest,
@@ -27,6 +29,7 @@ from lm.data.manifest import (
 )
 from lm.data.shards import prepare
 from lm.data.tokenizer import load_tokenizer
+from lm.store.findings import Finding
 
 log = logging.getLogger("lm.data")
 
@@ -192,3 +195,63 @@ def ignore_stop_signals(worker_id: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.environ.get("PL_SEED_WORKERS") == "1":
         pl_worker_init_function(worker_id)
+
+
+# -- preflight: the doctor's DataLoader checks (lm.run.doctor runs them) ----------------------------------
+
+
+def worker_findings(data: DataConfig, cuda: bool) -> list[Finding]:
+    """num_workers=0 on a GPU stalls the device while the next batch loads."""
+    if not cuda:
+        return []
+    if data.num_workers == 0:
+        n = max(1, min(4, (os.cpu_count() or 2) - 1))
+        return [
+            Finding(
+                "num_workers",
+                "warn",
+                "data.num_workers=0: the GPU idles while each batch loads",
+                "seed 000: 'massive' (est. 5-30% tokens/s)",
+                f"data.num_workers={n}",
+            )
+        ]
+    return [Finding("num_workers", "ok", f"{data.num_workers} DataLoader workers")]
+
+
+def prepared_dataset(data: DataConfig) -> TokenWindows | None:
+    """The training split's Dataset if the data is prepared already, else None. Preflight stays cheap and
+    offline: it never tokenizes, and never lists a Hugging Face dataset (`prepared_folder`)."""
+    folder = prepared_folder(data)
+    if folder is None or not (folder / MANIFEST).is_file():
+        return None
+    manifest = load_manifest(folder)
+    return TokenWindows(shard_paths(folder, manifest, "train"), data.seq_len, manifest["dtype"])
+
+
+def pickle_findings(data: DataConfig, dataset=None) -> list[Finding]:
+    """What the DataLoader sends to its worker processes must pickle (and still work once unpickled)."""
+    if data.num_workers == 0:
+        return []
+    if dataset is None:
+        try:
+            dataset = prepared_dataset(data)
+        except (OSError, ValueError) as e:  # a data problem, not a pickling one: preparation reports it
+            log.debug("doctor: prepared dataset not located (%s)", e)
+    try:
+        if dataset is None:  # not prepared yet: the data module is what carries the config to them
+            pickle.loads(pickle.dumps(LMDataModule(data)))
+            return [Finding("pickle", "ok", "data module pickles (data not prepared yet: dataset unchecked)")]
+        copy = pickle.loads(pickle.dumps(dataset))
+        if len(copy):
+            copy[0]  # a worker's first read: re-opens the shards from the unpickled paths
+        return [Finding("pickle", "ok", f"dataset pickles for {data.num_workers} workers")]
+    except Exception as e:  # anything pickling raises: lambdas, open handles, locks
+        return [
+            Finding(
+                "pickle",
+                "error",
+                f"the dataset cannot be sent to worker processes: {type(e).__name__}: {e}",
+                "no crash in the first DataLoader worker",
+                "data.num_workers=0 (slow) or make the dataset picklable",
+            )
+        ]

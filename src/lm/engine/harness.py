@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm.config import EvalsConfig
 from lm.engine import hf
 from lm.store import rundir
+from lm.store.findings import Finding
 from lm.store.tables import evals_markdown
 
 EXTRA = "pip install -e '.[eval]'"
@@ -215,3 +217,17 @@ def example(sample: dict[str, Any]) -> dict[str, Any]:
         "requests": [list(map(str, args)) for args in sample["arguments"]],
         "responses": [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in sample["resps"]],
     }
+
+
+def evals_findings(evals: EvalsConfig) -> list[Finding]:
+    """Benchmarks at milestones (`evals=`) need lm-eval installed: refused now, not at the first phase
+    boundary hours in. (Task names are checked by the callback at setup, before the first step: knowing
+    lm-eval's registry means indexing thousands of YAMLs.)"""
+    if not evals.tasks:
+        return []
+    problem = missing_harness()
+    if problem is None and evals.include_path and not Path(evals.include_path).expanduser().is_dir():
+        problem = f"evals.include_path={evals.include_path} is not a folder of task YAMLs"
+    if problem:
+        return [Finding("evals", "error", problem, fix="evals=off, or the fix above")]
+    return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(evals.tasks)}")]

@@ -9,12 +9,14 @@ rebinds the model's forwards (same parameters and state-dict keys); `sdpa_backen
 from __future__ import annotations
 
 import importlib
+import math
 import types
 from collections.abc import Callable
 
 import torch
 
-from lm.model import Attention, RMSNorm, SwiGLU, Transformer
+from lm.model import Attention, ModelConfig, RMSNorm, SwiGLU, Transformer
+from lm.store.findings import Finding
 
 LIGER_FIX = "use kernels=eager or kernels=compile"
 
@@ -89,3 +91,19 @@ def sdpa_backends() -> dict[str, bool]:
         "cudnn": b.cudnn_sdp_enabled(),
         "math": b.math_sdp_enabled(),
     }
+
+
+def vocab_findings(model: ModelConfig) -> list[Finding]:
+    """An embedding/lm_head width that is not a multiple of 64 (misaligned tensor-core shapes)."""
+    if model.padded_vocab_size % 64:
+        padded = math.ceil(model.vocab_size / 64) * 64
+        return [
+            Finding(
+                "vocab",
+                "warn",
+                f"vocabulary width {model.padded_vocab_size} is not a multiple of 64",
+                f"est. up to ~25% on the lm_head matmul (nanoGPT 50257 -> 50304); pads to {padded}",
+                "model.vocab_multiple=64",
+            )
+        ]
+    return [Finding("vocab", "ok", f"vocabulary padded to {model.padded_vocab_size}")]

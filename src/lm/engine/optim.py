@@ -22,6 +22,7 @@ import torch
 
 from lm.config import OptimConfig
 from lm.model import ModelConfig, Transformer
+from lm.store.findings import Finding
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -121,3 +122,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             inner.state = self.state
             inner.step()
         return loss
+
+
+def optimizer_findings(model_cfg: ModelConfig, cfg: OptimConfig) -> list[Finding]:
+    """`optim=muon`: which parameters Muon takes and its LR convention, so a surprise (a head left to Muon, a
+    Keller-scale LR under Moonlight's scale) shows before the run. AdamW alone needs no line."""
+    if cfg.name == "adamw":
+        return []
+    return [Finding("optimizer", "ok", describe(model_cfg, cfg))]

@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 
 from lm.config import CostConfig, GpuConfig
 from lm.model import ModelConfig, Transformer
+from lm.numbers.memory import Workload
+from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +158,76 @@ def resolve_gpu(gpu: GpuConfig, device_name: str | None, conf_dir: Path) -> Devi
         )
         return Device(GpuConfig(name="unknown"), name)
     return Device(found, name)
+
+
+# -- preflight: the doctor's $/token check (lm.run.doctor runs it) ----------------------------------------
+
+AC_SLOWDOWN = 1 / 1.18  # seed 000/002: checkpointing off took the A100 from 24.0K to 28.3K tokens/s (+18%)
+
+
+def usd_per_btok(
+    gpu: GpuConfig, work: Workload, fpt: float, mfu: float, pricing: str, tf32: bool
+) -> tuple[float, str] | None:
+    """Estimated $/10^9 tokens of this run on `gpu` (with checkpointing if it only fits that way), or None
+    when the catalog lacks its price, peak or memory, or the run does not fit it. A GPU without a spot price
+    is priced on demand (`catalog_price`: an upper bound), and the note says so."""
+    found = catalog_price(gpu, pricing)
+    peak = peak_flops(gpu, work.precision, tf32)
+    if not found or not found[0] or not peak or not gpu.memory_gb:
+        return None
+    price, priced_at = found
+    slow, note = 1.0, "" if priced_at == pricing else f" ({priced_at}: no {pricing} price)"
+    if not work.fits(work.estimate(ac_every=0), gpu.memory_gb):
+        if not work.fits(work.estimate(ac_every=1), gpu.memory_gb):
+            return None
+        slow, note = AC_SLOWDOWN, f" with activation checkpointing{note}"
+    tokens_per_sec = peak * mfu * slow / fpt
+    return usd_per_billion_tokens(tokens_per_sec, price, 1), note
+
+
+def price_findings(
+    work: Workload,
+    here: GpuConfig,
+    catalog: dict[str, GpuConfig],
+    cost: CostConfig,
+    tf32: bool,
+    assumed_mfu: float,
+    bench_mfu: float | None,
+) -> list[Finding]:
+    """This GPU's $/token against the catalog's cheapest GPU that fits the model: the others at
+    `assumed_mfu`, this one at the MFU `lm bench` measured on it (`bench_mfu`) if any."""
+    if not work.cuda or not catalog:
+        return []
+    pricing = cost.pricing
+    fpt = flops_per_token(work.model, work.seq_len)
+    mfu = assumed_mfu
+    # A measured MFU prices this GPU better; the others stay at the assumed one (no bench ran on them).
+    mine = usd_per_btok(here, work, fpt, bench_mfu or mfu, pricing, tf32)
+    if cost.price_per_hour is not None and mine is not None:  # the user's own rate
+        peak = peak_flops(here, work.precision, tf32)
+        rate = peak * (bench_mfu or mfu) * (AC_SLOWDOWN if "checkpointing" in mine[1] else 1.0) / fpt
+        mine = (usd_per_billion_tokens(rate, cost.price_per_hour, 1), mine[1])
+    options = {
+        name: r for name, g in catalog.items() if (r := usd_per_btok(g, work, fpt, mfu, pricing, tf32))
+    }
+    if mine is None or not options:
+        return [
+            Finding("$/token", "ok", f"no {pricing} price, peak or memory for gpu={here.name}: not compared")
+        ]
+    options[here.name] = mine
+    best = min(options, key=lambda k: options[k][0])
+    basis = f"MFU {bench_mfu:.0%} measured by lm bench" if bench_mfu else f"MFU {mfu:.0%} assumed"
+    this = f"~${mine[0]:.2f}/Btok on {here.name}{mine[1]} ({pricing}, {basis})"
+    if options[best][0] < 0.9 * mine[0] and best != here.name:
+        saving = 1 - options[best][0] / mine[0]
+        return [
+            Finding(
+                "$/token",
+                "warn",
+                f"{this}; {best} ~${options[best][0]:.2f}/Btok{options[best][1]}",
+                f"-{saving:.0%} $/token at the same MFU, unmeasured there: check availability, then "
+                f"`lm bench` on it and `lm bench --compare` (seed 000)",
+                f"gpu={best} (rent one)",
+            )
+        ]
+    return [Finding("$/token", "ok", f"{this}: the catalog's cheapest that fits")]

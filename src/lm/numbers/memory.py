@@ -198,3 +198,35 @@ def estimate(
 def fits(est: MemoryEstimate, device_memory_bytes: float, headroom: float = 0.05) -> bool:
     """Whether the estimate fits a device of this size, keeping `headroom` (a fraction) free."""
     return est.total <= device_memory_bytes * (1.0 - headroom)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One process's training step as the memory model sees it: the model at its micro-batch, in a resolved
+    precision, on CUDA or not, with the configured checkpointing stride. The doctor's memory and price checks
+    and activation checkpointing's `auto` all ask their questions of it."""
+
+    model: ModelConfig
+    batch_size: int
+    seq_len: int
+    precision: str
+    cuda: bool
+    every: int = 0
+    """The configured activation checkpointing stride (0: off)."""
+    headroom: float = 0.05
+    """Fraction of device memory kept free when asking whether an estimate fits."""
+
+    def estimate(self, ac_every: int | None = None, batch_size: int | None = None) -> MemoryEstimate:
+        """The estimate at the configured stride and micro-batch, or at the ones given (SDPA's flash path)."""
+        return estimate(
+            self.model,
+            batch_size=batch_size or self.batch_size,
+            seq_len=self.seq_len,
+            precision=self.precision,
+            ac_every=self.every if ac_every is None else ac_every,
+            cuda=self.cuda,
+        )
+
+    def fits(self, est: MemoryEstimate, memory_gb: float) -> bool:
+        """Whether `est` fits a device of `memory_gb` GB, keeping the headroom free."""
+        return fits(est, memory_gb * 1e9, self.headroom)

@@ -1,18 +1,21 @@
 """The plan of a run in numbers: tokens per optimizer step, where the plan ends, its phases, Chinchilla.
 
-Every caller that needs one of these numbers (`lm prepare`'s epoch count, the doctor, the data module's
-repeated-data warning, the early stopper's forecast, the cost meter) reads it here, so they cannot disagree.
+`resolve()` computes them once per entry point (`lm.run.train`, `lm doctor`, `lm prepare`) into a `RunPlan`
+that is passed down to whoever reads one of these numbers (the doctor, the data module's repeated-data warning,
+the early stopper's forecast, the cost meter, `lm prepare`'s epoch count), so they cannot disagree.
 A step's tokens count every device of the job: data.batch_size x data.seq_len x accumulation x world size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lm.config import LMConfig, PhaseConfig, TrainerConfig
+from lm.config import DataConfig, OptimConfig, PhaseConfig, TrainerConfig
+from lm.store.findings import Finding
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 
@@ -32,12 +35,6 @@ def world_size(trainer: TrainerConfig) -> int:
     return per_node * trainer.num_nodes
 
 
-def tokens_per_step(cfg: LMConfig, world: int | None = None) -> int:
-    """Tokens of one optimizer step over the whole job (`world` processes; default: `world_size`)."""
-    world = world_size(cfg.trainer) if world is None else world
-    return cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches * world
-
-
 @dataclass(frozen=True)
 class PlanEnd:
     """Where the whole plan ends (not this invocation: phase 1 of a plan stops long before)."""
@@ -50,19 +47,59 @@ class PlanEnd:
     """Where the numbers come from, for messages: `optim.total_steps=90,000 x 131,072 tokens/step`."""
 
 
-def plan_end(cfg: LMConfig, world: int | None = None) -> PlanEnd:
-    """The plan's end: the last phase's `end_tokens`, else the largest of trainer.max_steps, optim.total_steps
-    and the last phase's `end_step` (the schedule and the phases may span more than this invocation)."""
-    per_step = tokens_per_step(cfg, world)
-    last = cfg.phases.phases[-1] if cfg.phases.phases else None
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's plan, resolved once from its config and passed to everything that reads one of its numbers."""
+
+    world: int
+    """Processes the job trains on (`world_size`)."""
+    tokens_per_device_step: int
+    """Tokens one process trains per optimizer step: batch x seq_len x accumulation."""
+    end: PlanEnd
+    """Where the whole plan ends, counted over the whole job."""
+    schedule_steps: int
+    """The optimizer steps the LR schedule spans: optim.total_steps, else trainer.max_steps."""
+    phases: tuple[PhaseConfig, ...] = ()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over the whole job."""
+        return self.tokens_per_device_step * self.world
+
+    @property
+    def end_steps(self) -> int:
+        """The plan's last optimizer step (a token-count end rounded up to whole steps)."""
+        if self.end.steps is not None:
+            return self.end.steps
+        return -(-self.end.tokens // self.tokens_per_step)
+
+
+def resolve(
+    data: DataConfig,
+    trainer: TrainerConfig,
+    optim: OptimConfig,
+    phases: Sequence[PhaseConfig] = (),
+    world: int | None = None,
+) -> RunPlan:
+    """The plan's numbers for a job of `world` processes (default: `world_size(trainer)`).
+
+    The plan ends at the last phase's `end_tokens`, else at the largest of trainer.max_steps,
+    optim.total_steps and the last phase's `end_step` (the schedule and the phases may span more than this
+    invocation)."""
+    world = world_size(trainer) if world is None else world
+    per_device = data.batch_size * data.seq_len * trainer.accumulate_grad_batches
+    per_step = per_device * world
+    last = phases[-1] if phases else None
     if last is not None and last.end_tokens:
-        return PlanEnd(last.end_tokens, None, f"phase '{last.name}' end_tokens")
-    steps, source = cfg.trainer.max_steps, "trainer.max_steps"
-    if cfg.optim.total_steps and cfg.optim.total_steps > steps:
-        steps, source = cfg.optim.total_steps, "optim.total_steps"
-    if last is not None and last.end_step and last.end_step > steps:
-        steps, source = last.end_step, f"phase '{last.name}' end_step"
-    return PlanEnd(steps * per_step, steps, f"{source}={steps:,} x {per_step:,} tokens/step")
+        end = PlanEnd(last.end_tokens, None, f"phase '{last.name}' end_tokens")
+    else:
+        steps, source = trainer.max_steps, "trainer.max_steps"
+        if optim.total_steps and optim.total_steps > steps:
+            steps, source = optim.total_steps, "optim.total_steps"
+        if last is not None and last.end_step and last.end_step > steps:
+            steps, source = last.end_step, f"phase '{last.name}' end_step"
+        end = PlanEnd(steps * per_step, steps, f"{source}={steps:,} x {per_step:,} tokens/step")
+    return RunPlan(world, per_device, end, optim.total_steps or trainer.max_steps, tuple(phases))
 
 
 def chinchilla_tokens(n_params: int) -> int:
@@ -82,3 +119,21 @@ def phase_at(step: int, tokens: int, phases: Sequence[PhaseConfig]) -> int:
         if phase.end_tokens is not None and tokens < phase.end_tokens:
             return i
     return len(phases)
+
+
+def plan_findings(plan: RunPlan, n_params: int, cuda: bool) -> list[Finding]:
+    """The doctor's tokens-per-parameter check: the plan's tokens per parameter against Chinchilla's ~20."""
+    end = plan.end
+    ratio = end.tokens / n_params
+    what = f"{end.tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({end.source}); Chinchilla ~20"
+    if cuda and ratio < CHINCHILLA_TOKENS_PER_PARAM / 2:
+        return [
+            Finding(
+                "tokens/param",
+                "warn",
+                what,
+                "a lower loss per $: train longer, or a smaller model for this compute (Hoffmann et al. 2022)",
+                f"trainer.max_steps={math.ceil(chinchilla_tokens(n_params) / plan.tokens_per_step)}",
+            )
+        ]
+    return [Finding("tokens/param", "ok", what)]

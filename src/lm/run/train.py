@@ -36,7 +36,7 @@ from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.local import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
-from lm.checkpoint.remote import RemoteCheckpoints
+from lm.checkpoint.remote import RemoteCheckpoints, run_identity
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data.mixture import data_module
 from lm.engine import activation_checkpointing, hf, runtime
@@ -44,7 +44,8 @@ from lm.engine.kernels import sdpa_backends
 from lm.engine.module import LMModule
 from lm.engine.parallel import build_strategy, check_strategy, cluster_plugins
 from lm.numbers import cost, run_plan
-from lm.run.doctor import Target, preflight
+from lm.numbers.memory import Workload
+from lm.run.doctor import Target, preflight, resolve_runtime
 from lm.run.report import write_report
 from lm.store import atomic, rundir
 from lm.store.exits import CheckpointSaveError, Preempted, exit_within, intended_code
@@ -75,14 +76,18 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
     started_at = time.monotonic()
     cfg = to_objects(dcfg)
-    rt = runtime.resolve(cfg)  # refuses an impossible precision or Liger without CUDA before any I/O
+    rt = resolve_runtime(cfg)  # refuses an impossible precision or Liger without CUDA before any I/O
     check_strategy(cfg.trainer.strategy, cfg.trainer.devices, rundir.in_multirun())
+    plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)  # read by all below
     run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
     if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
-        preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir())))
-    datamodule = data_module(cfg.data, run_plan.plan_end(cfg).tokens, cfg.phases.phases)
+        catalog = cost.load_catalog(conf_dir())
+        preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, catalog, plan))
+    datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
-    remote = remote_checkpoints(cfg, run_dir)  # probes the bucket, refuses another run's folder
+    remote = remote_checkpoints(
+        cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir
+    )  # refuses another run's
     # The refusals above leave the run directory as it was; the lock comes before anything in it changes
     # (a fetched or set-aside checkpoint, an archived run, config.yaml).
     if rank_zero_only.rank == 0:
@@ -103,10 +108,11 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
     # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
     deferred = cfg.activation_checkpointing.auto and rt.cuda
+    workload = Workload(cfg.model, cfg.data.batch_size, cfg.data.seq_len, rt.precision, rt.cuda)
     ac = (
         activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True)
         if deferred
-        else activation_checkpointing.decide(cfg, rt.precision, rt.cuda)
+        else activation_checkpointing.decide(cfg.activation_checkpointing, workload, cfg.kernels.liger)
     )
     log_runtime(cfg, rt, ac, run_dir)
     pl.seed_everything(cfg.run.seed, workers=True)
@@ -120,11 +126,13 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     )
     if cfg.model.init_from is not None and ckpt_path is None:
         hf.load_init_from(module.model)
-    meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
-    callbacks = run_callbacks(cfg, meter, run_dir, module)
+    meter = cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
+    callbacks = run_callbacks(cfg, plan, meter, run_dir, module)
     callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
     if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
-        decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
+        decide = functools.partial(
+            activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
+        )
         callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
     trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
     on_exit.callback(stop_data_workers, trainer)
@@ -180,6 +188,7 @@ def log_runtime(
 def cost_meter(
     cfg: LMConfig,
     rt: runtime.Runtime,
+    plan: run_plan.RunPlan,
     module: LMModule,
     run_dir: Path,
     started_at: float,
@@ -202,18 +211,20 @@ def cost_meter(
         rt.gpu.price_source or "no source",
     )
     return CostMeter(
-        tokens_per_device_step=run_plan.tokens_per_step(cfg, world=1),
+        tokens_per_device_step=plan.tokens_per_device_step,
         flops_per_token=fpt,
         peak_flops=peak,
         price_per_hour=rt.price,
         log_every=cfg.trainer.log_every_n_steps,
         run_dir=run_dir,
         started_at=started_at,
-        about=run_hparams(cfg, rt, n_params, ac),
+        about=run_hparams(cfg, rt, plan, n_params, ac),
     )
 
 
-def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModule) -> list[pl.Callback]:
+def run_callbacks(
+    cfg: LMConfig, plan: run_plan.RunPlan, meter: CostMeter, run_dir: Path, module: LMModule
+) -> list[pl.Callback]:
     """lm's own callbacks, in the order their hooks must run.
 
     The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
@@ -230,7 +241,7 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
     if cfg.evals.tasks:
         callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
-    callbacks.append(stopper(cfg, meter, run_dir, module.model.num_parameters(), consensus))
+    callbacks.append(stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus))
     s = cfg.spot
     callbacks += [
         SpotGuard(s.signals, consensus),
@@ -243,11 +254,16 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
 
 
 def stopper(
-    cfg: LMConfig, meter: CostMeter, run_dir: Path, n_params: int, consensus: Consensus | None = None
+    cfg: LMConfig,
+    plan: run_plan.RunPlan,
+    meter: CostMeter,
+    run_dir: Path,
+    n_params: int,
+    consensus: Consensus | None = None,
 ) -> DiminishingReturnsStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
-    end = run_plan.plan_end(cfg, world=1)
+    end = plan.end
     return DiminishingReturnsStopper(
         cfg.early_stopping,
         meter,
@@ -258,7 +274,7 @@ def stopper(
         chinchilla_tokens=run_plan.chinchilla_tokens(n_params),
         consensus=consensus,
         optim=cfg.optim,
-        schedule_steps=cfg.optim.total_steps or cfg.trainer.max_steps,
+        schedule_steps=plan.schedule_steps,
     )
 
 
@@ -312,7 +328,11 @@ def build_trainer(
 
 
 def run_hparams(
-    cfg: LMConfig, rt: runtime.Runtime, n_params: int, ac: activation_checkpointing.Decision
+    cfg: LMConfig,
+    rt: runtime.Runtime,
+    plan: run_plan.RunPlan,
+    n_params: int,
+    ac: activation_checkpointing.Decision,
 ) -> dict:
     """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
     return {
@@ -327,7 +347,7 @@ def run_hparams(
         "liger": cfg.kernels.liger,
         "fused_adamw": rt.fused_adamw,
         "padded_vocab": cfg.model.padded_vocab_size,
-        "tokens_per_device_step": run_plan.tokens_per_step(cfg, world=1),
+        "tokens_per_device_step": plan.tokens_per_device_step,
         "price_per_hour": rt.price if rt.price is not None else "unknown",
         "pricing": cfg.cost.pricing,
     }

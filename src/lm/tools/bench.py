@@ -110,7 +110,8 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
     cfg = to_objects(compose(overrides))
     cuda = False
     try:
-        rt = runtime.resolve(cfg)  # Liger without CUDA: an error row naming the fix
+        # Liger without CUDA: an error row naming the fix
+        rt = runtime.resolve(cfg.trainer, cfg.gpu, cfg.precision, cfg.kernels, cfg.optim, cfg.cost)
         cuda = rt.cuda
         result.device, result.gpu, result.precision = rt.device_name, rt.gpu.name, rt.precision
         runtime.set_matmul_precision(cfg.precision.tf32)
@@ -128,13 +129,13 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
 
 def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
     """Train warmup_steps + steps optimizer steps on random tokens with a real Trainer, as training would."""
-    decision = activation_checkpointing.decide(
-        cfg, rt.precision, rt.cuda
-    )  # `auto` measured as training would
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    work = memory.Workload(cfg.model, b, t, rt.precision, rt.cuda)
+    # `auto` measured as training would
+    decision = activation_checkpointing.decide(cfg.activation_checkpointing, work, cfg.kernels.liger)
     result.ac_every = decision.every
     if cfg.activation_checkpointing.auto:
         result.note = "auto: " + activation_checkpointing.describe(decision.every)
-    b, t = cfg.data.batch_size, cfg.data.seq_len
     est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=rt.precision, ac_every=decision.every)
     result.estimate_gb = round(est.allocated / 1e9, 3)
     total = cfg.bench.warmup_steps + cfg.bench.steps
@@ -189,7 +190,8 @@ def timed(cfg: LMConfig, rt: runtime.Runtime, result: Result, stamps: list[float
         result.error = f"only {len(stamps)} steps were timed"
         return result
     seconds = (timed_stamps[-1] - timed_stamps[0]) / (len(timed_stamps) - 1)
-    tokens_per_step = run_plan.tokens_per_step(cfg, world=1)  # a bench trains on one device
+    # a bench trains on one device
+    tokens_per_step = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, world=1).tokens_per_device_step
     result.status, result.step_seconds = "ok", round(seconds, 5)
     result.tokens_per_sec = round(tokens_per_step / seconds, 1)
     fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)

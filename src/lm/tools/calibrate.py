@@ -23,7 +23,7 @@ import numpy as np
 
 from lm.config import DataConfig, compose, to_objects
 from lm.data.manifest import prepared_folder
-from lm.numbers import memory
+from lm.numbers import memory, run_plan
 from lm.run.train import main as train
 from lm.store import rundir
 from lm.store.atomic import write_atomic
@@ -165,8 +165,11 @@ def calibration_run(
             "sampling=off",
         ]
     )
-    model = to_objects(cfg).model
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches
+    objects = to_objects(cfg)
+    model = objects.model
+    tokens_per_step = run_plan.resolve(
+        objects.data, objects.trainer, objects.optim, world=1
+    ).tokens_per_device_step
     loss = train(cfg)
     point = Point(name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan))
     return point, rundir.read_ledger(root / name) or {}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config import ASSUMED_MFU, GpuConfig, LMConfig
+from lm.config import ASSUMED_MFU, DataConfig, GpuConfig
+from lm.model import ModelConfig
 from lm.numbers import cost, memory
 
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
@@ -57,26 +58,27 @@ class Candidate:
         return None
 
 
-def memory_needed_gb(cfg: LMConfig) -> float:
+def memory_needed_gb(model: ModelConfig, data: DataConfig, ac_every: int) -> float:
     """Peak training memory of one GPU, GB, in bf16 mixed precision with AdamW: `lm.numbers.memory`'s estimate
     (the doctor's and `lm bench`'s), at the config's micro-batch and activation checkpointing."""
-    every = cfg.activation_checkpointing.every
     est = memory.estimate(
-        cfg.model,
-        batch_size=cfg.data.batch_size,
-        seq_len=cfg.data.seq_len,
-        precision="bf16-mixed",
-        ac_every=every,
+        model, batch_size=data.batch_size, seq_len=data.seq_len, precision="bf16-mixed", ac_every=ac_every
     )
     return est.total / 1e9
 
 
 def rank_gpus(
-    cfg: LMConfig, catalog: dict[str, GpuConfig], pricing: str = "spot", mfu: float = ASSUMED_MFU
+    model: ModelConfig,
+    data: DataConfig,
+    ac_every: int,
+    catalog: dict[str, GpuConfig],
+    pricing: str = "spot",
+    mfu: float = ASSUMED_MFU,
 ) -> list[Candidate]:
-    """Every catalogued GPU with its $/10^9 tokens for `cfg`, cheapest first (unpriceable ones last)."""
-    fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)
-    need = memory_needed_gb(cfg)
+    """Every catalogued GPU with its $/10^9 tokens for this model and micro-batch, cheapest first
+    (unpriceable ones last)."""
+    fpt = cost.flops_per_token(model, data.seq_len)
+    need = memory_needed_gb(model, data, ac_every)
     out = []
     for key, gpu in catalog.items():
         if key == "cpu":
