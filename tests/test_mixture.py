@@ -12,14 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lm.cli import main as lm
 from lm.config import DataConfig, MixtureSource, PhaseConfig, compose, to_objects
 from lm.data import load_manifest, prepare
-from lm.data.mixture import (
-    Allocation,
-    MixtureDataModule,
-    MixtureSampler,
-    Schedule,
-    mixed_val_batches,
-    shared_tokenizer,
-)
+from lm.data.allocation import Allocation, Interleave
+from lm.data.mixture import MixtureDataModule, MixtureSampler, mixed_val_batches, shared_tokenizer
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import file_sha256, train_tokenizer
 from lm.run.doctor import check_mixture, resolve_target
@@ -44,9 +38,9 @@ def drawn(sampler: MixtureSampler, steps: int) -> list[list[int]]:
     return [next(it) for _ in range(steps * sampler.accumulate)]
 
 
-def source_counts(schedule: Schedule, first: int, n: int) -> np.ndarray:
-    source, _ = schedule.segments[0].allocation.locate(first, n)
-    return np.bincount(source, minlength=len(schedule.names))
+def source_counts(allocation: Allocation, first: int, n: int) -> np.ndarray:
+    source, _ = allocation.segments[0].interleave.locate(first, n)
+    return np.bincount(source, minlength=len(allocation.names))
 
 
 # --- allocation and sampler, no data -------------------------------------------------------------------------
@@ -54,20 +48,20 @@ def source_counts(schedule: Schedule, first: int, n: int) -> np.ndarray:
 
 def test_proportions_hold_within_a_few_windows_over_any_stretch_of_steps():
     specs, sizes = sources()
-    schedule = Schedule(specs, sizes, per_step=16)
+    allocation = Allocation(specs, sizes, per_step=16)
     rng = np.random.default_rng(0)
     for first, n in [
         (0, 160),
         (12_345, 1600),
         *((int(rng.integers(1e6)), int(rng.integers(16, 5000))) for _ in range(20)),
     ]:
-        counts = source_counts(schedule, first, n)
+        counts = source_counts(allocation, first, n)
         assert counts.sum() == n
         assert np.abs(counts - n * np.array([0.5, 0.3, 0.2])).max() <= 2  # K sources: within ~K/2+1 samples
 
 
 def test_every_sample_is_its_sources_next_one_so_no_window_repeats_within_an_epoch():
-    alloc = Allocation([3, 2, 1, 0.5])
+    alloc = Interleave([3, 2, 1, 0.5])
     source, index = alloc.locate(0, 20_000)
     for k in range(4):
         assert index[source == k].tolist() == list(range((source == k).sum()))  # 0, 1, 2, ... in order
@@ -78,13 +72,13 @@ def test_every_sample_is_its_sources_next_one_so_no_window_repeats_within_an_epo
 def test_the_sampler_resumes_exactly_and_ranks_split_one_process_s_batches():
     specs, sizes = sources()
     offsets = np.concatenate([[0], np.cumsum(sizes)])
-    schedule = Schedule(specs, sizes, per_step=2 * 8)
-    full = drawn(MixtureSampler(schedule, offsets, 8, seed=3, accumulate=2), 40)
-    resumed = drawn(MixtureSampler(schedule, offsets, 8, seed=3, accumulate=2, start_step=17), 23)
+    allocation = Allocation(specs, sizes, per_step=2 * 8)
+    full = drawn(MixtureSampler(allocation, offsets, 8, seed=3, accumulate=2), 40)
+    resumed = drawn(MixtureSampler(allocation, offsets, 8, seed=3, accumulate=2, start_step=17), 23)
     assert resumed == full[34:]
     # Two ranks of batch 4 draw exactly what one process of batch 8 draws, step by step.
     ranks = [
-        drawn(MixtureSampler(schedule, offsets, 4, seed=3, accumulate=2, world_size=2, rank=r), 40)
+        drawn(MixtureSampler(allocation, offsets, 4, seed=3, accumulate=2, world_size=2, rank=r), 40)
         for r in (0, 1)
     ]
     assert [a + b for a, b in zip(*ranks)] == full
@@ -98,10 +92,10 @@ def test_the_sampler_resumes_exactly_and_ranks_split_one_process_s_batches():
 
 def test_a_cap_stops_the_plan_or_renormalises_the_other_weights():
     specs, sizes = sources(caps=(None, None, 2.0))  # math: 200 windows x 2 epochs = 400 samples at 20%
-    stop = Schedule(specs, sizes, per_step=16, on_exhausted="stop")
+    stop = Allocation(specs, sizes, per_step=16, on_exhausted="stop")
     assert stop.stop_step == 125  # 125 steps x 16 x 0.2 = 400: step 125 would take math past its cap
     assert stop.counts_at(125)[2] <= 400 < stop.segments[0].counts_after(126, 16)[2]
-    renorm = Schedule(specs, sizes, per_step=16, on_exhausted="renormalise")
+    renorm = Allocation(specs, sizes, per_step=16, on_exhausted="renormalise")
     assert renorm.stop_step is None and renorm.exhausted == {"math": 125}
     assert renorm.counts_at(10_000)[2] == renorm.counts_at(125)[2] <= 400
     later = renorm.counts_at(10_125) - renorm.counts_at(125)
@@ -114,15 +108,15 @@ def test_phase_weights_take_over_at_the_phase_boundary_and_counts_continue():
         PhaseConfig("main", end_step=100),
         PhaseConfig("anneal", end_step=200, mixture={"web": 0, "math": 0.7}),
     ]
-    schedule = Schedule(specs, sizes, per_step=10, phases=phases)
-    assert [s.start for s in schedule.segments] == [0, 100]
-    first, second = schedule.counts_at(100), schedule.counts_at(200) - schedule.counts_at(100)
+    allocation = Allocation(specs, sizes, per_step=10, phases=phases)
+    assert [s.start for s in allocation.segments] == [0, 100]
+    first, second = allocation.counts_at(100), allocation.counts_at(200) - allocation.counts_at(100)
     assert np.allclose(first / 1000, [0.5, 0.3, 0.2], atol=0.003)
     assert np.allclose(second / 1000, [0, 0.3, 0.7], atol=0.003)
     # The second phase continues each source's count: no window is drawn twice at the boundary.
-    source, index = schedule.locate(1000, 10)
+    source, index = allocation.locate(1000, 10)
     assert (index[source == 1] >= first[1]).all()
-    across, parts = schedule.locate(995, 10), [schedule.locate(995, 5), schedule.locate(1000, 5)]
+    across, parts = allocation.locate(995, 10), [allocation.locate(995, 5), allocation.locate(1000, 5)]
     assert all((a == np.concatenate(b)).all() for a, b in zip(across, zip(*parts)))
 
 
@@ -259,12 +253,12 @@ def test_a_capped_source_stops_or_renormalises_the_lightning_run_at_its_cap(corp
     cap = 12  # math samples: at 20% of 8 samples a step, the cap is met after 7 steps
     cfg.mixture[2].max_epochs = cap / len(dm.train_set.parts[2])
     model = fit(cfg, max_steps=10)
-    schedule = model.trainer.datamodule.schedule
+    allocation = model.trainer.datamodule.allocation
     if on_exhausted == "stop":
-        assert schedule.stop_step == 7 and len(model.seen) == 2 * 7  # the run ended at the cap, not at 10
+        assert allocation.stop_step == 7 and len(model.seen) == 2 * 7  # the run ended at the cap, not at 10
     else:
-        assert schedule.exhausted == {"math": 7} and len(model.seen) == 2 * 10
-    assert schedule.counts_at(len(model.seen) // 2)[2] <= cap
+        assert allocation.exhausted == {"math": 7} and len(model.seen) == 2 * 10
+    assert allocation.counts_at(len(model.seen) // 2)[2] <= cap
 
 
 def mixture_overrides(

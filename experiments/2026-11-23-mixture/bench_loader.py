@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 from lm.config import DataConfig, MixtureSource
 from lm.data import StepSampler, TokenWindows, load_manifest, prepare, shard_paths
-from lm.data.mixture import MixtureSampler, MixtureWindows, Schedule
+from lm.data.allocation import Allocation
+from lm.data.mixture import MixtureSampler, MixtureWindows
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import train_tokenizer
 
@@ -140,7 +141,7 @@ def main() -> None:
         single = windows(folders["all"], args.seq_len)
         mixed = MixtureWindows([windows(folders[n], args.seq_len) for n in WEIGHTS])
         specs = [MixtureSource(n, w, dir=str(folders[n])) for n, w in WEIGHTS.items()]
-        schedule = Schedule(specs, [len(p) for p in mixed.parts], args.batch)
+        schedule = Allocation(specs, [len(p) for p in mixed.parts], args.batch)
         results = {"args": vars(args), "prepare_s": round(prep_s, 1), "windows": {"single": len(single)}}
         results["windows"].update({n: len(p) for n, p in zip(WEIGHTS, mixed.parts)})
         results["workers=0, CPU time"] = compare(single, mixed, schedule, args, 0, time.process_time)

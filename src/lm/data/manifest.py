@@ -25,7 +25,7 @@ import numpy as np
 
 from lm.config import DataConfig
 from lm.data import sources
-from lm.data.sources import Plan
+from lm.data.sources import UnitPlan
 from lm.data.tokenizer import file_sha256, load_tokenizer_spec, text_sha256
 from lm.store.atomic import write_atomic
 from lm.store.objects import is_url
@@ -85,9 +85,9 @@ def _tokenizer_identity(cfg: DataConfig) -> str | None:
     return file_sha256(path) if path.is_file() else cfg.tokenizer
 
 
-def cache_key(cfg: DataConfig, plan: Plan | None = None) -> str:
+def cache_key(cfg: DataConfig, plan: UnitPlan | None = None) -> str:
     """Short hash of everything that determines the prepared dataset's contents."""
-    plan = plan or sources.plan(cfg)
+    plan = plan or sources.plan_units(cfg)
     parts = {
         "format_version": FORMAT_VERSION,
         "source": cfg.source,

@@ -1,17 +1,9 @@
 """Weighted data mixtures: several prepared corpora sharing one tokenizer, each step drawn from all of them.
 
-Allocation. Within a stretch of constant weights w, source k "ticks" at position p when
-floor((p+1)·w_k + ½) > floor(p·w_k + ½): a Bresenham line of slope w_k, so among any P consecutive positions it
-ticks P·w_k ± 1 times. Reading the ticks in (position, source) order gives one stream: sample t is the t-th tick,
-and it is that source's j-th sample with j its ticks before. Both are closed forms of t, so which window a sample
-is stays a pure function of (seed, sample index, weights): StepSampler's step-and-rank indexing of samples is
-kept unchanged, and with it exact resume and world-size changes. Over any run of n consecutive samples a
-source's share is within about K/n of its weight (K sources), far tighter than drawing sources at random.
-
-Segments. Weights are piecewise constant over optimizer steps: a phase with its own weights (PhaseConfig.mixture)
-or a source reaching its max_epochs cap under `data.on_exhausted=renormalise` starts a new segment, which
-continues every source's count where the previous one left it. Under `stop` the plan ends at the step that
-would take a source past its cap. Each source visits its windows in its own seeded permutation per epoch.
+Preparation: every source is prepared alone, the corpora with one shared tokenizer (trained on a weighted
+sample of them unless one is given). Training: which source each sample comes from is the Allocation
+(lm.data.allocation, pure arithmetic); the MixtureSampler maps it to windows, each source visiting its
+windows in its own seeded permutation per epoch.
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lm.config import DataConfig, MixtureSource, PhaseConfig
 from lm.data import shards, sources
+from lm.data.allocation import Allocation, Interleave
 from lm.data.datamodule import LMDataModule
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
 from lm.data.manifest import (
@@ -117,7 +109,7 @@ def sample_documents(cfg: DataConfig, max_bytes: int) -> Iterator[str]:
     """Up to `max_bytes` of a corpus's training documents, sampled as its own tokenizer would sample them."""
     cfg = dataclasses.replace(cfg, tokenizer_sample_bytes=max_bytes)
     cfg.check_inputs()
-    plan = sources.plan(cfg)
+    plan = sources.plan_units(cfg)
     return sample_texts(shards.sample_documents(cfg, plan, shards.forced_validation(cfg, plan)), max_bytes)
 
 
@@ -125,194 +117,6 @@ def prepare_mixture(cfg: DataConfig) -> list[Path]:
     """`lm prepare` of a mixture: the shared tokenizer first, then every source (a prepared folder is
     mirrored if it is a URL and checked); the folders in the mixture's order."""
     return [prepare(source) for source in mixture_sources(cfg)]
-
-
-class Allocation:
-    """Which source each sample of a constant-weight stretch belongs to, and its index within that source."""
-
-    def __init__(self, weights: Sequence[float]):
-        w = np.asarray(weights, dtype=np.float64)
-        self.weights = w / w.sum()
-
-    def ticks_before(self, p: np.ndarray) -> np.ndarray:
-        """(..., K) ticks of each source at positions before `p`."""
-        return np.floor(p[..., None] * self.weights + 0.5).astype(np.int64)
-
-    def span(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Samples first..first+n-1: their sources (n,), their indices within their sources (n,), and each
-        source's samples before `first` (K,)."""
-        k = len(self.weights)
-        # Ticks before position p lie within K/2 of p, so positions lo..first+n+K+1 hold all n samples.
-        lo = max(0, first - k - 1)
-        before = self.ticks_before(np.arange(lo, first + n + k + 2))  # (P, K)
-        pos, source = np.nonzero(before[1:] - before[:-1])  # every tick of the range, in stream order
-        skip = first - int(before[0].sum())
-        index = before[pos, source]
-        counts = before[0] + np.bincount(source[:skip], minlength=k)
-        return source[skip : skip + n], index[skip : skip + n], counts
-
-    def locate(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index within the source) of samples first..first+n-1."""
-        source, index, _ = self.span(first, n)
-        return source, index
-
-    def counts(self, n: int) -> np.ndarray:
-        """(K,) samples of each source among the first n."""
-        return self.span(n, 0)[2]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Stream steps from `start` on drawn with one allocation, every source's count continuing from `base`."""
-
-    start: int
-    allocation: Allocation
-    base: np.ndarray
-
-    def counts_after(self, steps: int, per_step: int) -> np.ndarray:
-        """Samples of each source drawn once `steps` steps of this segment have run."""
-        return self.base + self.allocation.counts(steps * per_step)
-
-
-class Schedule:
-    """The mixture over a whole run: its segments, and the step where it stops (a source's cap, `stop`).
-
-    A pure function of the sources (windows, weights, caps), the phases, `data.on_exhausted` and the samples
-    per step (global batch), so every rank and every resumed process builds the same one.
-    """
-
-    def __init__(
-        self,
-        sources: Sequence[MixtureSource],
-        windows: Sequence[int],
-        per_step: int,
-        on_exhausted: str = "stop",
-        phases: Sequence[PhaseConfig] = (),
-        seq_len: int = 1,
-    ):
-        self.names = [s.name for s in sources]
-        self.windows = np.asarray(windows, dtype=np.int64)
-        self.per_step = per_step
-        self.caps = [
-            None if s.max_epochs is None else math.floor(s.max_epochs * n) for s, n in zip(sources, windows)
-        ]
-        self.segments: list[Segment] = []
-        self.stop_step: int | None = None
-        """First stream step that would take a source past its cap under `stop`; None: never."""
-        self.stopped_by: str | None = None
-        """The source whose cap sets stop_step (None when every source with weight was used up)."""
-        self.exhausted: dict[str, int] = {}
-        """Source name -> the stream step from which its cap keeps it out of the mixture."""
-        base = np.array([s.weight for s in sources], dtype=np.float64)
-        counts = np.zeros(len(sources), dtype=np.int64)
-        for start, end, weights in periods(base, self.names, phases, per_step * seq_len):
-            counts = self.add_period(start, end, weights, counts, on_exhausted)
-            if self.stop_step is not None:
-                break
-        if not self.segments:
-            raise ValueError(
-                f"data.mixture source '{self.stopped_by}' meets its max_epochs cap before the first step ends: "
-                f"raise its max_epochs or lower its weight"
-            )
-        self.starts = np.array([s.start for s in self.segments], dtype=np.int64)
-
-    def add_period(
-        self, start: int, end: int | None, weights: np.ndarray, counts: np.ndarray, on_exhausted: str
-    ) -> np.ndarray:
-        """Segments for stream steps [start, end) with `weights`, split where a source meets its cap."""
-        while True:
-            w = weights.copy()
-            w[[self.names.index(n) for n in self.exhausted]] = 0
-            if not w.sum() > 0:  # every source with weight here is used up
-                self.stop_step = start
-                return counts
-            segment = Segment(start, Allocation(w), counts)
-            hit = self.first_cap(segment, end)
-            if hit is None or hit[0] > start:
-                self.segments.append(segment)
-            if hit is None:
-                return segment.counts_after(end - start, self.per_step) if end is not None else counts
-            step, k = hit
-            counts = segment.counts_after(step - start, self.per_step)
-            if on_exhausted == "stop":
-                self.stop_step, self.stopped_by = step, self.names[k]
-                return counts
-            self.exhausted[self.names[k]] = step
-            start = step
-
-    def first_cap(self, segment: Segment, end: int | None) -> tuple[int, int] | None:
-        """(step, source) of the first step of `segment` before `end` that would take a source past its cap."""
-        weights = segment.allocation.weights
-        hits = [
-            (step, k)
-            for k, cap in enumerate(self.caps)
-            if cap is not None
-            and weights[k] > 0
-            and (step := self.cap_step(segment, k, cap, end)) is not None
-        ]
-        return min(hits, default=None)
-
-    def cap_step(self, segment: Segment, k: int, cap: int, end: int | None) -> int | None:
-        """The first step of `segment` (before `end`) after which source k would have drawn more than `cap`."""
-
-        def over(step: int) -> bool:
-            return segment.counts_after(step + 1 - segment.start, self.per_step)[k] > cap
-
-        # By `hi` the source has certainly drawn more than its cap (its ticks stay within 1 of the line).
-        lo = segment.start
-        hi = lo + math.ceil((cap + 2) / (segment.allocation.weights[k] * self.per_step)) + 1
-        if end is not None:
-            if end <= lo or not over(end - 1):
-                return None
-            hi = end - 1
-        while lo < hi:  # binary search: counts only grow with the step
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if over(mid) else (mid + 1, hi)
-        return lo
-
-    def segment_at(self, step: int) -> Segment:
-        """The segment holding stream step `step`."""
-        return self.segments[max(0, int(np.searchsorted(self.starts, step, side="right")) - 1)]
-
-    def locate(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index within the source) of global samples first..first+n-1 (across segments if need be)."""
-        sources, indices, end = [], [], first + n
-        while first < end or not sources:
-            k = max(0, int(np.searchsorted(self.starts, first // self.per_step, side="right")) - 1)
-            segment = self.segments[k]
-            stop = end if k + 1 == len(self.segments) else min(end, int(self.starts[k + 1]) * self.per_step)
-            source, index = segment.allocation.locate(first - segment.start * self.per_step, stop - first)
-            sources.append(source)
-            indices.append(index + segment.base[source])
-            first = stop
-        return np.concatenate(sources), np.concatenate(indices)
-
-    def counts_at(self, step: int) -> np.ndarray:
-        """Samples of each source drawn before stream step `step`."""
-        segment = self.segment_at(step)
-        return segment.counts_after(step - segment.start, self.per_step)
-
-
-def periods(
-    base: np.ndarray, names: list[str], phases: Sequence[PhaseConfig], tokens_per_step: int
-) -> list[tuple[int, int | None, np.ndarray]]:
-    """(first step, end step or None, weights) of each phase; a phase ending at a token count ends at the
-    step those tokens take. One period of the base weights without phases."""
-    out, start = [], 0
-    for i, phase in enumerate(phases):
-        weights = base.copy()
-        for name, weight in (phase.mixture or {}).items():
-            weights[names.index(name)] = weight
-        if (weights < 0).any() or not weights.sum() > 0:
-            raise ValueError(
-                f"phase '{phase.name}' gives the mixture weights {dict(zip(names, weights.tolist()))}: they "
-                f"must be >= 0 with a positive total"
-            )
-        end = phase.end_step if phase.end_step is not None else math.ceil(phase.end_tokens / tokens_per_step)
-        last = i == len(phases) - 1
-        out.append((start, None if last else max(end, start), weights))
-        start = max(end, start)
-    return out or [(0, None, base)]
 
 
 class MixtureWindows(Dataset):
@@ -338,38 +142,38 @@ LOCATE_AHEAD = 4096
 
 
 class MixtureSampler(StepSampler):
-    """StepSampler whose samples are allocated to sources by a Schedule, each source in its own permutation.
+    """StepSampler whose samples are allocated to sources by an Allocation, each source in its own permutation.
 
     Samples are indexed exactly as StepSampler indexes them (step, micro-batch, rank), so resume, skipped
     windows and world-size changes behave the same; only the sample -> window map differs.
     """
 
-    def __init__(self, schedule: Schedule, offsets: np.ndarray, batch_size: int, **kwargs):
+    def __init__(self, allocation: Allocation, offsets: np.ndarray, batch_size: int, **kwargs):
         super().__init__(int(offsets[-1]), batch_size, **kwargs)
-        self.schedule = schedule
+        self.allocation = allocation
         self.offsets = offsets
         # Each source's current epoch order, as item indices side by side: most batches are one gather.
         self._order = np.zeros(int(offsets[-1]), dtype=np.int64)
-        self._epochs = np.full(len(schedule.windows), -1, dtype=np.int64)
+        self._epochs = np.full(len(allocation.windows), -1, dtype=np.int64)
         self._located = (0, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
 
     def source_permutation(self, k: int, epoch: int) -> np.ndarray:
         """Window order of source k's `epoch`, seeded by (seed, source, epoch)."""
-        return np.random.default_rng([self.seed, k, epoch]).permutation(int(self.schedule.windows[k]))
+        return np.random.default_rng([self.seed, k, epoch]).permutation(int(self.allocation.windows[k]))
 
     def located(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Schedule.locate of samples first..first+n-1, from a cache of LOCATE_AHEAD samples located at once
+        """Allocation.locate of samples first..first+n-1, from a cache of LOCATE_AHEAD samples located at once
         (a call costs about the same for 16 samples as for thousands)."""
         lo, source, index = self._located
         if not lo <= first or first + n > lo + len(source):
-            source, index = self.schedule.locate(first, max(n, LOCATE_AHEAD))
+            source, index = self.allocation.locate(first, max(n, LOCATE_AHEAD))
             self._located, lo = (first, source, index), first
         return source[first - lo : first - lo + n], index[first - lo : first - lo + n]
 
     def micro_batch(self, m: int) -> list[int]:
         first = (m * self.world_size + self.rank) * self.batch_size
         source, index = self.located(first, self.batch_size)
-        epochs, slots = np.divmod(index, self.schedule.windows[source])
+        epochs, slots = np.divmod(index, self.allocation.windows[source])
         if (epochs != self._epochs[source]).any():
             return self.new_epochs(source, epochs, slots)
         return self._order[self.offsets[source] + slots].tolist()
@@ -403,7 +207,7 @@ def mixed_val_batches(
     total = sum(len(q) for q in queues)
     taken = [0] * len(parts)
     batches, sources = [], []
-    turn = Allocation(weights).locate(0, total * len(parts))[0]
+    turn = Interleave(weights).locate(0, total * len(parts))[0]
     for k in turn.tolist():
         if len(batches) == total:
             break
@@ -431,7 +235,7 @@ class MixtureDataModule(LMDataModule):
         self.folders: list[Path] = []
         self.manifests: list[dict] = []
         self.val_sources: list[int] = []
-        self.schedule: Schedule | None = None
+        self.allocation: Allocation | None = None
 
     @property
     def sources(self) -> list[DataConfig]:
@@ -490,7 +294,7 @@ class MixtureDataModule(LMDataModule):
         trainer = self.trainer
         world = trainer.world_size if trainer else 1
         accumulate = trainer.accumulate_grad_batches if trainer else 1
-        self.schedule = Schedule(
+        self.allocation = Allocation(
             self.cfg.mixture,
             [len(p) for p in self.train_set.parts],
             self.cfg.batch_size * world * accumulate,
@@ -499,7 +303,7 @@ class MixtureDataModule(LMDataModule):
             self.cfg.seq_len,
         )
         sampler = MixtureSampler(
-            self.schedule,
+            self.allocation,
             self.train_set.offsets,
             self.cfg.batch_size,
             seed=self.cfg.seed,
@@ -509,14 +313,16 @@ class MixtureDataModule(LMDataModule):
             rank=trainer.global_rank if trainer else 0,
             skips=self.skip_windows,
         )
-        for name, step in self.schedule.exhausted.items():
+        for name, step in self.allocation.exhausted.items():
             log.warning(
                 "data.mixture: source '%s' reaches its max_epochs at step %d; the others share its weight",
                 name,
                 step,
             )
-        if trainer is not None and self.schedule.stop_step is not None:
-            stop = optimizer_step(sampler, self.schedule.stop_step)
+        # The cap's step is set here, not at setup: skipped windows move it, and SpikeGuard hands them over
+        # only after the checkpoint restore; before fit no manifest has sized the sources to say it earlier.
+        if trainer is not None and self.allocation.stop_step is not None:
+            stop = optimizer_step(sampler, self.allocation.stop_step)
             if trainer.max_steps == -1 or stop < trainer.max_steps:
                 log.warning(
                     "data.mixture: a source reaches its max_epochs at step %d: training stops there", stop
@@ -574,17 +380,8 @@ def check_one_tokenizer(names: list[str], folders: list[Path], manifests: list[d
             )
 
 
-def data_module(
-    cfg: DataConfig, planned_tokens: int | None = None, phases: Sequence[PhaseConfig] = ()
-) -> LMDataModule:
-    """The data module a run trains from: a MixtureDataModule when data.mixture lists sources."""
-    if cfg.mixture:
-        return MixtureDataModule(cfg, planned_tokens, phases)
-    return LMDataModule(cfg, planned_tokens)
-
-
 @dataclass(frozen=True)
-class SourcePlan:
+class SourceShare:
     """What a plan draws from one source, for the doctor's table."""
 
     name: str
@@ -600,7 +397,7 @@ class SourcePlan:
 
 def plan_sources(
     cfg: DataConfig, phases: Sequence[PhaseConfig], per_step: int, steps: int
-) -> list[SourcePlan] | None:
+) -> list[SourceShare] | None:
     """Each source's share of a plan of `steps` optimizer steps of `per_step` windows, read from the prepared
     manifests without tokenizing anything; None while a source is not prepared (its size is unknown)."""
     manifests = []
@@ -611,21 +408,17 @@ def plan_sources(
         manifests.append(load_manifest(folder))
     tokens = [m["splits"]["train"]["tokens"] for m in manifests]
     windows = [max(1, (n - 1) // cfg.seq_len) for n in tokens]
-    schedule = Schedule(cfg.mixture, windows, per_step, cfg.on_exhausted, phases, cfg.seq_len)
-    counts = schedule.counts_at(min(steps, schedule.stop_step) if schedule.stop_step is not None else steps)
+    allocation = Allocation(cfg.mixture, windows, per_step, cfg.on_exhausted, phases, cfg.seq_len)
+    counts = allocation.counts_at(
+        min(steps, allocation.stop_step) if allocation.stop_step is not None else steps
+    )
     return [
-        SourcePlan(
+        SourceShare(
             s.name,
             tokens[k],
             int(counts[k]) * cfg.seq_len,
             counts[k] / windows[k],
-            capped_at(schedule, s.name, steps),
+            allocation.capped_at(s.name, steps),
         )
         for k, s in enumerate(cfg.mixture)
     ]
-
-
-def capped_at(schedule: Schedule, name: str, steps: int) -> int | None:
-    """The step before `steps` at which source `name` meets its cap (stopping the run or leaving the mix)."""
-    step = schedule.stop_step if schedule.stopped_by == name else schedule.exhausted.get(name)
-    return step if step is not None and step < steps else None

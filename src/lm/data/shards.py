@@ -42,7 +42,7 @@ from lm.data.manifest import (
     token_dtype,
 )
 from lm.data.mirror import dataset_cache, fetch_dataset, upload_dataset
-from lm.data.sources import Plan, Skip, Unit, is_validation
+from lm.data.sources import Skip, Unit, UnitPlan, is_validation
 from lm.data.stdlib import stable_fraction
 from lm.data.tokenizer import (
     MIN_VOCAB_SIZE,
@@ -209,7 +209,7 @@ def counters_add(n_bytes: int, n_tokens: int) -> None:
 # --- the preparation ---------------------------------------------------------------------------------------
 
 
-def forced_validation(cfg: DataConfig, plan: Plan) -> dict[str, bool]:
+def forced_validation(cfg: DataConfig, plan: UnitPlan) -> dict[str, bool]:
     """When documents are whole files, make sure each split gets at least one (tiny corpora hash one-sided).
 
     Returns {document name: is validation} overrides; empty for record-level sources, whose split sizes are
@@ -231,7 +231,7 @@ def forced_validation(cfg: DataConfig, plan: Plan) -> dict[str, bool]:
     return {}
 
 
-def sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
+def sample_documents(cfg: DataConfig, plan: UnitPlan, forced: dict):
     """Training documents for the tokenizer: whole units visited in a hash order, validation left out.
 
     Stops once data.tokenizer_sample_bytes have been read, so a 30B-token corpus is not read to sample it.
@@ -247,7 +247,7 @@ def sample_documents(cfg: DataConfig, plan: Plan, forced: dict):
                     return
 
 
-def build_tokenizer(cfg: DataConfig, plan: Plan, forced: dict) -> str:
+def build_tokenizer(cfg: DataConfig, plan: UnitPlan, forced: dict) -> str:
     """The serialized tokenizer for `cfg`: loaded from data.tokenizer, or trained on a corpus sample."""
     if cfg.tokenizer is not None:
         tok, text = load_tokenizer_spec(cfg.tokenizer)
@@ -377,7 +377,7 @@ def prepare(cfg: DataConfig) -> Path:
         load_manifest(folder)
         return folder
     check_config(cfg)
-    plan = sources.plan(cfg)
+    plan = sources.plan_units(cfg)
     key = cache_key(cfg, plan)
     out = dataset_dir(cfg, key)
     if (out / MANIFEST).is_file():
@@ -406,7 +406,7 @@ def prepare(cfg: DataConfig) -> Path:
 
 
 def tokenize_units(
-    cfg: DataConfig, plan: Plan, out: Path, forced: dict, tokenizer_json: str
+    cfg: DataConfig, plan: UnitPlan, out: Path, forced: dict, tokenizer_json: str
 ) -> dict[int, dict]:
     """Every unit's progress record: kept where its shards still match it, tokenized (in parallel) otherwise."""
     for stale in out.glob(".*.tmp-*"):  # half-written shards of a killed run; their units are redone
@@ -432,7 +432,7 @@ def tokenize_units(
     return records
 
 
-def _manifest(cfg: DataConfig, plan: Plan, key: str, records: list[dict], tokenizer_json: str) -> dict:
+def _manifest(cfg: DataConfig, plan: UnitPlan, key: str, records: list[dict], tokenizer_json: str) -> dict:
     """The manifest of a complete folder; refuses an empty split rather than writing a dataset that is one."""
     tok = Tokenizer.from_str(tokenizer_json)
     skips = [s for r in records for s in r["skips"]]
@@ -523,7 +523,7 @@ def sample_tokenizer(cfg: DataConfig, out: Path) -> str:
     cfg.check_inputs()
     if cfg.source == "tokens":
         raise ValueError("data=tokens holds no text to train a tokenizer on; use data=text or data=hf")
-    plan = sources.plan(cfg)
+    plan = sources.plan_units(cfg)
     text = build_tokenizer(dataclasses.replace(cfg, tokenizer=None), plan, forced_validation(cfg, plan))
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text.encode("utf-8"))

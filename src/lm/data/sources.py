@@ -51,7 +51,7 @@ class Unit:
 
 
 @dataclass
-class Plan:
+class UnitPlan:
     """Every unit of a preparation plus the identity of the input, for cache keys and resume checks."""
 
     units: list[Unit]
@@ -121,20 +121,20 @@ def _fingerprint(lines: list[str]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def plan(cfg: DataConfig) -> Plan:
+def plan_units(cfg: DataConfig) -> UnitPlan:
     """Split the configured corpus into units; reads names and sizes only (and a stream's shard count)."""
     if cfg.source == "stdlib":
         sizes = dict(stdlib.list_files())
         files = [(n, sizes[n]) for n in stdlib.select_files(stdlib.list_files(), cfg.max_bytes)]
-        return Plan(group_units(files, cfg.shard_bytes), stdlib.fingerprint(), sum(s for _, s in files))
+        return UnitPlan(group_units(files, cfg.shard_bytes), stdlib.fingerprint(), sum(s for _, s in files))
     if cfg.source == "text":
         files = cap_files([(p, os.path.getsize(p)) for p in expand_paths(cfg.paths)], cfg.max_bytes)
         ident = [f"{os.path.abspath(p)}\t{s}\t{os.stat(p).st_mtime_ns}" for p, s in files]
-        return Plan(group_units(files, cfg.shard_bytes), _fingerprint(ident), sum(s for _, s in files))
+        return UnitPlan(group_units(files, cfg.shard_bytes), _fingerprint(ident), sum(s for _, s in files))
     if cfg.source == "hf":
         n = hf_stream(cfg).n_shards
         ident = [f"{cfg.name}\t{cfg.subset}\t{cfg.split}\t{cfg.paths}\t{n}"]
-        return Plan([Unit(index=i) for i in range(n)], _fingerprint(ident), None)
+        return UnitPlan([Unit(index=i) for i in range(n)], _fingerprint(ident), None)
     raise ValueError(f"data.source {cfg.source!r} has no corpus to plan; it reads prepared shards")
 
 

@@ -38,7 +38,7 @@ from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.local import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
 from lm.checkpoint.remote import RemoteCheckpoints, run_identity
 from lm.config import LMConfig, conf_dir, to_objects
-from lm.data.mixture import data_module
+from lm.data import data_module
 from lm.engine import activation_checkpointing, hf, runtime
 from lm.engine.kernels import sdpa_backends
 from lm.engine.module import LMModule
