@@ -40,7 +40,9 @@ from lm.data.manifest import (
 )
 from lm.data.shards import prepare
 from lm.data.tokenizer import sample_texts, train_tokenizer
+from lm.numbers.run_plan import RunPlan
 from lm.store.atomic import write_atomic
+from lm.store.findings import Finding
 from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
@@ -422,3 +424,54 @@ def plan_sources(
         )
         for k, s in enumerate(cfg.mixture)
     ]
+
+
+# -- preflight: the doctor's mixture check (lm.run.doctor runs it) --------------------------------------
+
+
+def mixture_findings(data: DataConfig, phases: Sequence[PhaseConfig], plan: RunPlan) -> list[Finding]:
+    """Per source of data.mixture: tokens held against tokens the plan draws (weight x plan), the epochs that
+    makes, and where a max_epochs cap will stop the run or leave the source out (lm.data.mixture)."""
+    if not data.mixture:
+        return []
+    end = plan.end
+    per_step = plan.tokens_per_step // data.seq_len
+    steps = plan.end_steps
+    rows = plan_sources(data, phases, per_step, steps)
+    if rows is None:
+        return [
+            Finding(
+                "mixture", "ok", f"{len(data.mixture)} sources, not all prepared yet: checked once they are"
+            )
+        ]
+    findings = []
+    for row in rows:
+        what = (
+            f"{row.name}: {row.tokens:,} tokens held, the plan draws {row.planned:,} "
+            f"({row.planned / max(end.tokens, 1):.0%} of {end.tokens:,}) = {row.epochs:.2f} epochs"
+        )
+        if row.capped_at is not None:
+            outcome = "the run stops" if data.on_exhausted == "stop" else "the others take its weight"
+            fix = f"raise its max_epochs, lower its weight{' or data.on_exhausted=renormalise' if data.on_exhausted == 'stop' else ''}"
+            findings.append(
+                Finding(
+                    "mixture",
+                    "warn",
+                    f"{what}; its max_epochs cap is met at step {row.capped_at:,}: {outcome}",
+                    "the plan as written",
+                    fix,
+                )
+            )
+        elif row.epochs > 1:
+            findings.append(
+                Finding(
+                    "mixture",
+                    "warn",
+                    f"{what}: repeated data",
+                    "fresh tokens",
+                    "give it more data, lower its weight or set its max_epochs",
+                )
+            )
+        else:
+            findings.append(Finding("mixture", "ok", what))
+    return findings

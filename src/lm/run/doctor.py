@@ -14,7 +14,6 @@ is not worth nagging about.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lm.checkpoint.local import disk_findings
 from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
-from lm.data.mixture import plan_sources
+from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
 from lm.engine.harness import evals_findings
@@ -140,52 +139,7 @@ def runtime_of(t: Target) -> runtime.Runtime:
 
 
 def check_mixture(t: Target) -> list[Finding]:
-    """Per source of data.mixture: tokens held against tokens the plan draws (weight x plan), the epochs that
-    makes, and where a max_epochs cap will stop the run or leave the source out (lm.data.mixture)."""
-    data = t.cfg.data
-    if not data.mixture:
-        return []
-    end = t.plan.end
-    per_step = t.plan.tokens_per_step // data.seq_len
-    steps = end.steps if end.steps is not None else math.ceil(end.tokens / (per_step * data.seq_len))
-    rows = plan_sources(data, t.cfg.phases.phases, per_step, steps)
-    if rows is None:
-        return [
-            Finding(
-                "mixture", "ok", f"{len(data.mixture)} sources, not all prepared yet: checked once they are"
-            )
-        ]
-    findings = []
-    for row in rows:
-        what = (
-            f"{row.name}: {row.tokens:,} tokens held, the plan draws {row.planned:,} "
-            f"({row.planned / max(end.tokens, 1):.0%} of {end.tokens:,}) = {row.epochs:.2f} epochs"
-        )
-        if row.capped_at is not None:
-            outcome = "the run stops" if data.on_exhausted == "stop" else "the others take its weight"
-            fix = f"raise its max_epochs, lower its weight{' or data.on_exhausted=renormalise' if data.on_exhausted == 'stop' else ''}"
-            findings.append(
-                Finding(
-                    "mixture",
-                    "warn",
-                    f"{what}; its max_epochs cap is met at step {row.capped_at:,}: {outcome}",
-                    "the plan as written",
-                    fix,
-                )
-            )
-        elif row.epochs > 1:
-            findings.append(
-                Finding(
-                    "mixture",
-                    "warn",
-                    f"{what}: repeated data",
-                    "fresh tokens",
-                    "give it more data, lower its weight or set its max_epochs",
-                )
-            )
-        else:
-            findings.append(Finding("mixture", "ok", what))
-    return findings
+    return mixture_findings(t.cfg.data, t.cfg.phases.phases, t.plan)
 
 
 CHECKS: list[Callable[[Target], list[Finding]]] = [
