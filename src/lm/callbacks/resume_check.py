@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
+from lm.checkpoint import files
 from lm.engine.module import LMModule
 from lm.model import ModelConfig
 
@@ -51,7 +51,7 @@ def check_resumable(ckpt_path: Path | None, model: ModelConfig, optimizer: str =
     """
     if ckpt_path is None or not ckpt_path.exists():
         return  # nothing to resume (or, on a rank other than 0, rank 0 is still repairing last.ckpt)
-    ckpt = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    ckpt = files.read(ckpt_path)
     # optim.name: AdamW's and Muon's states differ in groups and contents (checkpoints before it: AdamW).
     was = ckpt.get("hyper_parameters", {}).get("optim", {}).get("name", "adamw")
     if was != optimizer:

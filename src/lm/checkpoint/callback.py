@@ -8,10 +8,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lm.checkpoint.files import LAST_STEM, STEP_TEMPLATE, SUFFIX, checkpoint_step
 from lm.checkpoint.local import (
     AtomicCheckpointIO,
     check_run_fits,
-    checkpoint_step,
     estimate_checkpoint_bytes,
     replace_symlink,
     rotate,
@@ -27,15 +27,19 @@ class RunCheckpoint(ModelCheckpoint):
     invocation (why: the next phase or a rerun must resume from where this one stopped, not from the last
     interval) and on demand (`save_now`, for a signal or a health alarm). `last.ckpt` is a symlink moved only
     after the step file is complete, so a checkpoint is written once, not twice. Rotation is ours
-    (`checkpointing.rotate`, from the files on disk; Lightning's top-k list forgets the files of a copied or
+    (`local.rotate`, from the files on disk; Lightning's top-k list forgets the files of a copied or
     moved run directory) and deletes old files only after `last.ckpt` points at the new one, so the only good
     checkpoint is never deleted.
     """
 
+    # Lightning's own defaults, named from `lm.checkpoint.files` so the files it writes are the ones resume finds.
+    CHECKPOINT_NAME_LAST = LAST_STEM
+    FILE_EXTENSION = SUFFIX
+
     def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
         super().__init__(
             dirpath=dirpath,
-            filename="step-{step}",
+            filename=STEP_TEMPLATE,
             auto_insert_metric_name=False,
             every_n_train_steps=cfg.every_n_steps,
             save_top_k=-1,  # Lightning deletes nothing: `rotate` does, after each save

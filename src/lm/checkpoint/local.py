@@ -1,7 +1,8 @@
 """Checkpoint writing and resume discovery for a run directory.
 
 Three guarantees, because every crash in the seed's list of eight was infrastructure (the callback that
-decides when to save is `lm.checkpoint.callback.RunCheckpoint`):
+decides when to save is `lm.checkpoint.callback.RunCheckpoint`; file names and the loader are
+`lm.checkpoint.files`):
 - a checkpoint file is either complete or absent (`AtomicCheckpointIO`: temporary file, fsync, rename);
 - a run resumes from the newest checkpoint that loads, skipping a truncated or corrupted one
   (`resume_checkpoint`);
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
+from lm.checkpoint.files import LAST, STEP_GLOB, checkpoint_step, loadable, read, step_files
 from lm.checkpoint.remote import RemoteCheckpoints, new_run_id
 from lm.config import CheckpointConfig, RunConfig
 from lm.store import rundir
@@ -33,8 +34,6 @@ from lm.store.objects import check_writable
 
 log = logging.getLogger(__name__)
 
-LAST = "last.ckpt"
-STEP_FILE = re.compile(r"^step-(\d+)\.ckpt$")
 TMP_MARK = ".tmp-"  # `<name>.tmp-<pid>`: a write in progress, or the remains of one that was interrupted
 SAFETY = 1.05  # free space asked for beyond the expected checkpoint size (the optimizer state grows a little)
 
@@ -49,12 +48,6 @@ def gib(n: float) -> str:
 def estimate_checkpoint_bytes(n_params: int) -> int:
     """Size of a full training checkpoint: weights plus AdamW moments, all fp32."""
     return n_params * BYTES_PER_PARAM
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step in a `step-<N>.ckpt` name, else None."""
-    m = STEP_FILE.match(path.name)
-    return int(m.group(1)) if m else None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -143,15 +136,7 @@ def rotate(ckpt_dir: Path, keep_last: int, present: int) -> list[Path]:
         return []
     last = ckpt_dir / LAST
     linked = last.resolve() if last.exists() else None
-    steps = sorted(
-        (
-            p
-            for p in ckpt_dir.glob("step-*.ckpt")
-            if (step := checkpoint_step(p)) is not None and step <= present
-        ),
-        key=checkpoint_step,
-        reverse=True,
-    )
+    steps = [p for p in step_files(ckpt_dir) if checkpoint_step(p) <= present]
     doomed = [p for p in steps[keep_last:] if p.resolve() != linked]
     for path in doomed:
         path.unlink(missing_ok=True)
@@ -165,7 +150,7 @@ def checkpoint_space(dirpath: Path, ckpt_bytes: int, keep_last: int) -> tuple[in
     At peak, `keep_last` step files exist plus the one being written; files already there count as used.
     `dirpath` need not exist yet: free space is read on its nearest existing parent.
     """
-    existing = sorted(p for p in dirpath.glob("step-*.ckpt") if checkpoint_step(p) is not None)
+    existing = step_files(dirpath)
     have = sum(p.stat().st_size for p in existing)
     keep = keep_last if keep_last > 0 else len(existing) + 1  # -1 keeps everything: at least one more
     need = int(((keep + 1) * ckpt_bytes - have) * SAFETY)
@@ -187,29 +172,10 @@ def check_run_fits(dirpath: Path, ckpt_bytes: int, keep_last: int) -> None:
         )
 
 
-def loadable(path: Path) -> str | None:
-    """None if `path` holds a complete training checkpoint, else why not.
-
-    Memory-mapped, so only the zip directory and the pickled structure are read, not every tensor: a truncated
-    or half-written file fails here because a zip's directory sits at its end.
-    """
-    try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # any way a file can be broken: EOF, bad zip, unpickling errors
-        return f"{type(e).__name__}: {e}"
-    missing = {"state_dict", "optimizer_states", "global_step", "loops"} - set(ckpt)
-    return f"missing {sorted(missing)}" if missing else None
-
-
 def resume_candidates(ckpt_dir: Path) -> list[Path]:
     """last.ckpt, then the step checkpoints newest first (by step number, never by name)."""
-    steps = sorted(
-        (p for p in ckpt_dir.glob("step-*.ckpt") if checkpoint_step(p) is not None),
-        key=checkpoint_step,
-        reverse=True,
-    )
     last = ckpt_dir / LAST
-    return ([last] if last.exists() else []) + steps
+    return ([last] if last.exists() else []) + step_files(ckpt_dir)
 
 
 def find_good_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -249,7 +215,7 @@ def resume_checkpoint(run_dir: Path, resume: bool, remote: RemoteCheckpoints | N
     every local one (a new machine has none), verified against the pointer's size and sha256; with
     `resume=False` the remote pointer is set aside as `archive-<time>.json`.
     """
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
     if resume:
         if rank_zero_only.rank == 0 and remote is not None:
             fetch_remote(ckpt_dir, remote)
@@ -271,7 +237,7 @@ def resume_checkpoint(run_dir: Path, resume: bool, remote: RemoteCheckpoints | N
             # (a dangling moment). Each rank reads the checkpoint only after the process-group rendezvous,
             # i.e. after rank 0's repairs: resume whenever there is anything to resume, never start fresh
             # beside a resuming rank 0 (if rank 0 found nothing loadable, this rank fails loudly instead).
-            candidates = last.is_symlink() or last.exists() or any(ckpt_dir.glob("step-*.ckpt"))
+            candidates = last.is_symlink() or last.exists() or any(ckpt_dir.glob(STEP_GLOB))
             return last if candidates else None
         if last.exists():
             log.info("resuming from %s (-> %s)", last, last.resolve().name)
@@ -304,7 +270,7 @@ def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
         good = find_good_checkpoint(ckpt_dir)
     local_step = -1
     if good is not None:
-        local_step = torch.load(good, map_location="cpu", mmap=True, weights_only=False)["global_step"]
+        local_step = read(good)["global_step"]
     fetched = remote.download_newest(ckpt_dir, newer_than=local_step, loads=loadable)
     if fetched is not None:
         replace_symlink(fetched, ckpt_dir / LAST)

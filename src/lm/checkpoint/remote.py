@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import socket
 import threading
 import time
@@ -38,6 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from lm.checkpoint.files import is_step_object, remote_name, step_name
 from lm.config import DataConfig, RunConfig
 from lm.model import ModelConfig
 from lm.store.objects import (
@@ -207,7 +207,7 @@ class RemoteCheckpoints:
         A kill before the pointer is written leaves the previous pointer, and the checkpoints it lists,
         untouched: the remote folder always describes complete, verified checkpoints.
         """
-        name = f"step-{step}.{secrets.token_hex(4)}.ckpt"  # never overwrites an object a pointer lists
+        name = remote_name(step)  # never overwrites an object a pointer lists
 
         def put() -> tuple[int, str]:
             f.seek(0)
@@ -233,7 +233,7 @@ class RemoteCheckpoints:
         names = [Path(p).name for p in self._retry(lambda: self.fs.ls(self.path, detail=False), "listing")]
         listed = {e.file for n in names if n.endswith(".json") for e in self.read_pointer(n)}
         for n in names:
-            if n.startswith("step-") and n.endswith(".ckpt") and n not in listed:
+            if is_step_object(n) and n not in listed:
                 self._retry(partial(self.fs.rm_file, self._key(n)), f"deleting {n} from")
 
     def archive_pointer(self) -> str | None:
@@ -273,7 +273,7 @@ class RemoteCheckpoints:
         for entry in self.read_pointer():
             if entry.step <= newer_than:
                 return None
-            dst = ckpt_dir / f"step-{entry.step}.ckpt"
+            dst = ckpt_dir / step_name(entry.step)
             log.info(
                 "downloading %s/%s (step %d, %.1f MB)", self.url, entry.file, entry.step, entry.size / 1e6
             )

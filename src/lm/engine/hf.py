@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lm.checkpoint import files
 from lm.model import ModelConfig, Transformer
 from lm.store import rundir
 
@@ -291,14 +292,14 @@ def load_run(path: str | Path, device: str = "cpu") -> Loaded:
     Only the run directory is read: the tokenizer is the run's own copy, so the run samples and exports the
     same on any machine, with or without the data cache."""
     path = Path(path)
-    run_dir, ckpt = (path, path / rundir.CHECKPOINTS / "last.ckpt") if path.is_dir() else (None, path)
+    run_dir, ckpt = (path, path / rundir.CHECKPOINTS / files.LAST) if path.is_dir() else (None, path)
     if not ckpt.is_file():
         raise FileNotFoundError(
             f"no checkpoint at {ckpt}; pass a run directory (runs/<name>) or runs/<name>/checkpoints/*.ckpt"
         )
     run_dir = run_dir or ckpt.absolute().parents[1]
     tokenizer = rundir.read_tokenizer(run_dir)
-    saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+    saved = files.read(ckpt)
     model_cfg = ModelConfig(**saved["hyper_parameters"]["model"])
     model = Transformer(model_cfg)
     prefix = "model."
