@@ -32,6 +32,8 @@ class RunCheckpoint(ModelCheckpoint):
     checkpoint is never deleted.
     """
 
+    priority = -100  # after every callback that may ask for a save; Lightning moves checkpoints last anyway
+
     def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
         super().__init__(
             dirpath=dirpath,

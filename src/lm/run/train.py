@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -26,6 +27,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_evals import BenchmarkEvaluator
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
+from lm.callbacks.order import by_priority
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.resume_check import ResumeCheck, check_resumable
@@ -121,12 +123,13 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     if cfg.model.init_from is not None and ckpt_path is None:
         hf.load_init_from(module.model)
     meter = cost_meter(cfg, rt, module, run_dir, started_at, ac)
-    callbacks = run_callbacks(cfg, meter, run_dir, module)
-    callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
-    if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
-        decide = functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda)
-        callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
-    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+    decide = (
+        functools.partial(activation_checkpointing.decide, cfg, rt.precision, rt.cuda) if deferred else None
+    )
+    callbacks = run_callbacks(
+        cfg, meter, run_dir, module, resumed=ckpt_path is not None, remote=remote, decide=decide
+    )
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks)
     on_exit.callback(stop_data_workers, trainer)
     if not deferred:
         for logger in trainer.loggers:
@@ -213,16 +216,22 @@ def cost_meter(
     )
 
 
-def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModule) -> list[pl.Callback]:
-    """lm's own callbacks, in the order their hooks must run.
+def run_callbacks(
+    cfg: LMConfig,
+    meter: CostMeter,
+    run_dir: Path,
+    module: LMModule,
+    *,
+    resumed: bool,
+    remote: RemoteCheckpoints | None = None,
+    decide: Callable[[], activation_checkpointing.Decision] | None = None,
+) -> list[pl.Callback]:
+    """Every callback of the run, lm's and `cfg.callbacks`, in the order their hooks must run: sorted once by
+    each class's `priority` (lm.callbacks.order), where the reason for its place is written.
 
-    The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
-    phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
-    checkpoint callback, which Lightning always runs last. The consensus follows every callback that votes
-    in it: at each optimizer step it launches the ranks' agreement on what they voted.
+    `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
     """
     consensus = Consensus()
-    # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
@@ -238,8 +247,15 @@ def run_callbacks(cfg: LMConfig, meter: CostMeter, run_dir: Path, module: LMModu
         NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
         SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
         consensus,
+        KeepTokenizer(run_dir, resumed=resumed),  # what sample/export/eval read
     ]
-    return callbacks
+    if decide is not None:  # it logs the hparams once it has decided
+        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
+    callbacks.append(RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote))
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(LossProgressBar())
+    return by_priority(callbacks)
 
 
 def stopper(
@@ -267,18 +283,9 @@ def build_trainer(
     run_dir: Path,
     precision: str,
     callbacks: list[pl.Callback],
-    remote: RemoteCheckpoints | None = None,
 ) -> pl.Trainer:
-    """The Lightning Trainer with the run directory's checkpointing (mirrored to `remote`) and logging wired in."""
+    """The Lightning Trainer with the run's callbacks (`run_callbacks`: checkpointing included) and logging."""
     t = cfg.trainer
-    callbacks = [
-        *callbacks,
-        *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
-        # Lightning runs checkpoint callbacks last.
-        RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote),
-    ]
-    if t.enable_progress_bar:
-        callbacks.append(LossProgressBar())
     logger = (
         TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
         if cfg.logger.tensorboard
