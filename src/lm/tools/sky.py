@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config import ASSUMED_MFU, GpuConfig, LMConfig
+from lm.config import GpuConfig, LMConfig
 from lm.numbers import cost, memory
+from lm.numbers.cost import ASSUMED_MFU
 
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
 
