@@ -74,7 +74,7 @@ def raised_by_the_run(error: BaseException) -> bool:
 
 def run() -> None:
     """`main`, with what fails before the run starts refused in one paragraph, not a traceback: a config that
-    does not compose (Hydra's and OmegaConf's errors) or that `lm.config.CheckBeforeRun` refuses."""
+    does not compose (Hydra's and OmegaConf's errors) or that `lm.run.hydra_checks.CheckBeforeRun` refuses."""
     try:
         main()
     except Exception as e:

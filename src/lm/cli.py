@@ -38,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from lm.config import ASSUMED_MFU, compose, conf_dir, to_objects
+from lm.config import compose, conf_dir, to_objects
 from lm.data import implied_epochs, load_manifest, prepare
 from lm.data.manifest import summary
 from lm.data.mixture import prepare_mixture
@@ -47,7 +47,7 @@ from lm.engine.generate import complete
 from lm.engine.harness import evaluate_path
 from lm.engine.hf import VOCAB, load_run
 from lm.numbers import run_plan
-from lm.numbers.cost import load_catalog
+from lm.numbers.cost import ASSUMED_MFU, load_catalog
 from lm.run.doctor import diagnose, level_of, resolve_target, table
 from lm.run.report import write_report
 from lm.store import rundir

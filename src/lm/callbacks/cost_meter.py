@@ -45,6 +45,8 @@ class CostMeter(Callback):
     also pays for the steps its predecessor did after its last checkpoint.
     """
 
+    priority = 190  # counts each step's tokens and time before every callback below reads them
+
     def __init__(
         self,
         *,

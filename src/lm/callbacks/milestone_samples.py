@@ -28,6 +28,8 @@ class MilestoneSampler(MilestoneCallback):
 
     The steps already sampled (`done`) are in the checkpoint, so a resume never repeats or skips a milestone."""
 
+    priority = 160  # reads the meter's count of the step
+
     def __init__(
         self, cfg: SamplingConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path
     ) -> None:

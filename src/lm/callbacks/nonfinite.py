@@ -35,6 +35,8 @@ class NonFiniteGuard(pl.Callback):
     divergence is deterministic and the run stops with `EXIT_DIVERGED` for a human to look at.
     """
 
+    priority = 110  # decides a step's skip before the spike guard joins its verdict
+
     def __init__(self, max_in_a_row: int = 3, ckpt_dir: str | Path | None = None) -> None:
         self.max_in_a_row = max_in_a_row
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None

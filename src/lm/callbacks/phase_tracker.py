@@ -29,6 +29,8 @@ class PhaseTracker(Callback):
     from the CostMeter, so they include evaluation, checkpoint writes and restarts within the phase.
     """
 
+    priority = 170  # reads the meter's count of the step
+
     def __init__(self, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path, eval_batches: int) -> None:
         self.phases = phases
         self.meter = meter

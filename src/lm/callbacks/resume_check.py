@@ -94,6 +94,8 @@ class ResumeCheck(pl.Callback):
     data.batch_size) re-reads or skips windows; the meter's tokens per step tell.
     """
 
+    priority = 200  # first: ranks that resumed differently would pair up any later hook's collectives wrongly
+
     def __init__(self, meter=None) -> None:
         self.meter = meter
         self.previous: dict[str, Any] | None = None

@@ -16,6 +16,8 @@ class KeepTokenizer(Callback):
     step: rank 0 copies the data's tokenizer.json into the run directory, or refuses a resume whose data was
     made by another tokenizer (exit 78)."""
 
+    priority = 10  # setup only: its place among lm's callbacks does not matter
+
     def __init__(self, run_dir: Path, resumed: bool) -> None:
         self.run_dir = run_dir
         self.resumed = resumed

@@ -89,6 +89,8 @@ class SpikeGuard(pl.Callback):
     rolled back keeps its data order.
     """
 
+    priority = 100  # after the non-finite guard, whose `found_inf` it joins
+
     def __init__(self, factor: float | None, window: int, max_spikes: int, ckpt_dir: str | Path) -> None:
         self.detector = SpikeDetector(factor, window, max_spikes)
         self.ckpt_dir = Path(ckpt_dir)

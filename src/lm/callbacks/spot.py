@@ -75,6 +75,8 @@ class SpotGuard(pl.Callback):
     handler, aborts validation mid-way and exits with code 0 (which a restarter reads as "finished").
     """
 
+    priority = 130  # votes in the consensus; before the checkpoint callback, which saves what it asks
+
     def __init__(
         self,
         signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),

@@ -72,6 +72,8 @@ def usd_per_token(points: list[Point], window: int) -> float | None:
 class DiminishingReturnsStopper(Callback):
     """See the module docstring. `plan_end_tokens` and `chinchilla_tokens` are where the forecast is read."""
 
+    priority = 140  # reads the meter's money and tokens; votes in the consensus
+
     def __init__(
         self,
         cfg: EarlyStoppingConfig,

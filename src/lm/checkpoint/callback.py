@@ -35,6 +35,7 @@ class RunCheckpoint(ModelCheckpoint):
     # Lightning's own defaults, named from `lm.checkpoint.files` so the files it writes are the ones resume finds.
     CHECKPOINT_NAME_LAST = LAST_STEM
     FILE_EXTENSION = SUFFIX
+    priority = -100  # after every callback that may ask for a save; Lightning moves checkpoints last anyway
 
     def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
         super().__init__(

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 FLOPS_FORMULA = "6*N_non_embedding + 12*n_layer*d_model*seq_len FLOPs/token (no causal discount)"
 
+ASSUMED_MFU = 0.45
+"""MFU assumed where none was measured on a GPU (the doctor's and `lm sky`'s $/token): the 1b model measured
+50.8% on an H100 with compile (experiments/2026-11-23-gpu) and the seed's A100 run ~60% under this FLOPs count;
+0.45 leaves room for a cloud VM's slower data path and for configurations that are not the default."""
+
 
 def non_embedding_params(cfg: ModelConfig) -> int:
     """N of the FLOPs formula, counted on the meta device (no memory allocated)."""

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -26,6 +27,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_evals import BenchmarkEvaluator
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
+from lm.callbacks.order import by_priority
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.resume_check import ResumeCheck, check_resumable
@@ -85,25 +87,9 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, catalog, plan))
     datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
-    remote = remote_checkpoints(
-        cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir
-    )  # refuses another run's
-    # The refusals above leave the run directory as it was; the lock comes before anything in it changes
-    # (a fetched or set-aside checkpoint, an archived run, config.yaml).
-    if rank_zero_only.rank == 0:
-        on_exit.callback(RunLock(run_dir).acquire().release)
-        atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
-    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
-    # Another architecture or optimizer: refused before the run directory is written.
-    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
-    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
-        hf.check_init_from(cfg.model)
-    if rank_zero_only.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.write_config(run_dir, dcfg)
-        if remote is not None:
-            rundir.write_run_id(run_dir, remote.run_id)
-
+    # The bucket is probed and claimed (another run's folder refused) before the run directory changes.
+    remote = remote_checkpoints(cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir)
+    ckpt_path = open_run(cfg, dcfg, run_dir, remote, on_exit)
     runtime.set_matmul_precision(cfg.precision.tf32)
     # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
     # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
@@ -124,17 +110,20 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
     )
-    if cfg.model.init_from is not None and ckpt_path is None:
+    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.load_init_from(module.model)
     meter = cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
-    callbacks = run_callbacks(cfg, plan, meter, run_dir, module)
-    callbacks.append(KeepTokenizer(run_dir, resumed=ckpt_path is not None))  # what sample/export/eval read
-    if deferred:  # after the meter, whose `about` it completes; it logs the hparams once it has decided
-        decide = functools.partial(
+    decide = (
+        functools.partial(
             activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
         )
-        callbacks.insert(2, ActivationCheckpointingStride(decide, meter, log_hparams=True))
-    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks, remote)
+        if deferred
+        else None
+    )
+    callbacks = run_callbacks(
+        cfg, plan, meter, run_dir, module, resumed=ckpt_path is not None, remote=remote, decide=decide
+    )
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks)
     on_exit.callback(stop_data_workers, trainer)
     if not deferred:
         for logger in trainer.loggers:
@@ -151,6 +140,34 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
             raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
     val_loss = trainer.callback_metrics.get("val/loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def open_run(
+    cfg: LMConfig,
+    dcfg: DictConfig,
+    run_dir: Path,
+    remote: RemoteCheckpoints | None,
+    on_exit: contextlib.ExitStack,
+) -> Path | None:
+    """Take the run directory and say where the run resumes from (None: a fresh start).
+
+    The refusals before this leave the run directory as it was; the lock comes before anything in it
+    changes (a fetched or set-aside checkpoint, an archived run, config.yaml), and another architecture or
+    optimizer is refused before the run directory is written.
+    """
+    if rank_zero_only.rank == 0:
+        on_exit.callback(RunLock(run_dir).acquire().release)
+        atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
+    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
+    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
+    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+        hf.check_init_from(cfg.model)
+    if rank_zero_only.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.write_config(run_dir, dcfg)
+        if remote is not None:
+            rundir.write_run_id(run_dir, remote.run_id)
+    return ckpt_path
 
 
 def stop_data_workers(trainer: pl.Trainer) -> None:
@@ -223,17 +240,22 @@ def cost_meter(
 
 
 def run_callbacks(
-    cfg: LMConfig, plan: run_plan.RunPlan, meter: CostMeter, run_dir: Path, module: LMModule
+    cfg: LMConfig,
+    plan: run_plan.RunPlan,
+    meter: CostMeter,
+    run_dir: Path,
+    module: LMModule,
+    *,
+    resumed: bool,
+    remote: RemoteCheckpoints | None = None,
+    decide: Callable[[], activation_checkpointing.Decision] | None = None,
 ) -> list[pl.Callback]:
-    """lm's own callbacks, in the order their hooks must run.
+    """Every callback of the run, lm's and `cfg.callbacks`, in the order their hooks must run: sorted once by
+    each class's `priority` (lm.callbacks.order), where the reason for its place is written.
 
-    The CostMeter comes first: at each optimizer step it counts the step's tokens and time before the
-    phase tracker, the sampler and the stopper read them. The spot guards only need to run before the
-    checkpoint callback, which Lightning always runs last. The consensus follows every callback that votes
-    in it: at each optimizer step it launches the ranks' agreement on what they voted.
+    `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
     """
     consensus = Consensus()
-    # Before any hook that talks across ranks: ranks that resumed differently would pair the wrong collectives.
     callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
@@ -249,8 +271,15 @@ def run_callbacks(
         NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
         SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
         consensus,
+        KeepTokenizer(run_dir, resumed=resumed),  # what sample/export/eval read
     ]
-    return callbacks
+    if decide is not None:  # it logs the hparams once it has decided
+        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
+    callbacks.append(RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote))
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(LossProgressBar())
+    return by_priority(callbacks)
 
 
 def stopper(
@@ -283,18 +312,9 @@ def build_trainer(
     run_dir: Path,
     precision: str,
     callbacks: list[pl.Callback],
-    remote: RemoteCheckpoints | None = None,
 ) -> pl.Trainer:
-    """The Lightning Trainer with the run directory's checkpointing (mirrored to `remote`) and logging wired in."""
+    """The Lightning Trainer with the run's callbacks (`run_callbacks`: checkpointing included) and logging."""
     t = cfg.trainer
-    callbacks = [
-        *callbacks,
-        *(hydra.utils.instantiate(node) for node in cfg.callbacks.values()),
-        # Lightning runs checkpoint callbacks last.
-        RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote),
-    ]
-    if t.enable_progress_bar:
-        callbacks.append(LossProgressBar())
     logger = (
         TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
         if cfg.logger.tensorboard

@@ -3,7 +3,7 @@ written as an experiment file that `python train.py +experiment=<name>` runs.
 
 For every model preset (conf/model/*.yaml) and catalogued GPU: the throughput (peak bf16 FLOP/s x MFU /
 FLOPs per token; the MFU `lm bench` measured for that model and GPU where bench.json has one, else
-config.ASSUMED_MFU, labelled "assumed"), the micro-batch and activation checkpointing that fit the GPU
+cost.ASSUMED_MFU, labelled "assumed"), the micro-batch and activation checkpointing that fit the GPU
 (lm.numbers.memory), the steps the budget buys, hours, dollars on demand and on spot (spot pays for the work lost at
 each interruption: half a checkpoint interval plus a restart), checkpoint storage, epochs of the corpus, and
 the expected final loss from the Chinchilla-form law L(N, D) = E + A/N^alpha + B/D^beta.
@@ -24,10 +24,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from lm.checkpoint.local import estimate_checkpoint_bytes
-from lm.config import ASSUMED_MFU, DataConfig, GpuConfig
+from lm.config import DataConfig, GpuConfig
 from lm.data.manifest import load_manifest, prepared_folder
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
+from lm.numbers.cost import ASSUMED_MFU
 from lm.store.bench_file import measured_mfu
 from lm.store.tables import fmt_money
 

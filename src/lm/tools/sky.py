@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config import ASSUMED_MFU, DataConfig, GpuConfig
+from lm.config import DataConfig, GpuConfig
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
+from lm.numbers.cost import ASSUMED_MFU
 
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
 

@@ -1,0 +1,330 @@
+"""Schemas of the run around its steps (its directory, GPU and money, phases, milestone samples and benchmarks,
+early stopping, the doctor, `lm bench`) and the root of the tree, `LMConfig`, with the checks across sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lm.config.data import DataConfig
+from lm.config.training import (
+    ActivationCheckpointingConfig,
+    CheckpointConfig,
+    KernelsConfig,
+    LoggerConfig,
+    OptimConfig,
+    PrecisionConfig,
+    SpotConfig,
+    TrainerConfig,
+)
+from lm.model import ModelConfig
+
+PRICINGS = ("on_demand", "spot")
+
+
+@dataclass
+class RunConfig:
+    """Which run directory this invocation writes: `<root>/<name>/`."""
+
+    name: str = "smoke"
+    """Run name; invocations with the same name continue the same run (phases of one plan share it)."""
+    root: str = "runs"
+    """Folder holding all runs."""
+    resume: bool = True
+    """Continue from `checkpoints/last.ckpt` when the run directory has one; false starts over."""
+    seed: int = 0
+    """Seed of weights initialisation and of the data order."""
+
+
+@dataclass
+class GpuConfig:
+    """One entry of the GPU catalog (`conf/gpu/*.yaml`), or `auto` to pick the entry matching the device."""
+
+    name: str = "auto"
+    """Catalog key (`h100_sxm`, `a100_80gb`, ...) or `auto`."""
+    match: list[str] = field(default_factory=list)
+    """Regular expressions tried against `torch.cuda.get_device_name()` by `gpu=auto`."""
+    peak_bf16_tflops: float | None = None
+    """Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s per GPU; None means unknown: no MFU."""
+    peak_tf32_tflops: float | None = None
+    """Dense TF32 tensor-core peak, TFLOP/s per GPU (the peak for fp32 runs with precision.tf32)."""
+    memory_gb: float | None = None
+    """Device memory, GB."""
+    bandwidth_gbps: float | None = None
+    """Memory bandwidth, GB/s."""
+    price_on_demand: float | None = None
+    """On-demand $/hour per GPU."""
+    price_spot: float | None = None
+    """Spot / interruptible $/hour per GPU; None where no sourced figure exists."""
+    price_date: str = ""
+    """When the prices were recorded."""
+    price_source: str = ""
+    """Where the prices come from."""
+
+
+@dataclass
+class CostConfig:
+    """How the run's money is metered: wall-clock seconds x $/hour x GPUs / 3600."""
+
+    pricing: str = "on_demand"
+    """`on_demand` or `spot`: which catalog price applies."""
+    price_per_hour: float | None = None
+    """$/hour per GPU, overriding the catalog (your actual rate, or a CPU machine's)."""
+
+    def __post_init__(self) -> None:
+        if self.pricing not in PRICINGS:
+            raise ValueError(f"cost.pricing='{self.pricing}' is unknown; use one of {', '.join(PRICINGS)}")
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise ValueError("cost.price_per_hour must be non-negative")
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of a run: it ends at a step or at a token count, and may have a loss goal."""
+
+    name: str = "???"
+    """Shown in phases.csv and the report."""
+    end_step: int | None = None
+    """The phase ends when the optimizer step reaches this."""
+    end_tokens: int | None = None
+    """...or when the tokens trained reach this (whichever is given)."""
+    goal_loss: float | None = None
+    """Validation loss the phase aims to reach; phases.csv says whether it did."""
+    mixture: dict[str, float] | None = None
+    """Weights of data.mixture's sources during this phase, by source name (sources left out keep theirs):
+    e.g. more of the best data in the last phase. None trains on data.mixture's weights."""
+
+    def __post_init__(self) -> None:
+        if (self.end_step is None) == (self.end_tokens is None):
+            raise ValueError(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
+        if any(w < 0 for w in (self.mixture or {}).values()):
+            raise ValueError(f"phase '{self.name}': mixture weights {self.mixture} must be >= 0")
+
+
+@dataclass
+class PhasesConfig:
+    """The run as a sequence of phases (`conf/phases/*.yaml`), in order."""
+
+    plan: str = ""
+    """Name of the plan."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """Phases in training order; their ends must increase."""
+
+    def __post_init__(self) -> None:
+        ends = [(p.end_step, p.end_tokens) for p in self.phases]
+        for (s0, t0), (s1, t1), p in zip(ends, ends[1:], self.phases[1:]):
+            if (s0 is not None and s1 is not None and s1 <= s0) or (
+                t0 is not None and t1 is not None and t1 <= t0
+            ):
+                raise ValueError(
+                    f"phases: '{p.name}' ends no later than the phase before it; list phases in order"
+                )
+
+
+@dataclass
+class SamplingConfig:
+    """Milestone samples (`conf/sampling/*.yaml`): what the model writes, side by side across training."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompts sampled at every milestone; an empty list turns the sampler off."""
+    steps: list[int] = field(default_factory=list)
+    """Explicit optimizer steps to sample at."""
+    every_n_steps: int = 0
+    """Also sample every this many optimizer steps; 0 never."""
+    at_phase_ends: bool = True
+    """Also sample at each phase boundary of `phases`."""
+    at_last_step: bool = True
+    """Also sample when training ends (the last step of the invocation, or an early stop)."""
+    max_new_tokens: int = 64
+    """Tokens generated per sample (fewer if the model's context runs out)."""
+    temperature: float = 0.8
+    """Temperature of the sampled continuation; the greedy one is drawn in addition. 0 draws greedy only."""
+    top_k: int | None = 50
+    """Sample among the k most likely tokens; None samples the whole vocabulary."""
+    seed: int = 0
+    """Seed of the sampled continuation: the same checkpoint and seed give the same text."""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 0 or self.max_new_tokens < 1 or self.temperature < 0:
+            raise ValueError(
+                "sampling.every_n_steps must be >= 0, sampling.max_new_tokens >= 1 and sampling.temperature >= 0"
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("sampling.top_k must be a positive integer or null (the whole vocabulary)")
+
+
+@dataclass
+class EvalsConfig:
+    """Benchmarks at milestones (`conf/evals/*.yaml`): lm-evaluation-harness tasks run by rank 0 during
+    training, logged as `eval/<task>/<metric>` and charged to the `eval` cost bucket."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (loglikelihood tasks: arc_easy, piqa, hellaswag...); an empty list turns it off."""
+    limit: int | None = None
+    """Examples per task: a sample keeps a milestone to minutes; None runs every example."""
+    at_phase_ends: bool = True
+    """Evaluate at each phase boundary of `phases`."""
+    steps: list[int] = field(default_factory=list)
+    """Also evaluate at these optimizer steps."""
+    at_last_step: bool = True
+    """Also evaluate when training ends (the last step of the invocation, or an early stop)."""
+    include_path: str | None = None
+    """A folder of task YAMLs of one's own (offline tasks); searched before lm-eval's built-in tasks."""
+    batch_size: int = 16
+    """Sequences per forward pass of the evaluation."""
+
+    def __post_init__(self) -> None:
+        if (
+            (self.limit is not None and self.limit < 1)
+            or self.batch_size < 1
+            or any(s < 1 for s in self.steps)
+        ):
+            raise ValueError(
+                "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
+                "evals.steps positive optimizer steps"
+            )
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """When to stop before `trainer.max_steps` (`conf/early_stopping/*.yaml`); every criterion is optional.
+
+    The validation-loss history and the loss forecast are tracked even when no criterion is set (`off`).
+    """
+
+    max_usd_per_loss_point: float | None = None
+    """Stop when the marginal dollars per point of validation loss exceed this (the seed stopped at ~$550)."""
+    window: int = 4
+    """Validation points in the trailing window the marginal $/loss point is measured over."""
+    smoothing: float = 0.0
+    """EMA factor applied to the validation loss before any criterion reads it: 0 none, 0.9 heavy."""
+    use_forecast: bool = False
+    """Read the marginal $/loss point off the fitted loss forecast instead of the trailing window."""
+    budget_usd: float | None = None
+    """Hard cap on the run's dollars, checked at every optimizer step (under `wsd`, the cooldown starts early
+    enough to end at the cap)."""
+    target_loss: float | None = None
+    """Stop once the (smoothed) validation loss is at or below this."""
+    patience: int | None = None
+    """Stop after this many validation points without a new best by at least `min_delta`."""
+    min_delta: float = 0.0
+    """Improvement that counts as a new best for `patience`."""
+    cooldown_fraction: float = 0.1
+    """Under a flat LR schedule (`wsd`, `constant`) a stop first decays the LR linearly to the floor over
+    this fraction of the steps trained so far; 0 stops at once."""
+    forecast_min_points: int = 5
+    """Validation points needed before the loss forecast is fitted."""
+    forecast_skip_tokens: int = 0
+    """Validation points before this many tokens stay out of the fit (the warm-up transient is no power law)."""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:
+            raise ValueError(
+                "early_stopping.window must be >= 1, smoothing in [0, 1) and cooldown_fraction in [0, 1]"
+            )
+        if self.forecast_min_points < 3:
+            raise ValueError("early_stopping.forecast_min_points must be >= 3 (the curve has 3 parameters)")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError("early_stopping.patience must be a positive count of validation points or null")
+
+
+@dataclass
+class DoctorConfig:
+    """The preflight doctor (lm.run.doctor): run at the start of every training run and by `lm doctor`."""
+
+    enabled: bool = True
+    """Run the checks before training starts (errors always refuse the run; warnings are logged)."""
+    strict: bool = False
+    """Treat warnings as errors: the run refuses to start until every finding is fixed."""
+    assumed_mfu: float = 0.45
+    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given: the
+    number of `lm.numbers.cost.ASSUMED_MFU` (`lm sky`'s), where the evidence for it is (a schema sits below
+    lm.numbers, so it repeats the number; tests/test_doctor.py holds the two equal)."""
+    headroom: float = 0.05
+    """Share of device memory kept free when deciding whether a run fits."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.assumed_mfu <= 1.0 or not 0.0 <= self.headroom < 1.0:
+            raise ValueError("doctor.assumed_mfu must lie in (0, 1] and doctor.headroom in [0, 1)")
+
+
+@dataclass
+class BenchConfig:
+    """`lm bench`: each combination of knobs is trained for warmup_steps + steps in a fresh process."""
+
+    warmup_steps: int = 3
+    """Steps run before timing starts (compilation, allocator warm-up, cold caches)."""
+    steps: int = 10
+    """Timed optimizer steps."""
+    out_dir: str = "bench"
+    """Where bench.json and bench.md are written."""
+    memory_limit_gb: float | None = None
+    """Cap the memory each combination may use (CUDA: a fraction of the device; CPU: the address space
+    grown beyond start-up), to see what fits a smaller GPU. None: the device's own limit."""
+    timeout_s: float = 1800.0
+    """A combination still running after this many seconds is stopped and reported as an error."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.steps < 1:
+            raise ValueError("bench.warmup_steps must be >= 0 and bench.steps >= 1")
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise ValueError("bench.memory_limit_gb must be positive or null")
+
+
+@dataclass
+class LMConfig:
+    """The root of the config tree (`conf/train.yaml`)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    phases: PhasesConfig = field(default_factory=PhasesConfig)
+    spot: SpotConfig = field(default_factory=SpotConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    evals: EvalsConfig = field(default_factory=EvalsConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning callbacks as `_target_` nodes, keyed by a name."""
+
+    def __post_init__(self) -> None:
+        """Checks across sections: each section alone cannot see them."""
+        m, d = self.model, self.data
+        if m.max_seq_len < d.seq_len:
+            raise ValueError(
+                f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={d.seq_len}: the rotary "
+                f"tables would not cover a training window; set model.max_seq_len>={d.seq_len} (or leave it "
+                f"at its default, ${{data.seq_len}})"
+            )
+        if m.vocab_size < d.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: token ids "
+                f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
+                f"default, ${{data.vocab_size}})"
+            )
+        known = {s.name for s in d.mixture}
+        for phase in self.phases.phases:
+            unknown = sorted(set(phase.mixture or {}) - known)
+            if unknown:
+                raise ValueError(
+                    f"phase '{phase.name}' sets mixture weights of {unknown}, which data.mixture does not "
+                    f"list (its sources: {sorted(known) or 'none'}); use their names"
+                )
+        if self.optim.name == "muon" and self.trainer.strategy == "fsdp":
+            # torch.optim.Muon would orthogonalise each rank's DTensor shard, not the whole matrix.
+            raise ValueError(
+                "optim=muon cannot run with trainer=fsdp: Newton-Schulz needs each whole matrix and FSDP2 "
+                "gives every rank a shard; use trainer=ddp (or a single device), or optim=adamw with FSDP"
+            )
