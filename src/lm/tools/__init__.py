@@ -1,0 +1,1 @@
+"""The verbs around runs: bench, plan (budget), calibrate, sky, sweep, supervise, export."""
