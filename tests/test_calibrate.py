@@ -7,15 +7,16 @@ import pytest
 
 from lm.cli import main as lm
 from lm.config import compose, to_objects
-from lm.tools import budget, calibrate
+from lm.numbers import loss_law
+from lm.tools import calibrate
 
 from .conftest import TINY
 
-TRUE = budget.ChinchillaLaw(2.1, 60.0, 900.0, 0.42, 0.31, "synthetic")
+TRUE = loss_law.ChinchillaLaw(2.1, 60.0, 900.0, 0.42, 0.31, "synthetic")
 
 
-def points_of(law: budget.ChinchillaLaw, sizes, tokens) -> list[calibrate.Point]:
-    return [calibrate.Point(f"{n}-{d}", n, d, law.loss(n, d)) for n in sizes for d in tokens]
+def points_of(law: loss_law.ChinchillaLaw, sizes, tokens) -> list[calibrate.CalibrationPoint]:
+    return [calibrate.CalibrationPoint(f"{n}-{d}", n, d, law.loss(n, d)) for n in sizes for d in tokens]
 
 
 def test_the_fit_recovers_its_parameters_from_synthetic_points():
@@ -30,14 +31,16 @@ def test_the_fit_recovers_its_parameters_from_synthetic_points():
 def test_one_diverged_run_does_not_bend_the_prediction(diverged):
     points = points_of(TRUE, [1e5, 3e5, 1e6, 3e6], [1e6, 4e6, 1.6e7])
     bad = points[diverged]
-    points[diverged] = calibrate.Point("diverged", bad.n, bad.d, bad.loss + 1.0)
+    points[diverged] = calibrate.CalibrationPoint("diverged", bad.n, bad.d, bad.loss + 1.0)
     law = calibrate.fit_law(points, "synthetic").law
     # A model 10x larger than any it saw, trained on 4x the tokens: within 0.02 despite the 1.0 outlier.
     assert abs(law.loss(3e7, 6.4e7) - TRUE.loss(3e7, 6.4e7)) < 0.02
 
 
 def test_few_points_fix_the_exponents_and_say_so():
-    law = budget.ChinchillaLaw(2.5, 30.0, 400.0, budget.BESIROGLU.alpha, budget.BESIROGLU.beta, "synthetic")
+    law = loss_law.ChinchillaLaw(
+        2.5, 30.0, 400.0, loss_law.BESIROGLU.alpha, loss_law.BESIROGLU.beta, "synthetic"
+    )
     fit = calibrate.fit_law(points_of(law, [1e5, 1e6], [1e6, 1e7]), "synthetic")
     assert "alpha and beta fixed at Besiroglu" in fit.fixed and "4 runs are too few" in fit.fixed
     assert pytest.approx((law.E, law.A, law.B), rel=1e-3) == (fit.law.E, fit.law.A, fit.law.B)

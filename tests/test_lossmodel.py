@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from lm.config import OptimConfig
-from lm.numbers.forecast import fit_power_law
 from lm.numbers.loss_law import (
     ScheduleLaw,
     areas,
@@ -87,6 +86,29 @@ def test_predictions_are_monotone_where_they_must_be():
     assert f.cooldown_steps == 200
 
 
+def test_the_forecast_prices_more_steps_and_stretches_to_the_chinchilla_count():
+    mult, steps, y = noisy_curve(WSD, 2000, noise=0.01)
+    law = fit_schedule_law(steps, y, mult)
+    f = schedule_forecast(law, WSD, 2000, 800, 80, chinchilla_steps=6000)
+    assert f.chinchilla == loss_for_length(law, WSD, 6000) and f.chinchilla_steps == 6000
+    assert f.twice_the_steps == loss_for_length(law, WSD, 1600)
+    assert f.chinchilla.loss < f.twice_the_steps.loss < f.cooldown_now.loss
+    far = schedule_forecast(law, WSD, 2000, 800, 80, chinchilla_steps=20_001)  # over MAX_STRETCH x the plan
+    assert far.chinchilla is None and far.chinchilla_steps is None
+    # A loss point now gets dearer as the run goes on.
+    now = [schedule_forecast(law, WSD, 2000, s, 80).steps_per_loss_point_now for s in (400, 800, 1200)]
+    assert now == sorted(now) and now[0] > 0
+    c = f.choices(10.0, 0.5)
+    p = f.chinchilla
+    usd = 10.0 + (6000 - 800) * 0.5
+    assert c["chinchilla"] == {"loss": p.loss, "low": p.low, "high": p.high, "usd": usd, "steps": 6000}
+    assert c["twice_the_steps"]["usd"] == 10.0 + 800 * 0.5 and c["twice_the_steps"]["steps"] == 1600
+    assert c["usd_per_loss_point_now"] == f.steps_per_loss_point_now * 0.5
+    unpriced = f.choices(None, None)  # a run without a price still gets its losses
+    assert unpriced["plan_end"]["usd"] is None and unpriced["usd_per_loss_point_now"] is None
+    assert unpriced["plan_end"]["loss"] == c["plan_end"]["loss"]
+
+
 def test_block_means_average_without_lag():
     steps, values = block_means(np.arange(10, 110, 10), np.arange(10.0), 5)
     assert steps.tolist() == [30, 80]
@@ -98,22 +120,24 @@ def test_too_few_points_give_no_fit():
     assert fit_schedule_law([10, 20, 30], [5.0, 4.0, 3.5], mult) is None
 
 
-def test_on_a_recorded_wsd_run_the_law_foresees_the_decay_that_a_power_law_misses():
+def test_on_a_recorded_wsd_run_the_law_foresees_the_decay_that_a_blind_fit_misses():
     """The recorded tiny wsd run (tests/data/curves, experiments/2026-11-23-forecast): fitted on the validation
-    points up to the decay (80% of the run), the law predicts the final, decayed loss; the token power law
+    points up to the decay (80% of the run), the law predicts the final, decayed loss; without the prior on
+    the decay's drop (C = 0, as blind to the decay as the token power law lm used until 2026-11-24) it
     extrapolates the stable phase and lands high."""
     curve = json.loads((CURVES / "tiny_wsd_2000.json").read_text())
     o = curve["optim"]
     optim = OptimConfig(schedule="wsd", warmup_steps=o["warmup_steps"], decay_fraction=o["decay_fraction"])
+    mult = multipliers(optim, curve["total_steps"])
     steps, losses = np.array(curve["val"]["step"]), np.array(curve["val"]["loss"])
     before = steps <= 1600
     final = losses[-1]
-    law = fit_schedule_law(steps[before], losses[before], multipliers(optim, curve["total_steps"]))
+    law = fit_schedule_law(steps[before], losses[before], mult)
     assert law.c_source == "prior"
-    p = law.predict(multipliers(optim, curve["total_steps"]))
+    p = law.predict(mult)
     assert abs(p.loss - final) < 0.03 and p.low <= final <= p.high
-    old = fit_power_law(steps[before] * curve["tokens_per_step"], losses[before])
-    assert old.loss(curve["total_steps"] * curve["tokens_per_step"]) - final > 0.05
+    blind = fit_schedule_law(steps[before], losses[before], mult, anneal_gain=None)
+    assert blind.predict(mult).loss - final > 0.05
 
 
 def test_on_a_recorded_cosine_run_the_prior_keeps_an_early_fit_steady():

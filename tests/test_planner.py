@@ -14,7 +14,7 @@ from lm.tools import budget
 CPU = load_catalog(conf_dir())["cpu"]
 
 
-def tiny_plans(cfg, goal: budget.Goal, tokens_per_sec: float, price: float) -> list[budget.Plan]:
+def tiny_plans(cfg, goal: budget.Goal, tokens_per_sec: float, price: float) -> list[budget.BudgetPlan]:
     """Plans of the tiny preset on the CPU at a measured throughput and a given price."""
     presets = budget.load_presets(conf_dir(), cfg.data)
     return budget.make_plans(

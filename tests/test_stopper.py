@@ -1,6 +1,7 @@
 """The diminishing-returns stopper: its criteria on recorded metrics, and real tiny runs that it stops."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -9,6 +10,9 @@ import torch
 from lm.callbacks.stopper import DiminishingReturnsStopper
 from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
+from lm.numbers.loss_law import ANNEAL_GAIN, ScheduleLaw, lam_for, schedule_forecast
+from lm.numbers.lr_schedule import multipliers
+from lm.run.report import forecast_section
 from lm.run.train import main
 
 from .test_train import scalars
@@ -64,14 +68,44 @@ def test_target_loss_and_patience(tmp_path):
 
 
 def test_the_forecast_can_replace_the_trailing_window(tmp_path):
-    E, B, beta, usd_per_token = 2.2, 60.0, 0.2, 1e-9
-    steps = np.arange(1, 41) * 2500
-    tokens = steps * TOKENS_PER_STEP
-    points = [(int(s), E + B * d**-beta, d * usd_per_token) for s, d in zip(steps, tokens)]
-    marginal = usd_per_token / (beta * B * tokens ** (-beta - 1.0))  # exact $/loss point along the curve
-    threshold = float(marginal[20] * 1.001)  # crossed between points 20 and 21
+    """`use_forecast` reads the price of a loss point now off the schedule-aware law: training on 1% of the
+    plan before the cooldown, against cooling down now. On a curve made with the law itself (C at the prior's
+    value, so the fit recovers it) it stops at the first validation whose price crosses the threshold."""
+    plan, usd_per_step = 20_000, 1e-3
+    optim = OptimConfig(schedule="constant", warmup_steps=0)
+    A, alpha = 20.0, 0.5
+    # Under a constant LR S1 is the step count; the prior's C = g x (-dL/dS1 at the plan's end).
+    true = ScheduleLaw(
+        L0=2.0, A=A, alpha=alpha, C=ANNEAL_GAIN * alpha * A * plan ** (-alpha - 1), lam=lam_for(plan)
+    )
+    curve = true.curve(multipliers(optim, plan))
+    steps = np.arange(1, 41) * 500
+    points = [(int(s), float(curve[s - 1]), s * usd_per_step) for s in steps]
+    price = [
+        schedule_forecast(true, optim, plan, int(s), math.ceil(0.1 * s)).choices(0.0, usd_per_step)[
+            "usd_per_loss_point_now"
+        ]
+        for s in steps
+    ]
+    # At a flat LR the price is $/step over the curve's slope, somewhere between the step now and the end of
+    # the cooldown after the next 1% of the plan.
+    s, later = steps[20], steps[20] + math.ceil(0.1 * steps[20]) + plan // 100
+    assert (
+        usd_per_step / (alpha * A * s ** (-alpha - 1))
+        < price[20]
+        < usd_per_step / (alpha * A * later ** (-alpha - 1))
+    )
+    threshold = math.sqrt(price[20] * price[21])  # crossed between points 20 and 21 (7% apart)
     cfg = EarlyStoppingConfig(max_usd_per_loss_point=threshold, use_forecast=True)
-    assert replay(cfg, points, tmp_path) == 21
+    stopper = DiminishingReturnsStopper(
+        cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=optim, schedule_steps=plan
+    )
+    for i, (step, loss, usd) in enumerate(points):  # noqa: B007 (i is read after the loop)
+        said = stopper.observe(step, step * TOKENS_PER_STEP, usd, loss)
+        if said:
+            break
+    assert i == 21 and "off the loss forecast" in said[1]
+    assert stopper.last_choices["usd_per_loss_point_now"] == pytest.approx(price[21], rel=0.01)
 
 
 def test_the_cooldown_decays_the_lr_linearly_to_the_floor():
@@ -175,7 +209,9 @@ def test_the_forecast_knows_the_schedule_and_prices_both_endings(tiny_cfg, tmp_p
         )
     )
     run = tmp_path / "runs" / "smoke"
-    sched = json.loads((run / "forecast.json").read_text())["schedule"]
+    forecast = json.loads((run / "forecast.json").read_text())
+    assert list(forecast) == ["schedule"]  # the schedule-aware law is the one forecast
+    sched = forecast["schedule"]
     now, end = sched["cooldown_now"], sched["plan_end"]
     # At step 40 the wsd decay (steps 48-60) has not begun: the decay's drop comes from the prior.
     assert sched["step"] == 40 and end["steps"] == 60 and sched["law"]["c_source"] == "prior"
@@ -187,6 +223,35 @@ def test_the_forecast_knows_the_schedule_and_prices_both_endings(tiny_cfg, tmp_p
     # Dollars: what was spent plus the steps each ending still trains, at the run's $/step.
     spent = scalars(run, "cost/usd")[-1][1]
     assert (end["usd"] - spent) / (now["usd"] - spent) == pytest.approx(20 / 4, rel=0.05)
-    assert sched["usd_per_loss_point_next"] > 0
+    assert sched["usd_per_loss_point_next"] > 0 and sched["usd_per_loss_point_now"] > 0
+    twice = sched["twice_the_steps"]
+    assert twice["steps"] == 80 and twice["loss"] < now["loss"]
+    assert (twice["usd"] - spent) / (now["usd"] - spent) == pytest.approx(40 / 4, rel=0.05)
+    # 20 tokens per parameter is ~7,700 steps of this tiny model: over 10x the plan, not extrapolated.
+    assert sched["chinchilla"] is None
     report = (run / "report.md").read_text()
     assert "Schedule-aware forecast, at step 40" in report and "continue to the plan's end" in report
+    assert "| twice the steps so far (step 80) |" in report and "Chinchilla" not in report
+
+
+def test_the_report_renders_every_ending_and_reads_records_written_before_some_existed():
+    ending = {"loss": 2.5, "low": 2.4, "high": 2.6, "usd": 12.0, "steps": 100}
+    law = {"L0": 2.0, "A": 20.0, "alpha": 0.5, "C": 1e-3, "n_points": 8, "rms": 0.01, "c_source": "fitted"}
+    sched = {"step": 50, "law": law, "cooldown_now": {**ending, "steps": 5}, "plan_end": ending}
+    sched |= {"usd_per_loss_point_next": 30.0, "c_source": "fitted"}
+    old = forecast_section(sched, 2.55, at_stop=False)  # stop.json / forecast.json of 2026-11-23
+    assert "| cool down now (step 55) |" in old and "| continue to the plan's end (step 100) |" in old
+    assert "twice the steps" not in old and "Chinchilla" not in old and "a loss point now" not in old
+    sched |= {
+        "twice_the_steps": ending,
+        "chinchilla": {**ending, "steps": 4000},
+        "usd_per_loss_point_now": 9.0,
+    }
+    new = forecast_section(sched, 2.55, at_stop=True)
+    assert (
+        "Schedule-aware forecast when the stop was decided, at step 50" in new and "Tissue et al. 2024" in new
+    )
+    assert (
+        "| the Chinchilla token count (20 x parameters) (step 4,000) | 2.500 (2.400-2.600) | $12.00 |" in new
+    )
+    assert "| a loss point now costs (training on before the cooldown) | | $9.00 |" in new

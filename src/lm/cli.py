@@ -46,7 +46,7 @@ from lm.data.shards import sample_tokenizer
 from lm.engine.generate import complete
 from lm.engine.harness import evaluate_path
 from lm.engine.hf import VOCAB, load_run
-from lm.numbers import run_plan
+from lm.numbers import loss_law, run_plan
 from lm.numbers.cost import ASSUMED_MFU, load_catalog
 from lm.run.doctor import diagnose, level_of, resolve_target, table
 from lm.run.report import write_report
@@ -191,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 
 
-def plan_law(args: argparse.Namespace, cfg) -> tuple[budget.ChinchillaLaw, float | None]:
+def plan_law(args: argparse.Namespace, cfg) -> tuple[loss_law.ChinchillaLaw, float | None]:
     """The law `lm plan` predicts with: calibrated now (--calibrate), read from --law, or the published fit."""
     if args.calibrate:
         law_file = Path(args.law or Path(cfg.run.root) / "calibration" / "calibration.json")
@@ -208,7 +208,7 @@ def plan_law(args: argparse.Namespace, cfg) -> tuple[budget.ChinchillaLaw, float
         return calibrate.load_law(law_file)
     if args.law:
         return calibrate.load_law(Path(args.law))
-    return budget.BESIROGLU, None
+    return loss_law.BESIROGLU, None
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:

@@ -1,12 +1,13 @@
 """DiminishingReturnsStopper: stop when another loss point costs more than it is worth, or the money runs out.
 
-At every validation it records (step, tokens, dollars, loss), fits the loss forecast, and checks the criteria
-of `early_stopping`: the marginal dollars per loss point over a trailing window (or off the forecast), a
-target loss, classic patience. The budget cap is checked at every optimizer step (agreed across ranks by
-`Consensus`: under DDP/FSDP a rank's crossing stops every rank one step later, with no host sync). Under a
-flat LR schedule (`wsd`, `constant`) a stop first runs a short linear LR cooldown, so the stopped model banks
-the loss a decayed schedule gives; then training stops, RunCheckpoint writes the final checkpoint, and the
-reason goes to the log, TensorBoard (`stop/reason`) and `stop.json`, which `lm report` renders.
+At every validation it records (step, tokens, dollars, loss), fits the loss forecast (the schedule-aware law
+of lm.numbers.loss_law), and checks the criteria of `early_stopping`: the marginal dollars per loss point
+over a trailing window (or off the forecast), a target loss, classic patience. The budget cap is checked at
+every optimizer step (agreed across ranks by `Consensus`: under DDP/FSDP a rank's crossing stops every rank
+one step later, with no host sync). Under a flat LR schedule (`wsd`, `constant`) a stop first runs a short
+linear LR cooldown, so the stopped model banks the loss a decayed schedule gives; then training stops,
+RunCheckpoint writes the final checkpoint, and the reason goes to the log, TensorBoard (`stop/reason`) and
+`stop.json`, which `lm report` renders.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EarlyStoppingConfig, OptimConfig
-from lm.numbers import forecast as fc
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Point:
+class ValPoint:
     """One validation point of the run."""
 
     step: int
@@ -46,7 +46,7 @@ class Point:
     """After the EMA of `early_stopping.smoothing`; what the criteria read."""
 
 
-def marginal_usd_per_loss_point(points: list[Point], window: int) -> float | None:
+def marginal_usd_per_loss_point(points: list[ValPoint], window: int) -> float | None:
     """Dollars per loss point between the point `window` validations ago and the newest one.
 
     None until there are window + 1 points (or without prices); inf when the loss did not fall.
@@ -58,7 +58,7 @@ def marginal_usd_per_loss_point(points: list[Point], window: int) -> float | Non
     return (new.usd - old.usd) / drop if drop > 0 else math.inf
 
 
-def usd_per_token(points: list[Point], window: int) -> float | None:
+def usd_per_token(points: list[ValPoint], window: int) -> float | None:
     """The run's all-in $/token over the trailing window (whole run while it is shorter)."""
     if not points or points[-1].usd is None:
         return None
@@ -70,7 +70,8 @@ def usd_per_token(points: list[Point], window: int) -> float | None:
 
 
 class DiminishingReturnsStopper(Callback):
-    """See the module docstring. `plan_end_tokens` and `chinchilla_tokens` are where the forecast is read."""
+    """See the module docstring. The plan's end (`plan_end_steps`, or `plan_end_tokens` turned into steps
+    once the meter knows the tokens per step) and `chinchilla_tokens` are where the forecast is read."""
 
     priority = 140  # reads the meter's money and tokens; votes in the consensus
 
@@ -97,14 +98,13 @@ class DiminishingReturnsStopper(Callback):
         self.forecast_path = run_dir / rundir.FORECAST
         self.steps = StepWatch()
         self.flat_lr = flat_lr
-        self.plan_end_tokens = plan_end_tokens
-        self.plan_end_steps = plan_end_steps  # converted to tokens once the meter knows tokens per step
+        self.plan_end_steps = plan_end_steps
+        self.plan_end_tokens = plan_end_tokens  # turned into steps once the meter knows tokens per step
         self.chinchilla_tokens = chinchilla_tokens
-        self.points: list[Point] = []
+        self.points: list[ValPoint] = []
         self.best: float = math.inf
         self.since_best = 0
         self.decision: dict[str, Any] | None = None
-        self.last_forecast: fc.Forecast | None = None
         self.optim, self.schedule_steps = optim, schedule_steps
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
         self.last_schedule: ScheduleForecast | None = None
@@ -120,13 +120,13 @@ class DiminishingReturnsStopper(Callback):
         """Add a validation point; returns (criterion, reason) when a criterion says stop."""
         a = self.cfg.smoothing
         smoothed = loss if not self.points else a * self.points[-1].smoothed + (1 - a) * loss
-        self.points.append(Point(step, tokens, usd, loss, smoothed))
+        self.points.append(ValPoint(step, tokens, usd, loss, smoothed))
         if smoothed < self.best - self.cfg.min_delta:
             self.best, self.since_best = smoothed, 0
         else:
             self.since_best += 1
-        self.last_forecast = self.fit_forecast()
         self.last_schedule = self.fit_schedule()
+        self.last_choices = self.schedule_choices()
         return self.check()
 
     def check(self) -> tuple[str, str] | None:
@@ -151,35 +151,22 @@ class DiminishingReturnsStopper(Callback):
     def marginal(self) -> tuple[float | None, str]:
         """Marginal $/loss point now, and how it was measured."""
         if self.cfg.use_forecast:
-            f = self.last_forecast
-            return (f.usd_per_loss_point_next if f else None), "slope of the loss forecast"
+            c = self.last_choices
+            how = "off the loss forecast: training on before the cooldown, against cooling down now"
+            return (c["usd_per_loss_point_now"] if c else None), how
         return (
             marginal_usd_per_loss_point(self.points, self.cfg.window),
             f"over the last {self.cfg.window} validations",
         )
 
-    def fit_forecast(self) -> fc.Forecast | None:
-        """The power-law forecast through the validation points so far (None until there are enough)."""
-        pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
-        fit = fc.fit_power_law(
-            [p.tokens for p in pts], [p.loss for p in pts], min_points=self.cfg.forecast_min_points
-        )
-        if fit is None:
-            return None
-        return fc.forecast(
-            fit,
-            self.points[-1].tokens,
-            plan_end_tokens=self.plan_end_tokens,
-            chinchilla_tokens=self.chinchilla_tokens,
-            usd_per_token=usd_per_token(self.points, self.cfg.window),
-        )
-
     def fit_schedule(self) -> ScheduleForecast | None:
-        """The schedule-aware forecast (lm.numbers.loss_law) through the validation points so far: the final loss if
-        the run cools down now and at the plan's end, after its decay (None without a schedule or points)."""
+        """The loss forecast (the schedule-aware law of lm.numbers.loss_law) through the validation points so
+        far: the final loss if the run cools down now, at the plan's end (after its decay), after twice the
+        steps so far and at the Chinchilla token count (None without a schedule or enough points)."""
         if self.optim is None or not self.schedule_steps:
             return None
-        step = self.points[-1].step
+        last = self.points[-1]
+        step = last.step
         plan_steps = max(self.plan_end_steps or self.schedule_steps, step)
         pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
         law = fit_schedule_law(
@@ -191,7 +178,10 @@ class DiminishingReturnsStopper(Callback):
         if law is None:
             return None
         cooldown = math.ceil(self.cfg.cooldown_fraction * step)  # what decide() would run
-        return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps)
+        chinchilla = None
+        if self.chinchilla_tokens and last.tokens > 0:  # tokens per step from the run itself
+            chinchilla = math.ceil(self.chinchilla_tokens * step / last.tokens)
+        return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps, chinchilla)
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
@@ -200,8 +190,8 @@ class DiminishingReturnsStopper(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
-        if self.plan_end_steps is not None and self.plan_end_tokens is None:
-            self.plan_end_tokens = self.plan_end_steps * self.meter.tokens_per_step
+        if self.plan_end_steps is None and self.plan_end_tokens is not None:
+            self.plan_end_steps = math.ceil(self.plan_end_tokens / self.meter.tokens_per_step)
         if self.decision is None or not self.decision.get("stopped"):
             return
         # A resumed run that had stopped: stop again if the criterion still holds under today's config,
@@ -280,7 +270,7 @@ class DiminishingReturnsStopper(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.points = [Point(**p) for p in state["points"]]
+        self.points = [ValPoint(**p) for p in state["points"]]
         self.best, self.since_best, self.decision = state["best"], state["since_best"], state["decision"]
 
     # --- deciding and stopping ---------------------------------------------------------------------------
@@ -356,44 +346,42 @@ class DiminishingReturnsStopper(Callback):
         marginal = marginal_usd_per_loss_point(self.points, self.cfg.window)
         if marginal is not None and math.isfinite(marginal):
             metrics["cost/usd_per_loss_point"] = marginal
-        f = self.last_forecast
-        if f is not None:
-            metrics.update({"forecast/E": f.fit.E, "forecast/beta": f.fit.beta, "forecast/rms": f.fit.rms})
-            for name in ("loss_at_plan_end", "loss_at_chinchilla", "usd_per_loss_point_next"):
-                value = getattr(f, name)
+        sf, c = self.last_schedule, self.last_choices
+        if sf is not None and c is not None:
+            metrics.update(
+                {"forecast/L0": sf.law.L0, "forecast/alpha": sf.law.alpha, "forecast/rms": sf.law.rms}
+            )
+            values = {
+                "loss_if_cooled_now": sf.cooldown_now.loss,
+                "loss_at_plan_end": sf.plan_end.loss,
+                "loss_at_chinchilla": sf.chinchilla.loss if sf.chinchilla else None,
+                # "Another $X buys this much loss", X = what the run has spent so far (twice the steps).
+                "loss_drop_if_spend_doubles": sf.cooldown_now.loss - sf.twice_the_steps.loss,
+                "usd_per_loss_point_next": c["usd_per_loss_point_next"],
+                "usd_per_loss_point_now": c["usd_per_loss_point_now"],
+            }
+            for name, value in values.items():
                 if value is not None and math.isfinite(value):
                     metrics[f"forecast/{name}"] = value
-            spent = self.points[-1].usd
-            bought = f.loss_bought(spent) if spent else None
-            if bought is not None:
-                # "Another $X buys this much loss", with X = what the run has spent so far (doubling it).
-                metrics["forecast/loss_drop_if_spend_doubles"] = bought
-                log.info(
-                    "forecast: loss %.3f at the plan's end, %.3f at Chinchilla; another %s buys %.3f loss",
-                    f.loss_at_plan_end or math.nan,
-                    f.loss_at_chinchilla or math.nan,
-                    fmt_money(spent),
-                    bought,
-                )
-            record = forecast_record(f, spent, bought, self.points[-1].step)
-            record["schedule"] = self.last_choices = self.schedule_choices()
             if trainer.is_global_zero:
-                rundir.write_record(self.forecast_path, record)
+                rundir.write_record(self.forecast_path, {"schedule": c})
         for name, value in metrics.items():
             pl_module.log(name, float(value), on_step=False, on_epoch=True)
 
     def schedule_choices(self) -> dict[str, Any] | None:
-        """The schedule-aware forecast as a decision in dollars (forecast.json's `schedule`), logged as
-        "cool down now: final loss X, $Y; continue to the plan's end: X', $Y'; the next loss point costs $Z"."""
+        """The forecast as a decision in dollars (forecast.json's `schedule`; stop.json's `forecast` when a
+        stop is decided), logged as "cool down now: final loss X, $Y; continue to the plan's end: X', $Y';
+        the next loss point costs $Z". Dollars are None while the run has no price."""
         sf, last = self.last_schedule, self.points[-1]
-        per_token = usd_per_token(self.points, self.cfg.window)
-        if sf is None or per_token is None or last.usd is None or last.step < 1:
+        if sf is None:
             return None
-        choices = sf.choices(last.usd, per_token * last.tokens / last.step)
-        now, end = choices["cooldown_now"], choices["plan_end"]
+        per_token = usd_per_token(self.points, self.cfg.window)
+        per_step = per_token * last.tokens / last.step if per_token is not None and last.step >= 1 else None
+        choices = sf.choices(last.usd, per_step)
+        now, end, twice = choices["cooldown_now"], choices["plan_end"], choices["twice_the_steps"]
         log.info(
             "cool down now: final loss %.3f [%.3f, %.3f], %s; continue to the plan's end: final loss %.3f "
-            "[%.3f, %.3f], %s; the next loss point costs %s%s",
+            "[%.3f, %.3f], %s; twice the steps so far: %.3f, %s; the next loss point costs %s%s",
             now["loss"],
             now["low"],
             now["high"],
@@ -402,6 +390,8 @@ class DiminishingReturnsStopper(Callback):
             end["low"],
             end["high"],
             fmt_money(end["usd"]),
+            twice["loss"],
+            fmt_money(twice["usd"]),
             fmt_money(choices["usd_per_loss_point_next"]),
             " (the decay's drop from a prior: the LR has not fallen yet)"
             if sf.law.c_source == "prior"
@@ -410,19 +400,3 @@ class DiminishingReturnsStopper(Callback):
         law = sf.law
         fields = ("L0", "A", "alpha", "C", "lam", "rms", "n_points", "c_source")
         return {"step": sf.step, "law": {k: getattr(law, k) for k in fields}, **choices}
-
-
-def forecast_record(f: fc.Forecast, spent: float | None, bought: float | None, step: int) -> dict[str, Any]:
-    """What forecast.json holds (the latest forecast of the run)."""
-    return {
-        "step": step,
-        "fit": asdict(f.fit),
-        "tokens_now": f.tokens_now,
-        "loss_now": f.loss_now,
-        "loss_at_plan_end": f.loss_at_plan_end,
-        "loss_at_chinchilla": f.loss_at_chinchilla,
-        "usd_per_loss_point_next": f.usd_per_loss_point_next,
-        "usd_per_token": f.usd_per_token,
-        "another_usd": spent,
-        "buys_loss": bought,
-    }

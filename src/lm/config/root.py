@@ -199,7 +199,8 @@ class EarlyStoppingConfig:
     smoothing: float = 0.0
     """EMA factor applied to the validation loss before any criterion reads it: 0 none, 0.9 heavy."""
     use_forecast: bool = False
-    """Read the marginal $/loss point off the fitted loss forecast instead of the trailing window."""
+    """Read the marginal $/loss point off the loss forecast (lm.numbers.loss_law: training on 1% of the plan
+    before the cooldown, against cooling down now) instead of the trailing window."""
     budget_usd: float | None = None
     """Hard cap on the run's dollars, checked at every optimizer step (under `wsd`, the cooldown starts early
     enough to end at the cap)."""
@@ -215,7 +216,7 @@ class EarlyStoppingConfig:
     forecast_min_points: int = 5
     """Validation points needed before the loss forecast is fitted."""
     forecast_skip_tokens: int = 0
-    """Validation points before this many tokens stay out of the fit (the warm-up transient is no power law)."""
+    """Validation points before this many tokens stay out of the fit (the warm-up transient follows no law)."""
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:

@@ -1,18 +1,21 @@
-"""A loss forecast that knows the learning-rate schedule (Tissue et al. 2024, "Scaling Law with Learning Rate
+"""The loss laws of lm, in one place.
+
+The schedule-aware law, the run's loss forecast (Tissue et al. 2024, "Scaling Law with Learning Rate
 Annealing"):
 
     L(s) = L0 + A * S1(s)^(-alpha) - C * S2(s)
 
 S1 is the forward area, the summed LR multiplier of the steps before s (the "distance travelled"); S2 the
 annealing area, sum_i m_i with the momentum m_i = lam * m_(i-1) + (eta_(i-1) - eta_i): every drop of the LR
-keeps paying off for ~1/(1-lam) steps. A power law in tokens alone (lm.numbers.forecast) cannot see the drop a
-warmup-stable-decay schedule banks in its decay; this law predicts it, and so answers "what will the loss be
-after the plan's decay", "what if the run cools down now", "what would another schedule length give".
+keeps paying off for ~1/(1-lam) steps. A power law in tokens alone cannot see the drop a warmup-stable-decay
+schedule banks in its decay (the one lm used until 2026-11-24 never came within 0.02 of a decayed final loss:
+experiments/2026-11-23-forecast); this law predicts it, and so answers "what will the loss be after the
+plan's decay", "what if the run cools down now", "what would another schedule length give".
 
-No scipy: for a fixed alpha the law is linear in (L0, A, C), all non-negative, so a search over alpha with an
-exact non-negative least squares inside (3 unknowns: every active set tried) finds the global optimum. Huber
-re-weighting keeps one noisy point from swinging it. The prediction interval profiles alpha (every alpha whose
-fit is not significantly worse, 90%) and adds the linear parameters' standard error at each.
+For a fixed alpha the law is linear in (L0, A, C), all non-negative, so a search over alpha with the exact
+non-negative least squares of lm.numbers.fit inside finds the global optimum. Huber re-weighting keeps one
+noisy point from swinging it. The prediction interval profiles alpha (every alpha whose fit is not
+significantly worse, 90%) and adds the linear parameters' standard error at each.
 
 Before the LR has dropped, C is not identifiable from the run itself: the fit then takes C from a prior
 `anneal_gain` g: one unit of annealing area is worth g units of forward area at the plan's end,
@@ -20,17 +23,21 @@ C = g * (-dL/dS1 at the end of the plan). Its default was measured on recorded t
 (experiments/2026-11-23-forecast) and is labelled as a prior wherever it is used. Once the LR has dropped, C is
 fitted, but the prior stays in the fit as one pseudo-observation (PRIOR_SPREAD): the first points of a decay,
 or a cosine whose S1 and S2 grow together, cannot swing C alone.
+
+The Chinchilla-form law L(N, D) = E + A / N^alpha + B / D^beta (`ChinchillaLaw`, at the end): the loss of a
+model of N parameters trained on D tokens, which `lm plan` ranks plans by (lm.tools.budget) and
+`lm plan --calibrate` fits to the user's own short runs (lm.tools.calibrate).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from lm.config import OptimConfig
+from lm.numbers.fit import huber_weights, nnls
 from lm.numbers.lr_schedule import multipliers
 
 LAMBDA = 0.999
@@ -127,33 +134,6 @@ def design(s1: np.ndarray, s2: np.ndarray, alpha: float, k: float | None) -> np.
     return np.stack([np.ones_like(power), power - k * s2], axis=1)
 
 
-def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
-    """Weighted least squares with every coefficient >= 0, exactly: the unconstrained solution when it is
-    feasible (then it is optimal), else each active set (at most 2^3) is solved and the best feasible kept.
-    Solved through the normal equations: a 3x3 system is microseconds, and the fit solves thousands."""
-    G = X.T @ (X * w[:, None])
-    b = X.T @ (w * y)
-    yy = float(np.sum(w * y * y))
-    best, best_sse = np.zeros(X.shape[1]), yy
-    for r in range(X.shape[1], 0, -1):
-        for cols in itertools.combinations(range(X.shape[1]), r):
-            idx = list(cols)
-            try:
-                sol = np.linalg.solve(G[np.ix_(idx, idx)], b[idx])
-            except np.linalg.LinAlgError:
-                continue
-            if np.any(sol < 0):
-                continue
-            coef = np.zeros(X.shape[1])
-            coef[idx] = sol
-            sse = max(yy - 2.0 * float(coef @ b) + float(coef @ G @ coef), 0.0)
-            if sse < best_sse:
-                best, best_sse = coef, sse
-        if r == X.shape[1] and best_sse < yy:
-            break  # the unconstrained solution is feasible, hence optimal
-    return best, best_sse
-
-
 def fit_schedule_law(
     steps: np.ndarray | list[int],
     losses: np.ndarray | list[float],
@@ -168,9 +148,10 @@ def fit_schedule_law(
     """Fit the law to (step, loss) points of a run whose LR multipliers over the whole plan are `plan_mult`.
 
     `steps` count optimizer steps done (a loss logged at step s saw s updates); `lam` None takes
-    lam_for(len(plan_mult)). None with fewer than
-    `min_points` usable points. `anneal_gain` is the prior for C while the LR has not dropped (None: C = 0,
-    the decay's drop is then left out). `huber` as in lm.numbers.forecast.fit_power_law.
+    lam_for(len(plan_mult)). None with fewer than `min_points` usable points. `anneal_gain` is the prior for
+    C while the LR has not dropped (None: C = 0, the decay's drop is then left out). `huber` is the residual
+    (loss units) beyond which a point's weight falls as 1/|r|; None: lm.numbers.fit.huber_delta (1.5 x the
+    median absolute residual, so the scale adapts to how noisy the curve is).
     """
     steps = np.asarray(steps, dtype=np.int64)
     y = np.asarray(losses, dtype=np.float64)
@@ -195,8 +176,7 @@ def fit_schedule_law(
     for _ in range(iterations):
         alpha, coef, sse = search_alpha(s1, s2, y, weights, k_for, prior)
         residuals = y - design(s1, s2, alpha, k_for(alpha)) @ coef
-        delta = huber if huber is not None else max(1.5 * float(np.median(np.abs(residuals))), 1e-6)
-        new = np.minimum(1.0, delta / np.maximum(np.abs(residuals), 1e-12))
+        new = huber_weights(residuals, huber)
         if seen and anneal_gain and coef[1] > 0:
             # A residual of sigma per point against a prior drop known to PRIOR_SPREAD of its size.
             sigma = max(1.4826 * float(np.median(np.abs(residuals))), 1e-4)
@@ -237,7 +217,7 @@ def search_alpha(s1, s2, y, w, k_for, prior=None) -> tuple[float, np.ndarray, fl
     """The exponent with the least weighted error: a log-spaced grid, then golden-section refinement."""
 
     def sse(alpha: float) -> float:
-        return nonnegative_lstsq(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))[1]
+        return nnls(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))[1]
 
     grid = np.geomspace(*ALPHA_RANGE, 40)
     errors = [sse(a) for a in grid]
@@ -251,7 +231,7 @@ def search_alpha(s1, s2, y, w, k_for, prior=None) -> tuple[float, np.ndarray, fl
         else:
             lo = c
     alpha = (lo + hi) / 2
-    coef, err = nonnegative_lstsq(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))
+    coef, err = nnls(*with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior))
     return alpha, coef, err
 
 
@@ -265,7 +245,7 @@ def alpha_profile(s1, s2, y, w, k_for, best_alpha: float, best_sse: float, prior
     entries = []
     for alpha in [best_alpha, *np.geomspace(*ALPHA_RANGE, 30)]:
         X, yp, wp = with_prior(design(s1, s2, alpha, k_for(alpha)), y, w, alpha, prior)
-        coef, err = nonnegative_lstsq(X, yp, wp)
+        coef, err = nnls(X, yp, wp)
         if err > threshold:
             continue
         free = coef > 0
@@ -296,9 +276,14 @@ def block_means(steps, losses, size: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+MAX_STRETCH = 10
+"""An ending at most this many times the plan's steps is predicted (the Chinchilla token count); one further
+out is not: the law would be extrapolated far past its points, and its arrays grow with the steps."""
+
+
 @dataclass(frozen=True)
 class ScheduleForecast:
-    """What the law says about the rest of a run: the two ways to end it, and what more steps buy."""
+    """What the law says about the rest of a run: the ways to end it, and what more steps buy."""
 
     law: ScheduleLaw
     step: int
@@ -308,20 +293,38 @@ class ScheduleForecast:
     cooldown_now: Prediction
     """The loss if the run cools down now (a cooldown of `cooldown_steps` starting at `step`)."""
     cooldown_steps: int
+    twice_the_steps: Prediction
+    """The loss of a run of 2 x `step` steps under the same schedule stretched to it (decay included): what
+    spending as much again buys."""
+    chinchilla: Prediction | None
+    """The loss of a run of `chinchilla_steps` steps (the same schedule stretched to the Chinchilla token
+    count); None when not asked for or more than MAX_STRETCH x the plan."""
+    chinchilla_steps: int | None
     steps_per_loss_point: float
     """Steps that one more point of final loss costs: a plan 10% longer (decay included) against this one."""
+    steps_per_loss_point_now: float
+    """Steps that one more point of final loss costs now: training on 1% of the plan before the same cooldown,
+    against cooling down now (what `early_stopping.use_forecast` compares with its threshold)."""
 
-    def choices(self, usd_now: float, usd_per_step: float) -> dict:
-        """The decision in dollars: each ending's final loss (with its interval) and total spend, and the
-        price of the next loss point."""
+    def choices(self, usd_now: float | None, usd_per_step: float | None) -> dict:
+        """The decision in dollars: each ending's final loss (with its interval), its steps and total spend,
+        and the price of a loss point now and after the plan's end. Dollars are None without a price."""
+        priced = usd_now is not None and usd_per_step is not None
 
-        def option(p: Prediction, steps_left: int) -> dict:
-            return {"loss": p.loss, "low": p.low, "high": p.high, "usd": usd_now + steps_left * usd_per_step}
+        def option(p: Prediction | None, steps: int | None, steps_left: int) -> dict | None:
+            if p is None:
+                return None
+            usd = usd_now + steps_left * usd_per_step if priced else None
+            return {"loss": p.loss, "low": p.low, "high": p.high, "usd": usd, "steps": steps}
 
+        chin = self.chinchilla_steps
         return {
-            "cooldown_now": {**option(self.cooldown_now, self.cooldown_steps), "steps": self.cooldown_steps},
-            "plan_end": {**option(self.plan_end, self.plan_steps - self.step), "steps": self.plan_steps},
-            "usd_per_loss_point_next": self.steps_per_loss_point * usd_per_step,
+            "cooldown_now": option(self.cooldown_now, self.cooldown_steps, self.cooldown_steps),
+            "plan_end": option(self.plan_end, self.plan_steps, self.plan_steps - self.step),
+            "twice_the_steps": option(self.twice_the_steps, 2 * self.step, self.step),
+            "chinchilla": option(self.chinchilla, chin, (chin or 0) - self.step),
+            "usd_per_loss_point_next": self.steps_per_loss_point * usd_per_step if priced else None,
+            "usd_per_loss_point_now": self.steps_per_loss_point_now * usd_per_step if priced else None,
             "c_source": self.law.c_source,
         }
 
@@ -333,25 +336,66 @@ def schedule_forecast(
     step: int,
     cooldown_steps: int,
     plan_steps: int | None = None,
+    chinchilla_steps: int | None = None,
 ) -> ScheduleForecast:
     """The law's predictions at `step` of a run whose LR schedule spans `schedule_steps` under `optim` and
-    whose plan ends at `plan_steps` (default: with the schedule)."""
+    whose plan ends at `plan_steps` (default: with the schedule); `chinchilla_steps` the steps of the
+    Chinchilla token count, when known."""
     plan_steps = plan_steps or schedule_steps
     length = max(0, min(cooldown_steps, plan_steps - step))  # 0 at the plan's end: nothing left to cool
+
+    def cooled(start: int) -> Prediction:
+        return law.predict(multipliers(optim, schedule_steps, start + length, cooldown=(start, length)))
+
     plan_end = law.predict(multipliers(optim, schedule_steps, plan_steps))
     longer = round(plan_steps * 1.1)
     drop = plan_end.loss - law.predict(multipliers(optim, longer)).loss
+    cooldown_now = cooled(step)
+    delta = max(1, round(0.01 * plan_steps))
+    drop_now = cooldown_now.loss - cooled(step + delta).loss
+    stretch_ok = chinchilla_steps is not None and 0 < chinchilla_steps <= MAX_STRETCH * plan_steps
     return ScheduleForecast(
         law=law,
         step=step,
         plan_steps=plan_steps,
         plan_end=plan_end,
-        cooldown_now=law.predict(multipliers(optim, schedule_steps, step + length, cooldown=(step, length))),
+        cooldown_now=cooldown_now,
         cooldown_steps=length,
+        twice_the_steps=loss_for_length(law, optim, 2 * step),
+        chinchilla=loss_for_length(law, optim, chinchilla_steps) if stretch_ok else None,
+        chinchilla_steps=chinchilla_steps if stretch_ok else None,
         steps_per_loss_point=(longer - plan_steps) / drop if drop > 0 else math.inf,
+        steps_per_loss_point_now=delta / drop_now if drop_now > 0 else math.inf,
     )
 
 
 def loss_for_length(law: ScheduleLaw, optim: OptimConfig, total_steps: int) -> Prediction:
     """The final loss of the same schedule stretched or shrunk to `total_steps` (decay included)."""
     return law.predict(multipliers(optim, total_steps))
+
+
+# -- L(N, D): the Chinchilla-form law of `lm plan` ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChinchillaLaw:
+    """L(N, D) = E + A / N^alpha + B / D^beta, N parameters, D training tokens."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    source: str
+
+    def loss(self, n: float, d: float) -> float:
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    def tokens_for(self, n: float, loss: float) -> float:
+        """Tokens at which a model of n parameters reaches `loss`; inf when it never does."""
+        gap = loss - self.E - self.A / n**self.alpha
+        return (self.B / gap) ** (1.0 / self.beta) if gap > 0 else math.inf
+
+
+BESIROGLU = ChinchillaLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024 (uncalibrated)")
+HOFFMANN = ChinchillaLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Hoffmann et al. 2022 (uncalibrated)")

@@ -50,7 +50,7 @@ def write_report(run_dir: str | Path) -> Path:
     measured = float(scalars["val/loss"].values[-1]) if "val/loss" in scalars else None
     decided = (stop or {}).get("forecast")  # what the stopper saw when it decided, else the latest
     schedule = decided or (forecast or {}).get("schedule")
-    text += stopping_section(stop, forecast) + schedule_forecast_section(schedule, measured, bool(decided))
+    text += stopping_section(stop, schedule) + forecast_section(schedule, measured, bool(decided))
     text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
     path = run_dir / "report.md"
@@ -285,9 +285,9 @@ def smooth(values: np.ndarray) -> np.ndarray:
     return (cumsum[1:] - cumsum[np.arange(len(values)) + 1 - counts]) / counts
 
 
-def stopping_section(stop: dict | None, forecast: dict | None) -> str:
-    """Why the run stopped (stop.json) and what the loss forecast said last (forecast.json)."""
-    if stop is None and forecast is None:
+def stopping_section(stop: dict | None, sched: dict | None) -> str:
+    """Why the run stopped (stop.json); the heading of the loss forecast that `forecast_section` renders."""
+    if stop is None and not sched:
         return ""
     lines = ["", "## Stopping and forecast", ""]
     if stop is not None:
@@ -301,28 +301,6 @@ def stopping_section(stop: dict | None, forecast: dict | None) -> str:
             )
         if stop.get("usd") is not None:
             lines.append(f"Spent at the stop: {fmt_money(stop['usd'])} for {stop.get('tokens', 0):,} tokens.")
-        lines.append("")
-    if forecast is not None:
-        fit = forecast["fit"]
-        lines += [
-            f"Loss forecast at step {forecast['step']:,}: L(D) = {fit['E']:.3f} + {fit['B']:.4g} x D^-{fit['beta']:.3f} "
-            f"(D tokens; {fit['n_points']} validation points, rms residual {fit['rms']:.4f}).",
-            "",
-            "| | |",
-            "|---|---|",
-        ]
-        rows = [
-            ("loss now (fitted)", forecast["loss_now"]),
-            ("loss at the plan's end", forecast["loss_at_plan_end"]),
-            ("loss at the Chinchilla token count (20 x parameters)", forecast["loss_at_chinchilla"]),
-        ]
-        lines += [f"| {name} | {value:.3f} |" for name, value in rows if value is not None]
-        if forecast.get("usd_per_loss_point_next") is not None:
-            lines.append(f"| next loss point costs | {fmt_money(forecast['usd_per_loss_point_next'])} |")
-        if forecast.get("buys_loss") is not None:
-            lines.append(
-                f"| another {fmt_money(forecast['another_usd'])} buys | {forecast['buys_loss']:.3f} loss |"
-            )
         lines.append("")
     return "\n".join(lines)
 
@@ -355,29 +333,47 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
     return "\n".join(lines)
 
 
-def schedule_forecast_section(sched: dict | None, measured: float | None, at_stop: bool) -> str:
-    """The schedule-aware forecast's two endings (lm.numbers.loss_law; from stop.json when the stopper decided, else
-    forecast.json's latest), with their 90% intervals, against the run's last measured validation loss."""
+ENDINGS = (
+    ("cooldown_now", "cool down now"),
+    ("plan_end", "continue to the plan's end"),
+    ("twice_the_steps", "twice the steps so far"),
+    ("chinchilla", "the Chinchilla token count (20 x parameters)"),
+)
+
+
+def forecast_section(sched: dict | None, measured: float | None, at_stop: bool) -> str:
+    """The loss forecast, the schedule-aware law of lm.numbers.loss_law (from stop.json when the stopper
+    decided, else forecast.json's latest): the run's endings with their 90% intervals and dollars, against
+    the run's last measured validation loss. Records written before an ending existed lack its key."""
     if not sched:
         return ""
     law = sched["law"]
     source = "fitted" if law["c_source"] == "fitted" else "from the prior: the LR had not fallen yet"
     lines = [
         "",
-        f"Schedule-aware forecast{' when the stop was decided' if at_stop else ''}, at step {sched['step']:,}: L = {law['L0']:.3f} + {law['A']:.4g} x S1^-{law['alpha']:.3f} "
-        f"- {law['C']:.3g} x S2 (S1 the summed LR, S2 the annealing area; C {source}; {law['n_points']} points, "
-        f"rms {law['rms']:.4f}).",
+        f"Schedule-aware forecast{' when the stop was decided' if at_stop else ''}, at step {sched['step']:,}: "
+        f"L = {law['L0']:.3f} + {law['A']:.4g} x S1^-{law['alpha']:.3f} - {law['C']:.3g} x S2 (the loss law of "
+        f"Tissue et al. 2024, lm.numbers.loss_law: S1 the summed LR, S2 the annealing area; C {source}; "
+        f"{law['n_points']} points, rms {law['rms']:.4f}).",
         "",
         "| ending | final loss (90% interval) | dollars |",
         "|---|---|---|",
     ]
-    for key, name in (("cooldown_now", "cool down now"), ("plan_end", "continue to the plan's end")):
-        o = sched[key]
+    for key, name in ENDINGS:
+        o = sched.get(key)
+        if o:
+            at = sched["step"] + o["steps"] if key == "cooldown_now" else o["steps"]
+            lines.append(
+                f"| {name} (step {at:,}) | {o['loss']:.3f} ({o['low']:.3f}-{o['high']:.3f}) | {fmt_money(o['usd'])} |"
+            )
+    if "usd_per_loss_point_now" in sched:
         lines.append(
-            f"| {name} (step {o['steps'] if key == 'plan_end' else sched['step'] + o['steps']:,}) | "
-            f"{o['loss']:.3f} ({o['low']:.3f}-{o['high']:.3f}) | {fmt_money(o['usd'])} |"
+            f"| a loss point now costs (training on before the cooldown) | | "
+            f"{fmt_money(sched['usd_per_loss_point_now'])} |"
         )
-    lines.append(f"| the next loss point costs | | {fmt_money(sched['usd_per_loss_point_next'])} |")
+    lines.append(
+        f"| the next loss point costs (a plan 10% longer) | | {fmt_money(sched['usd_per_loss_point_next'])} |"
+    )
     if measured is not None:
         lines += ["", f"Measured: the last validation loss was {measured:.3f}."]
     lines.append("")

@@ -6,7 +6,7 @@ FLOPs per token; the MFU `lm bench` measured for that model and GPU where bench.
 cost.ASSUMED_MFU, labelled "assumed"), the micro-batch and activation checkpointing that fit the GPU
 (lm.numbers.memory), the steps the budget buys, hours, dollars on demand and on spot (spot pays for the work lost at
 each interruption: half a checkpoint interval plus a restart), checkpoint storage, epochs of the corpus, and
-the expected final loss from the Chinchilla-form law L(N, D) = E + A/N^alpha + B/D^beta.
+the expected final loss from the Chinchilla-form law L(N, D) = E + A/N^alpha + B/D^beta (lm.numbers.loss_law).
 
 The law's constants are published fits on another corpus and tokenizer (Besiroglu et al. 2024's replication
 of Hoffmann et al. 2022), so its absolute loss is labelled "uncalibrated"; its interval spans the two
@@ -29,6 +29,7 @@ from lm.data.manifest import load_manifest, prepared_folder
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.cost import ASSUMED_MFU
+from lm.numbers.loss_law import BESIROGLU, HOFFMANN, ChinchillaLaw
 from lm.store.bench_file import measured_mfu
 from lm.store.tables import fmt_money
 
@@ -38,30 +39,6 @@ DECAY_FRACTION = 0.2
 """The written plan's wsd schedule decays over its last 20%, as the seed's 1B plan did."""
 CHECKPOINT_HOURS = 0.5
 """Checkpoint interval the plan aims for (Young/Daly for roughly one hard failure a day; experiments/2026-11-22-spot)."""
-
-
-@dataclass(frozen=True)
-class ChinchillaLaw:
-    """L(N, D) = E + A / N^alpha + B / D^beta, N parameters, D training tokens."""
-
-    E: float
-    A: float
-    B: float
-    alpha: float
-    beta: float
-    source: str
-
-    def loss(self, n: float, d: float) -> float:
-        return self.E + self.A / n**self.alpha + self.B / d**self.beta
-
-    def tokens_for(self, n: float, loss: float) -> float:
-        """Tokens at which a model of n parameters reaches `loss`; inf when it never does."""
-        gap = loss - self.E - self.A / n**self.alpha
-        return (self.B / gap) ** (1.0 / self.beta) if gap > 0 else math.inf
-
-
-BESIROGLU = ChinchillaLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024 (uncalibrated)")
-HOFFMANN = ChinchillaLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Hoffmann et al. 2022 (uncalibrated)")
 
 
 @dataclass(frozen=True)
@@ -88,7 +65,7 @@ class Hardware:
 
 
 @dataclass
-class Plan:
+class BudgetPlan:
     """One ranked option."""
 
     preset: str
@@ -233,7 +210,7 @@ def make_plans(
     price_per_hour: float | None = None,
     law: ChinchillaLaw = BESIROGLU,
     interval: float | None = None,
-) -> list[Plan]:
+) -> list[BudgetPlan]:
     """Every (preset, GPU) the goal can be met with, best first: lowest expected loss for a dollar or hour
     budget, cheapest for a target loss. The loss is `law`'s; its interval is +-`interval` (a calibrated law's
     fit error) or, when None, the span of the two published fits."""
@@ -263,7 +240,7 @@ def make_plans(
                 [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
             )
             plans.append(
-                Plan(
+                BudgetPlan(
                     preset=preset,
                     model=model,
                     params=n,
@@ -291,7 +268,9 @@ def make_plans(
     return sorted(plans, key=lambda p: p.loss)
 
 
-def check_goal(goal: Goal, plans: list[Plan], gpus: list[GpuConfig], law: ChinchillaLaw = BESIROGLU) -> None:
+def check_goal(
+    goal: Goal, plans: list[BudgetPlan], gpus: list[GpuConfig], law: ChinchillaLaw = BESIROGLU
+) -> None:
     """A clear error when the goal buys nothing on any GPU."""
     if plans:
         return
@@ -321,7 +300,7 @@ def pick_gpus(catalog: dict[str, GpuConfig], names: list[str] | None) -> list[Gp
     return [catalog[n] for n in names]
 
 
-def render(plans: list[Plan], top: int = 10) -> str:
+def render(plans: list[BudgetPlan], top: int = 10) -> str:
     """The ranking as a text table."""
     head = (
         f"{'#':>2} {'model':<6} {'params':>8} {'gpu':<12} {'tok/s':>9} {'micro x acc':>11} {'AC':>3} "
@@ -351,7 +330,7 @@ def render(plans: list[Plan], top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def experiment_yaml(p: Plan, name: str, command: str) -> str:
+def experiment_yaml(p: BudgetPlan, name: str, command: str) -> str:
     """The plan as a sparse experiment file with phases (warm-up, stable, decay)."""
     warmup = max(1, min(2000, p.steps // 20))
     decay_start = max(warmup + 1, p.steps - int(DECAY_FRACTION * p.steps))

@@ -4,8 +4,8 @@ instead of the published fits' ("uncalibrated").
 
 Each calibration run is a real `lm.run.train` run (in this process, one after another) of one shape of a small
 width/depth grid for one token count; its final validation loss is one point (N, D, L). The fit is the one
-Hoffmann et al. 2022 used, made robust without scipy: a grid over (alpha, beta), and for each pair the
-non-negative least-squares E, A, B under a Huber loss (iteratively reweighted), the best pair kept. A handful
+Hoffmann et al. 2022 used: a grid over (alpha, beta), and for each pair the non-negative E, A, B under a Huber
+loss (lm.numbers.fit.robust_nnls, every pair of the grid solved as one batch), the pair of least loss kept. A handful
 of points cannot pin five constants: below FREE_EXPONENTS_MIN points the exponents are fixed at the Besiroglu
 et al. 2024 values and only E, A, B are fitted, and the law file says so.
 """
@@ -24,10 +24,11 @@ import numpy as np
 from lm.config import DataConfig, compose, to_objects
 from lm.data.manifest import prepared_folder
 from lm.numbers import memory, run_plan
+from lm.numbers.fit import robust_nnls
+from lm.numbers.loss_law import BESIROGLU, ChinchillaLaw
 from lm.run.train import main as train
 from lm.store import rundir
 from lm.store.atomic import write_atomic
-from lm.tools.budget import BESIROGLU, ChinchillaLaw
 
 MIN_POINTS = 4
 """Fewest points a fit accepts: three constants (E, A, B) and one residual to judge them by."""
@@ -42,7 +43,7 @@ HEAD_DIM = 32
 
 
 @dataclass(frozen=True)
-class Point:
+class CalibrationPoint:
     """One calibration run: its parameters, training tokens and final validation loss."""
 
     shape: str
@@ -71,7 +72,7 @@ def check_counts(runs: int, sizes: int, tokens: int) -> None:
         )
 
 
-def check_points(points: list[Point]) -> None:
+def check_points(points: list[CalibrationPoint]) -> None:
     """A clear error when the points cannot determine the law."""
     check_counts(len(points), len({p.n for p in points}), len({p.d for p in points}))
     bad = [p.shape for p in points if not math.isfinite(p.loss)]
@@ -79,34 +80,7 @@ def check_points(points: list[Point]) -> None:
         raise ValueError(f"calibration runs {', '.join(bad)} ended without a finite validation loss")
 
 
-def nnls_huber(x: np.ndarray, y: np.ndarray, iterations: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Non-negative Huber regression of y on x for a batch of designs: x (G, P, 3), y (P,) -> coefficients
-    (G, 3) and each design's Huber loss (G,). Three columns make the exact NNLS cheap: solve every subset of
-    columns, keep the best solution whose coefficients are all non-negative."""
-    g, p, k = x.shape
-    weights = np.ones((g, p))
-    for _ in range(iterations):
-        best = np.full(g, np.inf)
-        coef = np.zeros((g, k))
-        for cols in (c for r in range(1, k + 1) for c in itertools.combinations(range(k), r)):
-            xs = x[:, :, cols]
-            scale = np.linalg.norm(xs, axis=1, keepdims=True)  # columns span 1 to 1e-7: solve them unit-sized
-            xtw = np.swapaxes(xs / scale * weights[:, :, None], 1, 2)
-            gram = xtw @ (xs / scale) + 1e-12 * np.eye(len(cols))
-            sol = np.linalg.solve(gram, (xtw @ y)[:, :, None])[:, :, 0] / scale[:, 0, :]
-            err = ((xs @ sol[:, :, None])[:, :, 0] - y) ** 2 * weights
-            ok = (sol >= 0).all(axis=1) & (err.sum(axis=1) < best)
-            best = np.where(ok, err.sum(axis=1), best)
-            full = np.zeros((g, k))
-            full[:, cols] = sol
-            coef = np.where(ok[:, None], full, coef)
-        resid = np.abs((x @ coef[:, :, None])[:, :, 0] - y)
-        weights = np.where(resid <= HUBER_DELTA, 1.0, HUBER_DELTA / np.maximum(resid, 1e-12))
-    huber = np.where(resid <= HUBER_DELTA, 0.5 * resid**2, HUBER_DELTA * (resid - 0.5 * HUBER_DELTA))
-    return coef, huber.sum(axis=1)
-
-
-def fit_law(points: list[Point], source: str) -> Fit:
+def fit_law(points: list[CalibrationPoint], source: str) -> Fit:
     """The Chinchilla-form law that fits the points best (see the module docstring)."""
     check_points(points)
     n = np.array([p.n for p in points], dtype=float)
@@ -122,7 +96,7 @@ def fit_law(points: list[Point], source: str) -> Fit:
     else:
         pairs = np.array(list(itertools.product(EXPONENTS, EXPONENTS)))
     x = np.stack([np.ones((len(pairs), len(points))), n[None] ** -pairs[:, :1], d[None] ** -pairs[:, 1:]], 2)
-    coef, huber = nnls_huber(x, y)
+    coef, huber = robust_nnls(x, y, HUBER_DELTA)
     i = int(np.argmin(huber))
     law = ChinchillaLaw(*map(float, coef[i]), float(pairs[i, 0]), float(pairs[i, 1]), source)
     rmse = math.sqrt(sum((law.loss(p.n, p.d) - p.loss) ** 2 for p in points) / len(points))
@@ -145,7 +119,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def calibration_run(
     overrides: list[str], root: Path, layers: int, width: int, steps: int
-) -> tuple[Point, dict]:
+) -> tuple[CalibrationPoint, dict]:
     """Train one shape for `steps` steps (validated once, at the end) and return its point and cost ledger."""
     name = f"cal_{layers}x{width}_s{steps}"
     cfg = compose(
@@ -171,7 +145,9 @@ def calibration_run(
         objects.data, objects.trainer, objects.optim, world=1
     ).tokens_per_device_step
     loss = train(cfg)
-    point = Point(name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan))
+    point = CalibrationPoint(
+        name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan)
+    )
     return point, rundir.read_ledger(root / name) or {}
 
 
