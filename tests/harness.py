@@ -338,13 +338,15 @@ def assert_same(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-def assert_matches_reference(root: Path, name: str, reference: dict) -> None:
-    """The run ended at the last step with the uninterrupted run's weights, optimizer and schedule."""
+def assert_matches_reference(root: Path, name: str, reference: dict, steps: int = STEPS) -> dict:
+    """The run ended at the last step (`steps`) with the uninterrupted run's weights, optimizer and schedule;
+    returns its checkpoint."""
     ckpt = last(root, name)
-    assert ckpt["global_step"] == reference["global_step"] == STEPS
+    assert ckpt["global_step"] == reference["global_step"] == steps
     assert_same(ckpt["state_dict"], reference["state_dict"], "weights")
     assert_same(ckpt["optimizer_states"], reference["optimizer_states"], "optimizer")
     assert_same(ckpt["lr_schedulers"], reference["lr_schedulers"], "scheduler")
+    return ckpt
 
 
 def sha256(path: Path) -> str:

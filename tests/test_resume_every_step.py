@@ -21,7 +21,7 @@ import pytest
 from lm.store.exits import EXIT_PREEMPTED
 
 from .conftest import TINY
-from .harness import assert_same, fault, last, run
+from .harness import assert_matches_reference, assert_same, fault, last, run
 
 STEPS = 16
 SPIKE_STEP = 11
@@ -88,11 +88,7 @@ def reference(root, data_cache) -> dict:
 
 
 def assert_resumed_exactly(root: Path, name: str, reference: dict) -> None:
-    ckpt = last(root, name)
-    assert ckpt["global_step"] == reference["global_step"] == STEPS
-    assert_same(ckpt["state_dict"], reference["state_dict"], "weights")
-    assert_same(ckpt["optimizer_states"], reference["optimizer_states"], "optimizer")
-    assert_same(ckpt["lr_schedulers"], reference["lr_schedulers"], "schedule")
+    ckpt = assert_matches_reference(root, name, reference, steps=STEPS)
     for stateful in ("SpikeGuard", "NonFiniteGuard", "MilestoneSampler"):
         assert_same(callback_state(ckpt, stateful), callback_state(reference, stateful), stateful)
 

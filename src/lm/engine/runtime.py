@@ -121,13 +121,13 @@ def set_matmul_precision(tf32: bool) -> None:
 # -- preflight: the doctor's precision and compile checks (lm.run.doctor runs them) -----------------------
 
 
-def precision_findings(rt: Runtime, tf32: bool) -> list[Finding]:
+def precision_findings(cuda: bool, precision: str, gpu: GpuConfig, tf32: bool) -> list[Finding]:
     """fp32 on a GPU; TF32 off. GPU advice only: a CPU smoke test is not worth nagging about."""
-    if not rt.cuda:
+    if not cuda:
         return []
     out = []
-    if rt.precision == "32-true":
-        ratio = (rt.gpu.peak_bf16_tflops or 0) / (rt.gpu.peak_tf32_tflops or math.inf)
+    if precision == "32-true":
+        ratio = (gpu.peak_bf16_tflops or 0) / (gpu.peak_tf32_tflops or math.inf)
         out.append(
             Finding(
                 "precision",
@@ -139,9 +139,9 @@ def precision_findings(rt: Runtime, tf32: bool) -> list[Finding]:
             )
         )
     else:
-        out.append(Finding("precision", "ok", rt.precision))
+        out.append(Finding("precision", "ok", precision))
     if not tf32:
-        big = rt.precision == "32-true"
+        big = precision == "32-true"
         out.append(
             Finding(
                 "tf32",
@@ -156,13 +156,13 @@ def precision_findings(rt: Runtime, tf32: bool) -> list[Finding]:
     return out
 
 
-def compile_findings(rt: Runtime, kernels: KernelsConfig) -> list[Finding]:
+def compile_findings(cuda: bool, kernels: KernelsConfig) -> list[Finding]:
     """torch.compile off on a GPU; Liger beside compile, which measured slower than compile alone.
 
     Gains are `lm bench` of the 1b model on an H100 (experiments/2026-11-23-gpu): eager 47.3K, Liger 65.3K,
     Liger + compile 65.0K, compile 73.4K tokens/s. Liger's remaining gain is memory (no logits tensor), so
     the Liger + compile warning says to keep it only where compile alone does not fit."""
-    if not rt.cuda:
+    if not cuda:
         return []
     liger = kernels.liger
     if kernels.compile is False:

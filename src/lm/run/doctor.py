@@ -90,11 +90,11 @@ def check_memory(t: Target) -> list[Finding]:
 
 
 def check_precision(t: Target) -> list[Finding]:
-    return runtime.precision_findings(runtime_of(t), t.cfg.precision.tf32)
+    return runtime.precision_findings(t.cuda, t.precision, t.gpu, t.cfg.precision.tf32)
 
 
 def check_kernels(t: Target) -> list[Finding]:
-    return runtime.compile_findings(runtime_of(t), t.cfg.kernels)
+    return runtime.compile_findings(t.cuda, t.cfg.kernels)
 
 
 def check_workers(t: Target) -> list[Finding]:
@@ -131,11 +131,6 @@ def check_evals(t: Target) -> list[Finding]:
 
 def check_optimizer(t: Target) -> list[Finding]:
     return optimizer_findings(t.cfg.model, t.cfg.optim)
-
-
-def runtime_of(t: Target) -> runtime.Runtime:
-    """The slice of a `Runtime` the precision and compile checks read."""
-    return runtime.Runtime(t.cuda, False, t.precision, False, False, t.gpu, t.gpu.name, None)
 
 
 def check_mixture(t: Target) -> list[Finding]:
