@@ -16,13 +16,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm.cli import main as lm
 from lm.config import register_configs, to_objects
 from lm.data import LMDataModule
-from lm.engine.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
+from lm.data.stdlib import stdlib_documents
+from lm.data.tokenizer import EOT, EOT_ID, train_tokenizer
+from lm.engine.hf import Loaded, from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
 from lm.engine.module import eager_cross_entropy
 from lm.model import ModelConfig, Transformer
 from lm.run.train import main
 from lm.store import rundir
 from lm.store.exits import EXIT_CONFIG, exit_code
-from lm.tools.export import export
+from lm.tools.export import LOCAL, MAX_SHARD_SIZE, export, model_card, run_license, write_folder
 
 from .conftest import CONF, TINY
 
@@ -232,3 +234,57 @@ def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tm
         main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
     assert exit_code(refused.value) == EXIT_CONFIG
     assert not (tmp_path / "runs" / "smoke" / "config.yaml").exists()  # before the run directory is written
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    """lm's own byte-level BPE (400 ids), trained in a second on a sample of the bundled corpus."""
+    texts = [d.text for d in stdlib_documents(max_bytes=300_000).documents]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(texts, 400).save(str(path))
+    return path
+
+
+def opened(model: Transformer, tokenizer_json: Path, run_dir: Path) -> Loaded:
+    """`model` as `load_run` opens a run (no training): what `lm export` writes from."""
+    return Loaded(model, model.cfg, run_dir, run_dir / "last.ckpt", 0, tokenizer_json, EOT, EOT_ID)
+
+
+def test_the_exported_tokenizer_gives_llamas_inputs_and_pads_with_end_of_text(bpe, tmp_path, monkeypatch):
+    """transformers 4.x's fast tokenizer returns token_type_ids unless told its model's inputs, and its
+    generate refuses them; with no pad token, batched inference and fine-tuning stop at the first padding."""
+    model = tiny_lm(vocab_size=400, vocab_multiple=64)
+    write_folder(opened(model, bpe, tmp_path / "run"), tmp_path / "hf", torch.float32, "keep", MAX_SHARD_SIZE)
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config["model_input_names"] == ["input_ids", "attention_mask"] and config["pad_token"] == EOT
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()).get("pad_token_id") is None
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["pad_token_id"] == EOT_ID
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", padding_side="left")
+    assert set(tokenizer("def f():")) == {"input_ids", "attention_mask"} and tokenizer.pad_token_id == EOT_ID
+    batch = tokenizer(["def f():", "import os\nimport sys\n"], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][0, 0] == 0  # the short one was padded
+    new = hf.generate(**batch, max_new_tokens=4, do_sample=False)
+    alone = hf.generate(**tokenizer(["def f():"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert torch.equal(new[0, -4:], alone[0, -4:])  # padding changes nothing of the continuation
+
+
+def test_the_model_card_names_no_local_path_and_states_the_license(bpe, tiny_cfg, tmp_path):
+    cfg = tiny_cfg("run.license=apache-2.0", f"model.init_from={tmp_path / 'base'}")
+    run_dir = tmp_path / "runs" / "smoke"
+    rundir.write_config(run_dir, cfg)
+    written = (run_dir / "config.yaml").read_text()
+    # run.root, data.cache_dir, model.init_from: where this machine keeps them
+    assert str(tmp_path) in written
+    model = tiny_lm(vocab_size=400, vocab_multiple=64)
+    card = model_card(
+        opened(model, bpe, run_dir), "float32", "keep", run_license(rundir.read_config(run_dir))
+    )
+    assert str(tmp_path) not in card and "/" + tmp_path.parts[1] not in card
+    assert f"root: {LOCAL}" in card and f"cache_dir: {LOCAL}" in card and "name: smoke" in card
+    assert card.startswith('---\nlicense: "apache-2.0"\n') and "License: apache-2.0." in card
+    unlicensed = model_card(opened(model, bpe, run_dir), "float32", "keep")
+    front_matter = unlicensed.split("\n---\n")[0]
+    assert "license" not in front_matter and "License: not stated (set `run.license`" in unlicensed

@@ -11,10 +11,13 @@ lm bench   [overrides with comma lists...]
 lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
 lm sample  RUN_DIR|CKPT [PROMPT]
                             continue a prompt with a run's checkpoint (no prompt: read prompts from stdin)
-lm export  RUN_DIR|CKPT --out DIR [--dtype fp32|bf16] [--vocab keep|truncate]
+lm export  RUN_DIR|CKPT --out DIR [--dtype fp32|bf16] [--vocab keep|truncate] [--license ID]
                             the run as a Hugging Face Llama folder (safetensors, tokenizer, model card)
+           RUN_DIR|CKPT --format gguf --out FILE.gguf [--dtype fp32|fp16|bf16]
+                            the run as one GGUF file for llama.cpp
 lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
-                            benchmarks with lm-evaluation-harness -> eval.json + eval.md
+                            benchmarks with lm-evaluation-harness -> eval.json + eval.md (in the run
+                            directory; beside an HF folder: <folder>.eval.json, or --into-folder)
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
 lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -50,11 +54,10 @@ from lm.numbers import loss_law, run_plan
 from lm.numbers.cost import ASSUMED_MFU, load_catalog
 from lm.run.doctor import diagnose, level_of, resolve_target, table
 from lm.run.report import write_report
-from lm.store import rundir
 from lm.store.atomic import write_atomic
 from lm.tools import budget, calibrate
 from lm.tools.bench import run_bench, run_compare
-from lm.tools.export import DTYPES, export
+from lm.tools.export import FORMATS, export
 from lm.tools.sky import rank_gpus, render_task
 from lm.tools.supervise import supervise
 from lm.tools.sweep import write_summary
@@ -265,13 +268,21 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    out = export(args.path, args.out, dtype=args.dtype, vocab=args.vocab)
-    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it; vllm serve {out}")
+    out = export(
+        args.path, args.out, format=args.format, dtype=args.dtype, vocab=args.vocab, license=args.license
+    )
+    quoted = shlex.quote(str(out))  # pasted into a shell as printed, spaces and all
+    if args.format == "gguf":
+        print(f"wrote {out}: llama-cli -m {quoted}; llama-quantize {quoted} <smaller.gguf> Q4_K_M")
+    else:
+        print(
+            f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it; vllm serve {quoted}"
+        )
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     tasks = [t for t in args.tasks.split(",") if t]
-    folder, record = evaluate_path(
+    written, record = evaluate_path(
         args.path,
         tasks,
         limit=args.limit,
@@ -279,9 +290,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         device=args.device,
         with_samples=args.samples,
+        into_folder=args.into_folder,
     )
-    print((folder / rundir.EVAL_MD).read_text(), end="")
-    print(f"wrote {folder / rundir.EVAL} and {rundir.EVAL_MD} ({record['seconds']:.1f} s)")
+    print(written.with_suffix(".md").read_text(), end="")
+    print(f"wrote {written} and {written.with_suffix('.md').name} ({record['seconds']:.1f} s)")
 
 
 def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
@@ -344,10 +356,24 @@ def add_run_readers(verbs) -> None:
     sample.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     sample.set_defaults(fn=cmd_sample)
-    export_ = verbs.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama folder")
+    export_ = verbs.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face Llama folder or a GGUF file"
+    )
     export_.add_argument("path", help="runs/<run.name> (its last.ckpt) or runs/<run.name>/checkpoints/*.ckpt")
-    export_.add_argument("--out", required=True, help="the folder to create (must not exist)")
-    export_.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' dtype (fp32)")
+    export_.add_argument("--out", required=True, help="the folder (or .gguf file) to create (must not exist)")
+    export_.add_argument(
+        "--format", choices=list(FORMATS), default="hf", help="hf: a transformers folder; gguf: llama.cpp"
+    )
+    export_.add_argument("--gguf", dest="format", action="store_const", const="gguf", help="--format gguf")
+    export_.add_argument(
+        "--dtype",
+        choices=sorted({d for dtypes in FORMATS.values() for d in dtypes}),
+        default="fp32",
+        help="weights' dtype (fp32); fp16 only with --format gguf",
+    )
+    export_.add_argument(
+        "--license", default=None, help="the model's license (a Hub id, e.g. apache-2.0); default run.license"
+    )
     export_.add_argument(
         "--vocab",
         choices=VOCAB,
@@ -364,6 +390,12 @@ def add_run_readers(verbs) -> None:
     evaluate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     evaluate.add_argument(
         "--samples", action="store_true", help="keep every example's log-likelihoods in eval.json"
+    )
+    evaluate.add_argument(
+        "--into-folder",
+        action="store_true",
+        help="of a Hugging Face folder: write eval.json into it (default: <folder>.eval.json beside it, "
+        "so an upload of the folder does not carry it)",
     )
     evaluate.set_defaults(fn=cmd_eval)
 

@@ -34,6 +34,9 @@ class RunConfig:
     """Continue from `checkpoints/last.ckpt` when the run directory has one; false starts over."""
     seed: int = 0
     """Seed of weights initialisation and of the data order."""
+    license: str | None = None
+    """The model's license in `lm export`'s model card and GGUF (a Hub identifier: apache-2.0, mit, ...);
+    `lm export --license` overrides it."""
 
 
 @dataclass

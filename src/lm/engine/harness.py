@@ -174,10 +174,14 @@ def evaluate_path(
     batch_size: int = 16,
     device: str | None = None,
     with_samples: bool = False,
+    into_folder: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
-    """`lm eval`: score a run or an HF folder; eval.json and eval.md written into it. Returns (folder, record).
+    """`lm eval`: score a run or an HF folder. Returns (the eval.json written, record).
 
-    `with_samples` keeps each example's log-likelihoods in eval.json (what the per-example check reads).
+    A run's eval.json and eval.md go into its directory. An HF folder's go beside it, as
+    `<folder>.eval.json` and `<folder>.eval.md`, so that uploading the folder uploads the model and not a
+    local evaluation of it; `into_folder` writes them into it instead. `with_samples` keeps each example's
+    log-likelihoods in eval.json (what the per-example check reads).
     """
     require_harness()
     task_manager(tasks, include_path)  # an unknown task is refused before the model is loaded
@@ -204,8 +208,11 @@ def evaluate_path(
     }
     if with_samples:
         record["samples"] = {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
-    rundir.write_eval(folder, record, evals_markdown(out["scores"]) + "\n")
-    return folder, record
+    markdown = evals_markdown(out["scores"]) + "\n"
+    if "checkpoint" in about or into_folder:  # a run directory (or asked for)
+        return rundir.write_eval(folder, record, markdown), record
+    folder = folder.resolve()  # `lm eval .` names its folder
+    return rundir.write_eval(folder.parent, record, markdown, prefix=f"{folder.name}."), record
 
 
 def example(sample: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,8 @@ LAYER_KEYS = {
 VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")
 """lm tensors with one row per token id: padded in lm, optionally cut to the tokenizer's size in HF."""
 VOCAB = ("keep", "truncate")
+MODEL_INPUTS = ["input_ids", "attention_mask"]
+"""What the export's tokenizer returns: what LlamaForCausalLM's forward and generate take."""
 EXTRA = "transformers is not installed; install the export extra: pip install -e '.[export]'"
 
 
@@ -105,7 +107,9 @@ def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = N
 
     Both rope spellings are kept: `rope_parameters` (transformers >= 4.56) and the older top-level
     `rope_theta`, since a reader that drops the theta silently changes every logit. End of text is both bos
-    and eos; there is no pad id (fine-tuning code that pads with it would never train the eos row)."""
+    and eos. No `pad_token_id` here although the tokenizer pads with end of text (`hf_tokenizer`): Llama
+    makes it the embedding's `padding_idx`, a row whose gradient is zero, so fine-tuning the export would
+    never update the end-of-text embedding."""
     transformers = require_transformers()
     config = transformers.LlamaConfig(
         vocab_size=model_cfg.padded_vocab_size if vocab_size is None else vocab_size,
@@ -185,8 +189,9 @@ def to_hf_model(
     config = hf_config(model_cfg, eos_id=eos_id, vocab_size=rows)
     hf = transformers.LlamaForCausalLM(config)
     hf.load_state_dict(to_hf_state_dict(state_dict, model_cfg, vocab_size=rows), strict=True)
+    # Batched generation pads with end of text (the tokenizer's pad token), the only special token lm has.
     hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eos_id
-    hf.generation_config.pad_token_id = None
+    hf.generation_config.pad_token_id = eos_id
     if rows > real:
         hf.generation_config.suppress_tokens = list(range(real, rows))
     return hf.to(dtype).eval()
@@ -251,11 +256,20 @@ def hf_tokenizer(
     tokenizer_json: Path, eot_token: str, model_max_length: int | None = None
 ) -> PreTrainedTokenizerFast:
     """The run's tokenizer as a transformers tokenizer: the same ids for every text (nothing added: no bos
-    prepended), end of text as eos and bos, no pad token; `model_max_length` is the model's context."""
+    prepended), end of text as eos, bos and pad (lm's tokenizer has no other special token: a pad of its own
+    would be a new id the model never saw); `model_max_length` is the model's context.
+
+    `model_input_names` leaves out `token_type_ids`, which transformers 4.x's fast tokenizer returns by
+    default and its `generate(**tokenizer(text, return_tensors="pt"))` refuses as an unused model input."""
     transformers = require_transformers()
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_json), eos_token=eot_token, bos_token=eot_token, **extra
+        tokenizer_file=str(tokenizer_json),
+        eos_token=eot_token,
+        bos_token=eot_token,
+        pad_token=eot_token,
+        model_input_names=MODEL_INPUTS,
+        **extra,
     )
 
 

@@ -317,10 +317,12 @@ def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(read_jsonl_latest(run_dir / EVALS, lambda r: r["step"]), key=lambda r: r["step"])
 
 
-def write_eval(folder: Path, record: dict[str, Any], markdown: str) -> None:
-    """`lm eval`'s result: eval.json and the table eval.md (each atomically)."""
-    write_record(folder / EVAL, record)
-    write_atomic(folder / EVAL_MD, markdown)
+def write_eval(folder: Path, record: dict[str, Any], markdown: str, prefix: str = "") -> Path:
+    """`lm eval`'s result: `<prefix>eval.json` and the table `<prefix>eval.md` (each atomically); returns
+    the first."""
+    write_record(folder / f"{prefix}{EVAL}", record)
+    write_atomic(folder / f"{prefix}{EVAL_MD}", markdown)
+    return folder / f"{prefix}{EVAL}"
 
 
 # -- TensorBoard ------------------------------------------------------------------------------------------

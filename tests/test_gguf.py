@@ -1,0 +1,138 @@
+"""`lm export --format gguf`: the GGUF file llama.cpp loads, read back with the `gguf` package, and (slow,
+when llama-cpp-python is installed) run by llama.cpp itself against transformers."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from lm.cli import main as lm
+from lm.data.stdlib import stdlib_documents
+from lm.data.tokenizer import EOT, EOT_ID, train_tokenizer
+from lm.engine.hf import Loaded, load_run
+from lm.model import ModelConfig, Transformer
+from lm.run.train import main
+from lm.tools.export_gguf import gguf_vocabulary, interleave_rope, write_gguf
+
+from .test_export import compose_run, tiny_lm
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install -e '.[export]'")
+
+TEXTS = [
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "naïve café — 東京 🚀  it's   spaced\t\ttabs\n\n\nand they'll've 12345 numbers",
+    "The quick brown fox" + EOT + "jumps over the lazy dog.   ",
+]
+
+
+def rope(x: torch.Tensor, pairs: str, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE on (positions, heads, head_dim) with the pairs (i, i + d/2) ('half', lm and HF) or (2i, 2i + 1)
+    ('interleaved', llama.cpp's Llama)."""
+    t, _, d = x.shape
+    angles = torch.arange(t)[:, None] * theta ** (-torch.arange(0, d, 2) / d)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    a, b = (x[..., : d // 2], x[..., d // 2 :]) if pairs == "half" else (x[..., 0::2], x[..., 1::2])
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1 if pairs == "interleaved" else -2).flatten(
+        -2
+    )
+
+
+@pytest.mark.parametrize("heads", [4, 2])
+def test_reordered_q_and_k_rows_give_llama_cpps_rope_the_same_attention_scores(heads):
+    """A score q.k after lm's rotate-half RoPE equals the score after llama.cpp's interleaved RoPE of the
+    projections whose rows `interleave_rope` reordered (without it, the scores differ)."""
+    torch.manual_seed(0)
+    wq, wk, x = torch.randn(heads * 16, 64), torch.randn(heads * 16, 64), torch.randn(10, 64)
+
+    def scores(wq, wk, pairs):
+        q, k = (rope((x @ w.T).view(10, heads, 16), pairs) for w in (wq, wk))
+        return torch.einsum("thd,shd->hts", q, k)
+
+    ours = scores(wq, wk, "half")
+    assert torch.allclose(
+        ours, scores(interleave_rope(wq, heads), interleave_rope(wk, heads), "interleaved"), atol=1e-4
+    )
+    assert not torch.allclose(ours, scores(wq, wk, "interleaved"), atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    """lm's own byte-level BPE, trained on a sample of the bundled corpus."""
+    texts = [d.text for d in stdlib_documents(max_bytes=300_000).documents]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(texts, 400).save(str(path))
+    return path
+
+
+def loaded(model: Transformer, tokenizer_json: Path, run_dir: Path) -> Loaded:
+    """A run opened as `load_run` opens one, from an in-memory model (no training)."""
+    return Loaded(model, model.cfg, run_dir, run_dir / "last.ckpt", 0, tokenizer_json, EOT, EOT_ID)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_file_holds_llama_metadata_gpt2_tokenizer_and_the_weights(tokenizer_json, tmp_path, dtype, tied):
+    model = tiny_lm(vocab_size=400, vocab_multiple=64, n_kv_head=2, tie_embeddings=tied)  # 448 rows
+    path = tmp_path / "m.gguf"
+    write_gguf(
+        loaded(model, tokenizer_json, tmp_path / "tiny"), path, dtype=dtype, vocab="keep", license="mit"
+    )
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "llama" and fields["general.license"] == "mit"
+    assert fields["llama.block_count"] == 2 and fields["llama.embedding_length"] == 64
+    assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
+    assert fields["llama.rope.freq_base"] == 10000.0 and fields["llama.context_length"] == 32
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    spec = json.loads(tokenizer_json.read_text())
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert (
+        len(tokens) == 448
+        and tokens[EOT_ID] == EOT
+        and tokens[399] == max(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    )
+    types = fields["tokenizer.ggml.token_type"]
+    assert types[EOT_ID] == gguf.TokenType.CONTROL and set(types[400:]) == {gguf.TokenType.UNUSED}
+    assert fields["tokenizer.ggml.merges"][0] == " ".join(spec["model"]["merges"][0])
+    assert fields["tokenizer.ggml.eos_token_id"] == fields["tokenizer.ggml.bos_token_id"] == EOT_ID
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+
+    tensors = {t.name: t for t in reader.tensors}
+    assert ("output.weight" in tensors) is not tied  # a tied model: llama.cpp reads token_embd twice
+    kind = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}[dtype]
+    assert tensors["blk.0.ffn_gate.weight"].tensor_type.name == kind
+    assert tensors["blk.1.attn_norm.weight"].tensor_type.name == "F32"  # norm gains stay F32
+    embd = gguf.quants.dequantize(tensors["token_embd.weight"].data, tensors["token_embd.weight"].tensor_type)
+    tolerance = {"fp32": 0, "fp16": 1e-3, "bf16": 1e-2}[dtype]
+    assert np.allclose(embd, model.tok_emb.weight.detach().numpy(), atol=tolerance, rtol=tolerance)
+    k = gguf.quants.dequantize(
+        tensors["blk.0.attn_k.weight"].data, tensors["blk.0.attn_k.weight"].tensor_type
+    )
+    expected = interleave_rope(model.blocks[0].attn.wk.weight.detach(), 2).numpy()
+    assert k.shape == (32, 64) and np.allclose(k, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_truncate_writes_only_the_tokenizers_rows(tokenizer_json, tmp_path):
+    model = tiny_lm(vocab_size=400, vocab_multiple=64)
+    write_gguf(
+        loaded(model, tokenizer_json, tmp_path),
+        tmp_path / "m.gguf",
+        dtype="fp32",
+        vocab="truncate",
+        license=None,
+    )
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 400
+    assert "general.license" not in reader.fields
+    assert {t.name: t for t in reader.tensors}["output.weight"].shape.tolist() == [64, 400]
+
+
+def test_a_tokenizer_that_is_not_lms_byte_level_bpe_is_refused_naming_the_way_out(tmp_path):
+    words = Tokenizer(WordLevel({EOT: 0, "a": 1}, unk_token="a"))
+    with pytest.raises(ValueError, match="convert_hf_to_gguf.py"):
+        gguf_vocabulary(json.loads(words.to_str()))
