@@ -188,6 +188,11 @@ def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
     to_hf_model(loaded.model, eos_id=loaded.eot_id).save_pretrained(hf_dir)
     hf_tokenizer(loaded.tokenizer_path, loaded.eot_token).save_pretrained(hf_dir)
     cli.main(["eval", str(hf_dir), "--tasks", "tiny_mc", "--include-path", str(TASKS)])
+    # ...written beside the folder, not into it: an upload of the folder carries no local evaluation.
+    assert json.loads((tmp_path / "hf.eval.json").read_text())["scores"] == record["scores"]
+    assert "| tiny_mc | acc |" in (tmp_path / "hf.eval.md").read_text()
+    assert not (hf_dir / rundir.EVAL).exists() and not (hf_dir / rundir.EVAL_MD).exists()
+    cli.main(["eval", str(hf_dir), "--tasks", "tiny_mc", "--include-path", str(TASKS), "--into-folder"])
     assert json.loads((hf_dir / rundir.EVAL).read_text())["scores"] == record["scores"]
 
 

@@ -2,7 +2,11 @@
 
 import hashlib
 import json
+import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,8 +137,9 @@ def compose_run(runs: Path, cache: Path, *overrides: str):
 
 @pytest.mark.slow
 def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypatch, capsys):
-    out = tmp_path / "hf"
+    out = tmp_path / "tiny export"  # a space: the printed command must still paste into a shell
     lm(["export", str(run), "--out", str(out)])
+    assert f"vllm serve {shlex.quote(str(out))}\n" in capsys.readouterr().out
     assert not list(tmp_path.glob(".*tmp*"))  # the temporary sibling was renamed, nothing left beside it
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
@@ -151,11 +156,12 @@ def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypa
     assert (
         "validation loss" in card and "dollars" in card and "tokens trained" in card and "n_layer: 2" in card
     )
+    assert "| validation bits per byte | " in card and str(run.parent) not in card and LOCAL in card
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == loaded.eot_id
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == loaded.eot_id
     # The same ids as lm's tokenizer, for unicode and an end-of-text inside the text.
     text = "naïve café — 東京 🚀\n" + loaded.eot_token + "def f(x):\n\treturn x ** 2"
     ours = Tokenizer.from_file(str(loaded.tokenizer_path)).encode(text).ids
@@ -236,13 +242,17 @@ def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tm
     assert not (tmp_path / "runs" / "smoke" / "config.yaml").exists()  # before the run directory is written
 
 
+def small_bpe(folder: Path) -> Path:
+    """lm's own byte-level BPE (400 ids) at `folder/tokenizer.json`, trained in a second on a sample of the
+    bundled corpus."""
+    texts = [d.text for d in stdlib_documents(max_bytes=300_000).documents]
+    train_tokenizer(texts, 400).save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
-    """lm's own byte-level BPE (400 ids), trained in a second on a sample of the bundled corpus."""
-    texts = [d.text for d in stdlib_documents(max_bytes=300_000).documents]
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_tokenizer(texts, 400).save(str(path))
-    return path
+    return small_bpe(tmp_path_factory.mktemp("tok"))
 
 
 def opened(model: Transformer, tokenizer_json: Path, run_dir: Path) -> Loaded:
@@ -288,3 +298,60 @@ def test_the_model_card_names_no_local_path_and_states_the_license(bpe, tiny_cfg
     unlicensed = model_card(opened(model, bpe, run_dir), "float32", "keep")
     front_matter = unlicensed.split("\n---\n")[0]
     assert "license" not in front_matter and "License: not stated (set `run.license`" in unlicensed
+
+
+TRANSFORMERS_4 = "transformers>=4.56,<5"
+"""The transformers that vLLM and much of the ecosystem still pin."""
+GENERATE = """
+import json, sys, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, prompt = sys.argv[1:]
+model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+one = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+tokenizer.padding_side = "left"
+batch = tokenizer(["x", prompt], return_tensors="pt", padding=True)
+two = model.generate(**batch, max_new_tokens=8, do_sample=False)
+print(json.dumps({"version": transformers.__version__, "one": one[0].tolist(), "two": two[1].tolist()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def python_with_transformers_4(tmp_path_factory) -> Path:
+    """A Python with transformers 4.x: a venv over this environment's packages (torch, safetensors: a .pth
+    puts them after its own) with transformers 4.x and the tokenizers and huggingface-hub it pins installed
+    in it, ahead of this environment's 5.x on sys.path. ~1 minute; skipped when pip can reach no registry."""
+    venv = tmp_path_factory.mktemp("transformers4") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (Path(purelib) / "zz-outer-environment.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    try:
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", TRANSFORMERS_4],
+            capture_output=True, text=True, check=True, timeout=1200,
+        )  # fmt: skip
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"pip could not install {TRANSFORMERS_4} (no package registry?): {str(e.stderr)[-500:]}")
+    return python
+
+
+@pytest.mark.slow
+def test_transformers_4_generates_from_the_export_unmodified(run, tmp_path, python_with_transformers_4):
+    """`generate(**tokenizer(text, return_tensors="pt"))` (which 4.x refused: `token_type_ids`) and padded
+    batches give the tokens transformers 5 gives."""
+    export(run, tmp_path / "hf")
+    prompt = "def fibonacci(n):"
+    done = subprocess.run(
+        [python_with_transformers_4, "-c", GENERATE, str(tmp_path / "hf"), prompt],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert theirs["version"].startswith("4.")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+    assert theirs["one"] == ours[0].tolist() and theirs["two"][-len(theirs["one"]) :] == theirs["one"]

@@ -2,7 +2,7 @@
 when llama-cpp-python is installed) run by llama.cpp itself against transformers."""
 
 import json
-import time
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -10,16 +10,16 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm.cli import main as lm
-from lm.data.stdlib import stdlib_documents
-from lm.data.tokenizer import EOT, EOT_ID, train_tokenizer
-from lm.engine.hf import Loaded, load_run
-from lm.model import ModelConfig, Transformer
+from lm.data.tokenizer import EOT, EOT_ID
+from lm.engine.hf import load_run
 from lm.run.train import main
+from lm.tools.export import export
 from lm.tools.export_gguf import gguf_vocabulary, interleave_rope, write_gguf
 
-from .test_export import compose_run, tiny_lm
+from .test_export import compose_run, opened, small_bpe, tiny_lm
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install -e '.[export]'")
 
@@ -62,16 +62,7 @@ def test_reordered_q_and_k_rows_give_llama_cpps_rope_the_same_attention_scores(h
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> Path:
-    """lm's own byte-level BPE, trained on a sample of the bundled corpus."""
-    texts = [d.text for d in stdlib_documents(max_bytes=300_000).documents]
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_tokenizer(texts, 400).save(str(path))
-    return path
-
-
-def loaded(model: Transformer, tokenizer_json: Path, run_dir: Path) -> Loaded:
-    """A run opened as `load_run` opens one, from an in-memory model (no training)."""
-    return Loaded(model, model.cfg, run_dir, run_dir / "last.ckpt", 0, tokenizer_json, EOT, EOT_ID)
+    return small_bpe(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -80,7 +71,7 @@ def test_gguf_file_holds_llama_metadata_gpt2_tokenizer_and_the_weights(tokenizer
     model = tiny_lm(vocab_size=400, vocab_multiple=64, n_kv_head=2, tie_embeddings=tied)  # 448 rows
     path = tmp_path / "m.gguf"
     write_gguf(
-        loaded(model, tokenizer_json, tmp_path / "tiny"), path, dtype=dtype, vocab="keep", license="mit"
+        opened(model, tokenizer_json, tmp_path / "tiny"), path, dtype=dtype, vocab="keep", license="mit"
     )
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -120,7 +111,7 @@ def test_gguf_file_holds_llama_metadata_gpt2_tokenizer_and_the_weights(tokenizer
 def test_truncate_writes_only_the_tokenizers_rows(tokenizer_json, tmp_path):
     model = tiny_lm(vocab_size=400, vocab_multiple=64)
     write_gguf(
-        loaded(model, tokenizer_json, tmp_path),
+        opened(model, tokenizer_json, tmp_path),
         tmp_path / "m.gguf",
         dtype="fp32",
         vocab="truncate",
@@ -136,3 +127,52 @@ def test_a_tokenizer_that_is_not_lms_byte_level_bpe_is_refused_naming_the_way_ou
     words = Tokenizer(WordLevel({EOT: 0, "a": 1}, unk_token="a"))
     with pytest.raises(ValueError, match="convert_hf_to_gguf.py"):
         gguf_vocabulary(json.loads(words.to_str()))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_cache) -> Path:
+    """One tiny real run (4 steps: tokenizer, weights and padded vocabulary rows as a user's)."""
+    runs = tmp_path_factory.mktemp("runs")
+    main(compose_run(runs, data_cache, "run.name=tiny"))
+    return runs / "tiny"
+
+
+LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 1e-1}
+"""Largest |llama.cpp logit - transformers fp32 logit|: fp32 differs only by the order of float sums
+(measured ~1e-5 on the tiny run); fp16/bf16 round every matrix."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_llama_cpp_tokenizes_and_scores_the_gguf_export_as_transformers_the_hf_export(
+    trained, tmp_path, monkeypatch, capsys, dtype
+):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp",
+        reason="llama-cpp-python is not installed (it compiles llama.cpp, minutes): "
+        "CMAKE_ARGS='-DGGML_NATIVE=OFF' pip install llama-cpp-python",
+    )
+    out = tmp_path / "tiny model.gguf"  # a space: the printed command must still paste into a shell
+    lm(["export", str(trained), "--gguf", "--out", str(out), "--dtype", dtype, "--license", "mit"])
+    assert f"llama-cli -m {shlex.quote(str(out))}" in capsys.readouterr().out
+    export(trained, tmp_path / "hf")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    context = load_run(trained).model_cfg.max_seq_len
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=context, logits_all=True, n_threads=2, verbose=False)
+    worst = 0.0
+    for text in TEXTS:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ids == tokenizer(text)["input_ids"], text
+        ids = ids[:context]
+        llm.reset()
+        llm.eval(ids)
+        theirs = np.asarray(llm.scores[: len(ids)])
+        with torch.no_grad():
+            ours = model(torch.tensor([ids])).logits[0].numpy()
+        assert theirs.shape == ours.shape
+        assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= (1.0 if dtype == "fp32" else 0.9)
+        worst = max(worst, float(np.abs(theirs - ours).max()))
+    print(f"llama.cpp {dtype} GGUF vs transformers fp32: max |logit difference| {worst:.2e}")
+    assert worst < LOGIT_TOLERANCE[dtype]
