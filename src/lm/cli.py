@@ -273,7 +273,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     )
     quoted = shlex.quote(str(out))  # pasted into a shell as printed, spaces and all
     if args.format == "gguf":
-        print(f"wrote {out}: llama-cli -m {quoted}; llama-quantize {quoted} <smaller.gguf> Q4_K_M")
+        print(f"wrote {out}: llama-cli -m {quoted} runs it (llama.cpp); llama-quantize makes it smaller")
     else:
         print(
             f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it; vllm serve {quoted}"

@@ -69,6 +69,7 @@ def export(
     if not license:
         log.warning("no license: the export states none; set run.license=<id> or lm export --license <id>")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         if format == "gguf":
             write_gguf(run, tmp, dtype=dtype, vocab=vocab, license=license)
