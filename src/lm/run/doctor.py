@@ -26,6 +26,7 @@ from lm.data.datamodule import pickle_findings, worker_findings
 from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
+from lm.engine.fp8 import fp8_findings
 from lm.engine.harness import evals_findings
 from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
@@ -90,7 +91,10 @@ def check_memory(t: Target) -> list[Finding]:
 
 
 def check_precision(t: Target) -> list[Finding]:
-    return runtime.precision_findings(t.cuda, t.precision, t.gpu, t.cfg.precision.tf32)
+    p = t.cfg.precision
+    return runtime.precision_findings(t.cuda, t.precision, t.gpu, p.tf32) + fp8_findings(
+        p.fp8, p.fp8_emulate, t.cuda
+    )
 
 
 def check_kernels(t: Target) -> list[Finding]:
@@ -119,7 +123,10 @@ def check_plan(t: Target) -> list[Finding]:
 
 def check_price(t: Target) -> list[Finding]:
     c = t.cfg
-    bench_mfu = measured_mfu(Path(c.bench.out_dir), t.gpu.name, c.model, t.n_params) if t.cuda else None
+    ratio = cost.fp8_peak_ratio(t.gpu)
+    bench_mfu = (
+        measured_mfu(Path(c.bench.out_dir), t.gpu.name, c.model, t.n_params, ratio) if t.cuda else None
+    )
     return cost.price_findings(
         t.workload, t.gpu, t.catalog, c.cost, c.precision.tf32, c.doctor.assumed_mfu, bench_mfu
     )
