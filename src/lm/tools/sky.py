@@ -159,6 +159,8 @@ def render_task(overrides: list[str], ranked: list[Candidate], mfu: float = ASSU
         "run: |",
         "  set -e",
         "  source ~/lm-venv/bin/activate",
+        "  # Every path this config takes, on this machine, in minutes (exit 1 ends the job before the hours).",
+        f"  lm selftest {args + ' ' if args else ''}$TRAIN_ARGS",
         "  # lm supervise reruns after a crash on this machine; a reclaimed machine is SkyPilot's to replace.",
         "  # Either way the command resumes: from the local last.ckpt, or from the bucket on a new machine.",
         f"  lm supervise -- python train.py {args + ' ' if args else ''}run.root=$HOME/lm-runs "
