@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm.config import GpuConfig
+from lm.config import DataConfig, GpuConfig
 from lm.engine import fp8
 from lm.engine.hf import load_run, to_hf_model
 from lm.engine.module import LMModule
@@ -16,6 +16,7 @@ from lm.numbers import cost
 from lm.run.train import main
 from lm.store.bench_file import measured_mfu, write_bench
 from lm.store.exits import EXIT_CONFIG, exit_code
+from lm.tools.sky import ASSUMED_MFU, rank_gpus
 
 from .conftest import CONF
 from .conftest import train_in_process as train
@@ -98,6 +99,12 @@ def test_mfu_of_an_fp8_run_is_against_the_fp8_peak_and_plans_see_its_speed(tmp_p
     ratio = cost.fp8_peak_ratio(catalog["h100_sxm"])
     assert measured_mfu(tmp_path, "h100_sxm", model, 0, ratio) == pytest.approx(0.65, rel=0.01)
     assert measured_mfu(tmp_path, "h100_sxm", model, 0) == pytest.approx(0.5)  # no ratio: bf16 rows only win
+    # `lm sky` ranks a benched GPU at its measured speed, the others at the assumed MFU.
+    assumed = {c.gpu.name: c for c in rank_gpus(model, DataConfig(), 0, catalog)}
+    benched = {c.gpu.name: c for c in rank_gpus(model, DataConfig(), 0, catalog, bench_dir=tmp_path)}
+    speedup = assumed["h100_sxm"].usd_per_billion_tokens / benched["h100_sxm"].usd_per_billion_tokens
+    assert speedup == pytest.approx(0.65 / ASSUMED_MFU, rel=1e-3)
+    assert benched["a100_80gb"].usd_per_billion_tokens == assumed["a100_80gb"].usd_per_billion_tokens
 
 
 @pytest.mark.slow  # three tiny emulated runs, ~40 s on 2 cores
