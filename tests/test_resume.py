@@ -20,6 +20,7 @@ from lm.store import rundir
 from lm.store.exits import EXIT_CONFIG, exit_code
 
 from .conftest import CONF, TINY, train_in_process
+from .harness import flip_bytes
 from .test_mixture import SEQ, VOCAB, corpora  # noqa: F401 (a fixture, prepared once a session)
 
 ROOT = CONF.parent
@@ -141,13 +142,6 @@ def test_rotation_keeps_the_newest_past_steps_the_link_and_foreign_files(tmp_pat
 
 
 # -- the run's tokenizer: checked against tokenizer_info.json at every start ------------------------------
-
-
-def flip_bytes(path: Path) -> None:
-    """Bytes flipped on disk: the same size, another sha256."""
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x20
-    path.write_bytes(bytes(data))
 
 
 def test_a_damaged_run_tokenizer_is_restored_from_the_data_or_refused_naming_both(tmp_path):
