@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.local import disk_findings
 from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
@@ -140,6 +141,10 @@ def check_optimizer(t: Target) -> list[Finding]:
     return optimizer_findings(t.cfg.model, t.cfg.optim)
 
 
+def check_tokenizer(t: Target) -> list[Finding]:
+    return tokenizer_findings(t.run_dir, t.cfg.data, t.cfg.run.resume)
+
+
 def check_mixture(t: Target) -> list[Finding]:
     return mixture_findings(t.cfg.data, t.cfg.phases.phases, t.plan)
 
@@ -157,6 +162,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_price,
     check_evals,
     check_optimizer,
+    check_tokenizer,
 ]
 
 

@@ -161,7 +161,7 @@ def open_run(
         on_exit.callback(RunLock(run_dir).acquire().release)
         atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
-    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
+    check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
