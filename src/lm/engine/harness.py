@@ -122,8 +122,8 @@ def unreachable_tasks(tasks: list[str], include_path: str | Path | None = None) 
     problems: dict[str, str] = {}
     hub: list[str | None] = []  # the Hub's answer, asked at most once
     for task in tasks:
-        try:
-            with hub_offline():
+        try:  # building a task draws from the global generators (lm-eval's own seeding): kept as they were
+            with hub_offline(), generators_kept(torch.device("cpu")):
                 manager.load([task])
         except ConnectionError as e:  # not in the local cache: only a reachable Hub can supply it
             if not hub:
