@@ -105,9 +105,9 @@ class LMModule(pl.LightningModule):
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
         if self.liger:  # Liger's fused head + loss: the (B, T, V) logits are never materialised
             hidden_BTD = self.model.hidden(inputs)
-            return fused_linear_cross_entropy(
-                hidden_BTD.flatten(0, 1), self.model.lm_head.weight, targets.flatten()
-            )
+            # Liger takes no logit mask: the head cut to the real vocabulary is the loss of the masked logits.
+            weight_VD = self.model.lm_head.weight[: self.model_cfg.vocab_size]
+            return fused_linear_cross_entropy(hidden_BTD.flatten(0, 1), weight_VD, targets.flatten())
         return eager_cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm.callbacks.run_tokenizer import tokenizer_findings
-from lm.checkpoint.local import disk_findings
+from lm.checkpoint.local import disk_findings, resume_candidates
 from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
 from lm.data.mixture import mixture_findings
@@ -29,6 +29,7 @@ from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
 from lm.engine.fp8 import fp8_findings
 from lm.engine.harness import evals_findings
+from lm.engine.hf import init_from_findings
 from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
 from lm.numbers import cost, memory, run_plan
@@ -137,6 +138,17 @@ def check_evals(t: Target) -> list[Finding]:
     return evals_findings(t.cfg.evals)
 
 
+def check_init_from(t: Target) -> list[Finding]:
+    """`model.init_from` of a fresh run: here, so that a refusal leaves no run directory, lock or hydra/<time>/.
+    A run that resumes reads its checkpoint, not init_from; one that may resume a remote checkpoint is
+    checked once it knows (`lm.run.train.open_run`)."""
+    c = t.cfg
+    resumes = c.run.resume and (
+        c.checkpoint.remote is not None or bool(resume_candidates(t.run_dir / rundir.CHECKPOINTS))
+    )
+    return [] if resumes else init_from_findings(c.model, c.data.seq_len)
+
+
 def check_optimizer(t: Target) -> list[Finding]:
     return optimizer_findings(t.cfg.model, t.cfg.optim)
 
@@ -161,6 +173,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_mixture,
     check_price,
     check_evals,
+    check_init_from,
     check_optimizer,
     check_tokenizer,
 ]
