@@ -382,6 +382,13 @@ def assert_kept(before: dict[int, str], ckpt_dir: Path, keep_last: int = 2) -> N
         assert link.exists() and loadable(link) is None, f"last.ckpt -> {os.readlink(link)} does not load"
 
 
+def flip_bytes(path: Path) -> None:
+    """A byte flipped on disk (bit rot, a bad copy): the same size, another sha256."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
 def tree_digest(folder: Path) -> dict[str, str]:
     """Every entry under `folder`: file contents (sha256), symlink targets, directories."""
     digest = {}

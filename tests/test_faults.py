@@ -31,6 +31,7 @@ from .harness import (
     assert_matches_reference,
     checkpoints,
     fault,
+    flip_bytes,
     last,
     marker,
     overrides,
@@ -366,6 +367,43 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(root, data_cac
     row.equal = True
 
 
+# -- a damaged run tokenizer (the file export and sampling read) -------------------------------------------
+
+
+def test_damaged_run_tokenizer_is_restored_from_the_prepared_data_and_the_run_resumes(
+    root, data_cache, reference, row
+):
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    kept = (run_dir / "tokenizer.json").read_bytes()
+    flip_bytes(run_dir / "tokenizer.json")
+    result = run(overrides(root, data_cache, name))
+    row.outcome(result)
+    assert result.code == 0, result.tail()
+    row.resumed = "resuming from" in result.stdout + result.stderr
+    assert row.resumed, result.tail()
+    assert "repaired it from the prepared data's" in result.stdout + result.stderr, result.tail()
+    assert (run_dir / "tokenizer.json").read_bytes() == kept
+    assert_matches_reference(root, name, reference)
+    row.equal = True
+
+
+def test_damaged_run_and_data_tokenizers_are_refused_with_78_naming_both(root, data_cache, reference, row):
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    folder = root / f"tokens-{name}"
+    shutil.copytree(next(p for p in data_cache.iterdir() if (p / "manifest.json").exists()), folder)
+    flip_bytes(run_dir / "tokenizer.json")
+    flip_bytes(folder / "tokenizer.json")
+    before = tree_digest(run_dir)
+    result = run(overrides(root, data_cache, name, "data=tokens", f"data.dir={folder}"), timeout=120)
+    row.outcome(result, expected=EXIT_CONFIG)
+    assert result.code == EXIT_CONFIG, result.tail()
+    assert str(run_dir / "tokenizer.json") in result.stderr, result.tail()
+    assert str(folder / "tokenizer.json") in result.stderr, result.tail()
+    assert tree_digest(run_dir) == before
+
+
 # -- refusals: before anything is written ----------------------------------------------------------------
 
 REFUSALS = [
@@ -389,6 +427,22 @@ def test_bad_config_is_refused_with_78_and_the_run_directory_unchanged(
     assert result.code == EXIT_CONFIG, result.tail()
     assert names in result.stderr, result.tail()  # the message names the key to fix
     assert tree_digest(run_dir) == before
+
+
+def test_a_changed_data_stream_key_on_resume_is_refused_with_78_naming_it(root, data_cache, reference, row):
+    """Windows cut at another length would put the resumed position on other tokens: refused under the lock,
+    before anything but the lock's holder changes."""
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    before = tree_digest(run_dir)
+    result = run([*overrides(root, data_cache, name), "data.seq_len=32"], timeout=120)
+    row.outcome(result, expected=EXIT_CONFIG)
+    assert result.code == EXIT_CONFIG, result.tail()
+    assert "data.seq_len=64 -> 32" in result.stderr and "model.init_from" in result.stderr, result.tail()
+    after = tree_digest(run_dir)
+    assert {k: v for k, v in after.items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
 
 
 def truncate_shard(folder: Path) -> str:

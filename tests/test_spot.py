@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.checkpoint.local import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
 from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.tools.supervise import backoff_s, supervise
@@ -242,3 +243,15 @@ def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
         (tmp_path / f"step-{step}.ckpt").write_bytes(b"")
     (tmp_path / "step-100.ckpt.tmp-123").write_bytes(b"")  # a write in progress is never a candidate
     assert [p.name for p in resume_candidates(tmp_path)] == [f"step-{s}.ckpt" for s in (100, 99, 10, 9)]
+
+
+def test_nonfinite_guard_checkpoint_keeps_a_streak_of_skipped_steps():
+    """A save inside a streak of skipped steps (2 of 3 before a rollback) resumes inside it, as the
+    uninterrupted run would: the third in a row still rolls back."""
+    saved = NonFiniteGuard(max_in_a_row=3)
+    saved.skipped, saved.in_a_row = 5, 2
+    resumed = NonFiniteGuard(max_in_a_row=3)
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.skipped, resumed.in_a_row) == (5, 2)
+    resumed.load_state_dict({"skipped": 4})  # a checkpoint written before the streak was saved
+    assert (resumed.skipped, resumed.in_a_row) == (4, 0)

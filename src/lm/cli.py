@@ -294,6 +294,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     print(written.with_suffix(".md").read_text(), end="")
     print(f"wrote {written} and {written.with_suffix('.md').name} ({record['seconds']:.1f} s)")
+    if record.get("errors"):  # the other tasks' scores are written; the exit status says not all were
+        sys.exit(f"lm eval: {len(record['errors'])} task(s) failed: {', '.join(record['errors'])}")
 
 
 def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
@@ -377,8 +379,8 @@ def add_run_readers(verbs) -> None:
     export_.add_argument(
         "--vocab",
         choices=VOCAB,
-        default="keep",
-        help="padded vocabulary rows: keep (exact logits; never generated) or truncate to the tokenizer",
+        default=VOCAB[0],
+        help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
     evaluate = verbs.add_parser("eval", help="benchmarks with lm-evaluation-harness -> eval.json + eval.md")

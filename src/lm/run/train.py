@@ -109,6 +109,8 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         compile=rt.compile,
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
+        fp8=rt.fp8,
+        fp8_emulate=cfg.precision.fp8_emulate,
     )
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.load_init_from(module.model)
@@ -159,7 +161,7 @@ def open_run(
         on_exit.callback(RunLock(run_dir).acquire().release)
         atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
-    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
+    check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
@@ -192,7 +194,7 @@ def log_runtime(
         run_dir,
         rt.device_name,
         rt.gpu.name,
-        rt.precision,
+        rt.precision_label,
         cfg.precision.tf32,
         rt.compile,
         cfg.kernels.liger,
@@ -216,7 +218,7 @@ def cost_meter(
     fpt = cost.flops_per_token(
         cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
     )
-    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32)
+    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
     log.info(
         "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
         f"{n_params:,}",

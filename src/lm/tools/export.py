@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tokenizers import Tokenizer
 
 from lm.engine.hf import VOCAB, Loaded, hf_tokenizer, load_run, to_hf_model
 from lm.run.report import headline
@@ -48,7 +47,7 @@ def export(
     *,
     format: str = "hf",
     dtype: str = "fp32",
-    vocab: str = "keep",
+    vocab: str = VOCAB[0],
     max_shard_size: str | int = MAX_SHARD_SIZE,
     license: str | None = None,
 ) -> Path:
@@ -99,8 +98,7 @@ def write_folder(
     license: str | None = None,
 ) -> None:
     """Model, generation config, tokenizer and model card into `folder`."""
-    tokens = Tokenizer.from_file(str(run.tokenizer_path)).get_vocab_size()
-    hf = to_hf_model(run.model, eos_id=run.eot_id, vocab=vocab, tokenizer_vocab_size=tokens, dtype=dtype)
+    hf = to_hf_model(run.model, eos_id=run.eot_id, vocab=vocab, dtype=dtype)
     hf.save_pretrained(folder, max_shard_size=max_shard_size)
     hf_tokenizer(run.tokenizer_path, run.eot_token, run.model_cfg.max_seq_len).save_pretrained(folder)
     portable_tokenizer_class(folder / "tokenizer_config.json")

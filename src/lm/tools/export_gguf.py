@@ -58,10 +58,13 @@ def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str 
     """The whole GGUF file of `run` at `path`: metadata, tokenizer and weights, `vocab` rows kept/truncated."""
     gguf = require_gguf()
     tokenizer = gguf_vocabulary(json.loads(run.tokenizer_path.read_text(encoding="utf-8")))
-    real = len(tokenizer["tokens"])
-    rows = run.model_cfg.padded_vocab_size if vocab == "keep" else real
-    if real > rows:
-        raise ValueError(f"the tokenizer has {real} ids but the model only {rows} rows; it is not this run's")
+    cfg = run.model_cfg
+    rows = cfg.padded_vocab_size if vocab == "keep" else cfg.vocab_size  # as the Hugging Face export
+    if len(tokenizer["tokens"]) > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer['tokens'])} ids but model.vocab_size={cfg.vocab_size}; "
+            "it is not this run's tokenizer"
+        )
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     add_metadata(writer, gguf, run, dtype, rows, license)
     add_tokenizer(writer, gguf, tokenizer, rows, run.eot_id)
@@ -125,7 +128,8 @@ def gguf_vocabulary(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_tokenizer(writer, gguf, vocab: dict[str, Any], rows: int, eot_id: int) -> None:
-    """tokenizer.ggml.*: a `gpt2` BPE with the `gpt-2` pre-tokenizer; the padding rows are unused tokens.
+    """tokenizer.ggml.*: a `gpt2` BPE with the `gpt-2` pre-tokenizer; rows past the tokenizer's ids (lm's
+    padding, or a vocabulary the BPE trainer did not fill) are unused tokens.
     End of text is bos, eos and pad, and nothing is added to a text (as the Hugging Face export)."""
     types = gguf.TokenType
     kinds = [
