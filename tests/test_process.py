@@ -245,7 +245,7 @@ def test_a_full_disk_mid_run_stops_the_supervisor_at_once_and_a_rerun_resumes(
     # The disk fills after step 3; step 4's ledger write meets it (checkpoints at steps 2, 4, ...).
     args = overrides(small_disk, data_cache, "full", *fault(tmp_path, "fill_disk", step=3, path=small_disk))
     started = time.monotonic()
-    code, out = finish(start(command(args, supervised=True, start_secs=60)), timeout=240)
+    code, out = finish(start(command(args, supervised=True)), timeout=240)
     assert code == EXIT_SAVE_FAILED, out[-3000:]
     assert "not restarting" in out and "restart 1" not in out  # one attempt: a rerun would only fail again
     assert f"writing {run_dir / 'cost.json'} failed: the disk is full" in out

@@ -210,7 +210,7 @@ def sh(script: str) -> list[str]:
 
 def test_supervise_restarts_on_75_and_stops_on_success(tmp_path):
     log = tmp_path / "runs.txt"
-    code = supervise(sh(f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -ge 2 ] || exit 75'), start_secs=0)
+    code = supervise(sh(f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -ge 2 ] || exit 75'))
     assert code == 0 and log.read_text().split() == ["0", "1", "2"]
 
 
@@ -223,7 +223,7 @@ def test_supervise_never_restarts_a_refusal(tmp_path, final):
 
 def test_supervise_restarts_crashes_with_backoff_then_gives_up(tmp_path):
     log = tmp_path / "runs.txt"
-    code = supervise(sh(f"echo x >> {log}; kill -9 $$"), max_failures=2, backoff=0.01, start_secs=60)
+    code = supervise(sh(f"echo x >> {log}; kill -9 $$"), max_failures=2, backoff=0.01)
     assert code == 128 + signal.SIGKILL and log.read_text().split() == ["x"] * 3
     assert [backoff_s(n, 5, 60) for n in (1, 2, 3, 5)] == [5, 10, 20, 60]
 
