@@ -1,9 +1,9 @@
 """The one way lm writes a run's files: a crash or a full disk leaves the old file or the whole new one.
 
-Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT for a
-quota) or a read-only filesystem (EROFS) is met in one place: the temporary is removed where it can be and
-`DiskFull` (exit 74: a restart would only fail again) names the file and the fix. Temporaries are `.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose
-process is gone.
+Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT
+for a quota) or a read-only filesystem (EROFS) is met in one place: the temporary is removed where the filesystem
+allows it and `DiskFull` (exit 74: a restart would only fail again) names the file and the fix. Temporaries are
+`.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose process is gone.
 """
 
 from __future__ import annotations
@@ -54,7 +54,11 @@ def append_atomic(path: Path, data: bytes | str) -> None:
     append never continues a torn line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only filesystem refuses the open itself
+        raise_unwritable(e, path)
+        raise
     try:
         end = os.lseek(fd, 0, os.SEEK_END)
         try:

@@ -4,10 +4,10 @@
 |---|---|---|
 | 0 | finished (or stopped early on purpose) | not needed |
 | 75 `EXIT_PREEMPTED` | a stop signal's checkpoint is saved, or a rollback after non-finite steps | resumes |
+| 75 (`lm prepare`) | SIGTERM or SIGINT stopped a data preparation: its workers are stopped, finished units kept | resumes |
 | 65 `EXIT_DIVERGED` | non-finite again after a rollback: deterministic divergence | cannot help |
 | 74 `EXIT_SAVE_FAILED` | a checkpoint or any run file could not be written (disk full, quota, a read-only filesystem), or the run directory was removed under the run | would fail again |
 | 78 `EXIT_CONFIG` | a config, data or preflight refusal that names its fix | cannot help |
-| 75 (`lm prepare`) | SIGTERM or SIGINT stopped a data preparation: its workers are stopped, finished units kept | resumes |
 | 69 `EXIT_UNAVAILABLE` | something a later restart can fix is unavailable (object storage down past the retry window, the run directory locked by a live process) | resumes, after a backoff |
 
 Codes follow sysexits.h, so other supervisors read them the same way.
@@ -83,8 +83,9 @@ class CheckpointSaveError(OSError):
 
 
 class DiskFull(OSError):
-    """A run file could not be written because the disk (or the quota) is full; its temporary is removed and the
-    previous version of the file is intact (exit 74)."""
+    """A run file could not be written because the disk (or the quota) is full, or the filesystem is read-only;
+    its temporary is removed where the filesystem allows it and the previous version of the file is intact
+    (exit 74)."""
 
 
 class RunDirRemoved(OSError):
