@@ -225,23 +225,18 @@ def cmd_supervise(args: argparse.Namespace) -> None:
             max_restarts=args.max_restarts,
             backoff=args.backoff,
             max_backoff=args.max_backoff,
-            start_secs=args.start_secs,
         )
     )
 
 
 def add_supervise(verbs) -> None:
     verb = verbs.add_parser("supervise", help="rerun a training command after preemptions and crashes")
-    verb.add_argument("--max-failures", type=int, default=5, help="crashes in a row (each soon after start)")
-    verb.add_argument("--max-restarts", type=int, default=1000, help="restarts in all before giving up")
+    verb.add_argument(
+        "--max-failures", type=int, default=5, help="crashes in a row without a checkpoint saved between (5)"
+    )
+    verb.add_argument("--max-restarts", type=int, default=100, help="restarts in all, any cause (100)")
     verb.add_argument("--backoff", type=float, default=5.0, help="first wait after a crash, seconds; doubles")
     verb.add_argument("--max-backoff", type=float, default=300.0, help="longest wait after a crash, seconds")
-    verb.add_argument(
-        "--start-secs",
-        type=float,
-        default=60.0,
-        help="a crash sooner than this after start is a failed start",
-    )
     verb.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py [overrides]")
     verb.set_defaults(fn=cmd_supervise)
 
