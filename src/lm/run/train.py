@@ -342,6 +342,7 @@ def build_trainer(
 ) -> pl.Trainer:
     """The Lightning Trainer with the run's callbacks (`run_callbacks`: checkpointing included) and logging."""
     t = cfg.trainer
+    runtime.quiet_lightning()
     logger = (
         TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
         if cfg.logger.tensorboard
