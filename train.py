@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.config import register_configs
-from lm.run.train import main as train
 from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code
 from lm.store.rundir import in_multirun
 
@@ -28,6 +27,9 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    # Deferred: Lightning and transformers take seconds to import, and a refused config should not wait.
+    from lm.run.train import main as train
+
     try:
         return train(cfg)
     except (ValueError, OSError, SystemExit) as e:
