@@ -186,13 +186,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
     goal = budget.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
+    corpus = (
+        budget.CorpusSize(args.corpus_tokens, estimated=False, how="given with --corpus-tokens")
+        if args.corpus_tokens
+        else budget.corpus_size(cfg.data)
+    )
+    print(f"corpus: {corpus}")
     plans = budget.make_plans(
         goal,
         budget.load_presets(conf_dir(), cfg.data),
         gpus,
         seq_len=cfg.data.seq_len,
         tokens_per_step=args.tokens_per_step,
-        corpus=args.corpus_tokens or budget.corpus_tokens(cfg.data),
+        corpus=corpus.tokens,
         interruptions_per_hour=args.interruptions_per_hour,
         bench_dir=Path(cfg.bench.out_dir),
         tokens_per_sec=args.tokens_per_sec,
@@ -201,10 +207,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         interval=interval,
     )
     budget.check_goal(goal, plans, gpus, law)
-    print(budget.render(plans, args.top))
+    print(budget.render(plans, args.top, corpus))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
-    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command))
+    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 
 
@@ -426,7 +432,11 @@ def add_plan(verbs) -> None:
     p.add_argument(
         "--pricing", choices=["on_demand", "spot"], default="on_demand", help="price --usd buys at"
     )
-    p.add_argument("--corpus-tokens", type=int, help="training tokens of the corpus (default: its manifest)")
+    p.add_argument(
+        "--corpus-tokens",
+        type=int,
+        help="training tokens of the corpus (default: its manifest; estimated when not prepared)",
+    )
     p.add_argument("--tokens-per-step", type=int, default=131_072, help="global batch in tokens (131,072)")
     p.add_argument("--interruptions-per-hour", type=float, default=0.1, help="spot interruption rate (0.1)")
     p.add_argument("--tokens-per-sec", type=float, help="a measured throughput instead of peak x MFU")
