@@ -16,7 +16,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.config import register_configs
-from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code
+from lm.run.hydra_checks import INVOCATION
+from lm.store.atomic import unwritable_cause, unwritable_fix
+from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, unwritable
 from lm.store.rundir import in_multirun
 
 # Hydra prints a compose error (`model.n_layr=3`, `trainer.max_steps=abc`) and exits 1, which `lm supervise`
@@ -42,21 +44,20 @@ def main(cfg: DictConfig) -> float | None:
 def fail(error: BaseException, code: int, cfg: DictConfig) -> None:
     """Exit with `code`; in a multirun, fail only this job so the sweep goes on (lm.tools.sweep.SweepSummary)."""
     if in_multirun():
-        raise JobFailed(str(error), code) from error
+        raise JobFailed(one_line(error), code) from error
     if code == EXIT_CONFIG:
-        forget_invocation(Path(cfg.run.root) / cfg.run.name)
-    print(f"train.py: {error}", file=sys.stderr)
+        forget_invocation(Path(HydraConfig.get().runtime.output_dir), Path(cfg.run.root) / cfg.run.name)
+    print(f"train.py: {one_line(error)}", file=sys.stderr)
     sys.exit(code)
 
 
-def forget_invocation(run_dir: Path) -> None:
+def forget_invocation(out: Path, run_dir: Path) -> None:
     """Leave the run directory of a refused run as it was: remove the folder Hydra made for this invocation
     before the run started (`hydra/<time>/`: its composed config and log), and the folders above it, up to the
     run directory itself, that this leaves empty (a run that never existed leaves nothing behind).
 
     A `hydra.run.dir` moved outside the run directory is left alone: it may be a folder that is not ours."""
-    out = Path(HydraConfig.get().runtime.output_dir).resolve()
-    run_dir = run_dir.resolve()
+    out, run_dir = out.resolve(), run_dir.resolve()
     if out.parent != run_dir / "hydra":
         return
     shutil.rmtree(out, ignore_errors=True)
@@ -85,10 +86,11 @@ def run() -> None:
         code = EXIT_CONFIG if isinstance(e, HydraException | OmegaConfBaseException) else exit_code(e)
         if code is None:
             raise
+        if (failed := unwritable(e)) is not None and "output_dir" in INVOCATION:
+            print(f"train.py: {unwritable_start(failed)}", file=sys.stderr)
+            sys.exit(code)
         causes = [e, *([e.__cause__] if isinstance(e, HydraException) and e.__cause__ else [])]
-        what = "; ".join(
-            " ".join(line.strip() for line in str(c).splitlines() if line.strip()) for c in causes
-        )
+        what = "; ".join(one_line(c) for c in causes)
         hint = (
             " Fix that override or config file (`python train.py --help` lists the config groups, "
             "`--cfg job` prints the composed config)."
@@ -97,6 +99,19 @@ def run() -> None:
         )
         print(f"train.py: {what}{hint}", file=sys.stderr)
         sys.exit(code)
+
+
+def unwritable_start(error: OSError) -> str:
+    """Hydra's writes into this invocation's folder met a full or read-only disk: remove what they left (an
+    empty `hydra/<time>/`, and a run directory it alone made) and say which path failed and the fix."""
+    out, run_dir = INVOCATION["output_dir"], INVOCATION["run_dir"]
+    path = Path(os.fsdecode(error.filename)) if error.filename else out
+    forget_invocation(out, run_dir)
+    return (
+        f"writing {path} (Hydra's record of this invocation) failed before the run started: "
+        f"{unwritable_cause(error, path)}. Nothing was trained and the run directory is as it was; "
+        f"{unwritable_fix(error)} and rerun the same command"
+    )
 
 
 if __name__ == "__main__":

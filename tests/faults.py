@@ -42,6 +42,8 @@ class Fault(pl.Callback):
     - `sigkill` | `sigterm_group` | `sigkill_in_save` | `sigkill_random` (a seeded moment up to `seconds`
       after set-up) | `sigkill_after_upload` (once a checkpoint is on object storage);
     - `raise`: an exception from this callback (a bug in any callback); `raise_in_val`, in validation;
+      `raise_always`: at `step` in every process, however often it is restarted (a crash a restart cannot fix),
+      after `seconds` (a slow start-up);
     - `pause`: wait at the step until `<marker>.go` exists, so the test acts from outside meanwhile (stops
       the S3 server, removes a folder);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
@@ -146,6 +148,9 @@ class Fault(pl.Callback):
             while uploader.uploaded_step is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "raise_always" and trainer.global_step == self.step:
+            time.sleep(self.seconds)
+            raise RuntimeError(f"injected fault: a crash at step {self.step}, in every process")
         at_step = ("sigkill", "sigterm_group", "nan", "drop_grads", "raise", "pause")
         sig = stop_signal(self.action, None)
         if not (sig or self.action in at_step) or trainer.global_step != self.step or not self.fire():

@@ -146,22 +146,13 @@ class Hang(AssertionError):
     """The process did not exit within its bound; the message holds every process's stacks."""
 
 
-def command(args: list[str], supervised: bool = False, start_secs: float = 0) -> list[str]:
-    """`python train.py *args`, or the same under `lm supervise` (tiny backoff; a crash within `start_secs` of
-    its start counts toward giving up, so 0 restarts every crash)."""
+def command(args: list[str], supervised: bool = False) -> list[str]:
+    """`python train.py *args`, or the same under `lm supervise` (tiny backoff, and room for every crash a
+    case injects: more than 10 in a row without a checkpoint saved between give up)."""
     cmd = [sys.executable, "train.py", *args]
     if not supervised:
         return cmd
-    supervise = [
-        sys.executable,
-        "-m",
-        "lm.cli",
-        "supervise",
-        "--backoff",
-        "0.05",
-        "--start-secs",
-        f"{start_secs:g}",
-    ]
+    supervise = [sys.executable, "-m", "lm.cli", "supervise", "--backoff", "0.05", "--max-failures", "10"]
     return [*supervise, "--", *cmd]
 
 
@@ -380,6 +371,13 @@ def assert_kept(before: dict[int, str], ckpt_dir: Path, keep_last: int = 2) -> N
     link = ckpt_dir / "last.ckpt"
     if link.is_symlink() or link.exists():
         assert link.exists() and loadable(link) is None, f"last.ckpt -> {os.readlink(link)} does not load"
+
+
+def flip_bytes(path: Path) -> None:
+    """A byte flipped on disk (bit rot, a bad copy): the same size, another sha256."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

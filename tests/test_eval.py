@@ -15,16 +15,19 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 
 from lm import cli
-from lm.config import register_configs
+from lm.config import register_configs, to_objects
 from lm.data import load_manifest, load_tokenizer, shard_paths
 from lm.data.bytes import token_byte_lengths
 from lm.data.dataset import TokenWindows, val_batches
 from lm.data.tokenizer import EOT_ID, train_tokenizer
+from lm.engine import harness
+from lm.engine.harness import evals_findings
 from lm.engine.hf import hf_tokenizer, load_run, to_hf_model
 from lm.engine.module import LMModule
 from lm.run.report import write_report
 from lm.run.train import main
 from lm.store import rundir
+from lm.store.exits import EXIT_CONFIG, exit_code
 
 from .conftest import CONF, TINY
 from .test_train import scalars
@@ -134,17 +137,72 @@ def test_a_resumed_run_does_not_evaluate_a_milestone_again(run, tmp_path, data_c
     assert [r["step"] for r in lines] == [2, 4, 6]  # 6 is the second phase's end and the last step
 
 
-@pytest.mark.slow  # lm-eval and transformers take ~10 s to import
-def test_a_failing_benchmark_does_not_end_the_run(tmp_path, data_cache, caplog):
-    # The task's data is missing (a dataset out of reach on a node without network): logged, training goes on.
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    for name in ("tiny_mc.yaml", "tiny_mc.py"):
-        shutil.copy(TASKS / name, tasks / name)
-    main(run_config(tmp_path, data_cache, "trainer.max_steps=2", f"evals.include_path={tasks}"))
+def local_tasks(folder: Path, *names: str) -> Path:
+    """A folder of task YAMLs: the bundled local task under each of `names` (each its own task)."""
+    folder.mkdir()
+    for name in ("tiny_mc.py", "tiny_mc.jsonl"):
+        shutil.copy(TASKS / name, folder / name)
+    for name in names:
+        (folder / f"{name}.yaml").write_text(
+            (TASKS / "tiny_mc.yaml").read_text().replace("task: tiny_mc", f"task: {name}")
+        )
+    return folder
+
+
+@pytest.mark.slow  # lm-eval indexes its thousands of built-in tasks to know arc_easy (~10-20 s)
+def test_the_doctor_refuses_a_task_whose_data_is_out_of_reach(tmp_path, tiny_cfg):
+    """Offline, arc_easy's data is neither cached nor downloadable: refused before the run (the doctor had
+    said `OK evals`), naming that task alone; a local task with its data file missing is refused too."""
+    tasks = local_tasks(tmp_path / "tasks", "local_a", "local_b")
+    found = evals_findings(
+        to_objects(tiny_cfg("evals.tasks=[local_a,local_b,arc_easy]", f"evals.include_path={tasks}")).evals
+    )
+    errors = [f.what for f in found if f.level == "error"]
+    assert len(errors) == 1 and errors[0].startswith(
+        "task arc_easy's data cannot be had here: not in the local cache"
+    )
+    assert "allenai/ai2_arc" in errors[0] and "the Hub cannot be reached" in errors[0]
+    (tasks / "tiny_mc.jsonl").unlink()
+    with pytest.raises(
+        ValueError, match=r"task local_a's data cannot be had here: FileNotFoundError"
+    ) as refused:
+        main(tiny_cfg("evals.tasks=[local_a]", f"evals.include_path={tasks}"))
+    assert exit_code(refused.value) == EXIT_CONFIG and not (tmp_path / "runs" / "smoke").exists()
+
+
+@pytest.mark.slow  # lm-eval and transformers take ~10 s to import, and index the built-in tasks
+def test_a_failing_benchmark_costs_only_its_own_scores(tmp_path, data_cache, caplog, monkeypatch):
+    """A task that fails at a milestone (the doctor is off; or the data went out of reach mid-run) is
+    logged with its cause, in evals.jsonl and the log; the other tasks' scores are kept and training goes
+    on. (Before, one unreachable task lost the whole milestone: no evals.jsonl line at all.)"""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no ~25 s of retries
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    tasks = local_tasks(tmp_path / "tasks", "local_a", "local_b")
+    overrides = [
+        "evals.tasks=[local_a,local_b,arc_easy]",
+        f"evals.include_path={tasks}",
+        "doctor.enabled=false",
+    ]
+    main(run_config(tmp_path, data_cache, "trainer.max_steps=2", *overrides))
     run = tmp_path / "smoke"
-    assert (run / "checkpoints" / "step-2.ckpt").is_file() and rundir.read_evals(run) == []
-    assert "benchmarks at step 2 failed; training goes on: FileNotFoundError" in caplog.text
+    [record] = rundir.read_evals(run)
+    assert record["step"] == 2 and set(record["scores"]) == {"local_a", "local_b"}
+    assert record["scores"]["local_a"] == record["scores"]["local_b"]  # the same task under two names
+    assert list(record["errors"]) == ["arc_easy"] and "allenai/ai2_arc" in record["errors"]["arc_easy"]
+    assert "benchmark arc_easy at step 2 failed; the other tasks are kept: ConnectionError" in caplog.text
+    assert (run / "checkpoints" / "step-2.ckpt").is_file()
+
+
+@pytest.mark.slow  # lm-eval indexes its thousands of built-in tasks to know arc_easy (~10-20 s)
+def test_lm_eval_refuses_an_unreachable_task_in_one_line_before_loading_the_model(run, monkeypatch):
+    """`lm eval --tasks arc_easy` offline printed a 55-77-line traceback after loading the model."""
+    loaded = []
+    monkeypatch.setattr(harness, "load", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["eval", str(run), "--tasks", "tiny_mc,arc_easy", "--include-path", str(TASKS)])
+    message = str(refused.value.code)
+    assert message.startswith("lm eval: the data of lm-eval task(s) arc_easy cannot be had here")
+    assert "\n" not in message and "tiny_mc" not in message and loaded == []
 
 
 def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: str) -> float:

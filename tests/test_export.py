@@ -2,7 +2,10 @@
 
 import hashlib
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm.cli import main as lm
 from lm.config import register_configs, to_objects
 from lm.data import LMDataModule
-from lm.engine.hf import from_hf_state_dict, load_run, model_config_from_hf, to_hf_model
+from lm.engine.hf import (
+    from_hf_state_dict,
+    hf_config,
+    load_init_from,
+    load_run,
+    model_config_from_hf,
+    to_hf_model,
+)
 from lm.engine.module import eager_cross_entropy
 from lm.model import ModelConfig, Transformer
 from lm.run.train import main
@@ -63,7 +73,7 @@ def max_logit_diff(model: Transformer, hf, vocab: int | None = None) -> float:
 def test_fp32_logits_match_transformers_llama(variant):
     model = tiny_lm(**VARIANTS[variant])
     hf = to_hf_model(model, eos_id=0)
-    assert max_logit_diff(model, hf) < 1e-4
+    assert max_logit_diff(model, hf, vocab=model.cfg.vocab_size) < 1e-4
     # ...and back: the HF weights rebuild the same lm model.
     again = Transformer(model_config_from_hf(hf.config, vocab_multiple=model.cfg.vocab_multiple))
     again.load_state_dict(from_hf_state_dict(hf.state_dict(), again.cfg))
@@ -73,12 +83,28 @@ def test_fp32_logits_match_transformers_llama(variant):
 
 def test_truncate_cuts_the_padded_rows_and_keeps_the_real_logits():
     model = tiny_lm(vocab_size=300, vocab_multiple=128)  # 384 rows, 300 real
-    hf = to_hf_model(model, eos_id=0, vocab="truncate")
+    hf = to_hf_model(model, eos_id=0)  # truncate: the default
     assert hf.config.vocab_size == 300 and hf.lm_head.weight.shape[0] == 300
     assert max_logit_diff(model, hf, vocab=300) < 1e-4
     assert not hf.generation_config.suppress_tokens  # no padding left to suppress
-    keep = to_hf_model(model, eos_id=0)
+    keep = to_hf_model(model, eos_id=0, vocab="keep")
     assert keep.generation_config.suppress_tokens == list(range(300, 384))
+
+
+def test_padding_ids_take_no_probability_in_lm():
+    """lm's logits are -inf at the padding ids, so its softmax (and loss) is over the real vocabulary: the
+    log-softmax equals that of the logits cut to the real ids, which was 2.6e-4 of the mass off before."""
+    model = tiny_lm(vocab_size=300, vocab_multiple=128)
+    with torch.no_grad():
+        model.lm_head.weight[300:] = 1.0  # padding rows that would take most of the mass if unmasked
+        logits = model(torch.arange(16)[None])
+    assert torch.isneginf(logits[..., 300:]).all() and torch.isfinite(logits[..., :300]).all()
+    assert torch.allclose(logits.log_softmax(-1)[..., :300], logits[..., :300].log_softmax(-1))
+    # No gradient reaches a padding row through the masked logits (they stay as initialised).
+    model.train()
+    loss = eager_cross_entropy(model(torch.arange(16)[None]).flatten(0, 1), torch.arange(1, 17))
+    loss.backward()
+    assert not model.lm_head.weight.grad[300:].any() and model.lm_head.weight.grad[:300].any()
 
 
 def test_the_run_keeps_one_tokenizer_and_refuses_another_on_resume(tmp_path):
@@ -142,9 +168,9 @@ def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypa
         loaded.model_cfg.padded_vocab_size,
         Tokenizer.from_file(str(loaded.tokenizer_path)).get_vocab_size(),
     )
-    assert config["vocab_size"] == padded > real
+    assert config["vocab_size"] == real < padded  # the real vocabulary: lm's softmax, HF's softmax
     generation = json.loads((out / "generation_config.json").read_text())
-    assert generation["suppress_tokens"] == list(range(real, padded)) and generation["eos_token_id"] == 0
+    assert not generation.get("suppress_tokens") and generation["eos_token_id"] == 0
     card = (out / "README.md").read_text()
     assert (
         "validation loss" in card and "dollars" in card and "tokens trained" in card and "n_layer: 2" in card
@@ -160,7 +186,7 @@ def test_export_of_a_run_loads_with_auto_classes_offline(run, tmp_path, monkeypa
     assert tokenizer(text)["input_ids"] == ours and loaded.eot_id in ours
     ids = torch.tensor([ours])
     with torch.no_grad():
-        assert (model(ids).logits - loaded.model(ids)).abs().max() < 1e-4
+        assert (model(ids).logits - loaded.model(ids)[..., :real]).abs().max() < 1e-4
         # The validation loss is the same number (HF shifts the labels itself).
         ours_loss = eager_cross_entropy(loaded.model(ids[:, :-1]).flatten(0, 1), ids[0, 1:])
         assert abs(float(model(ids, labels=ids).loss) - float(ours_loss)) < 1e-5
@@ -221,6 +247,16 @@ def test_init_from_an_export_starts_at_the_checkpoints_loss(run, data_cache, tmp
     assert abs(first.values[0] - float(expected)) < 1e-5
 
 
+def source_folder(folder: Path, model_cfg: ModelConfig, **fields) -> Path:
+    """A Hugging Face Llama folder (config.json and a tokenizer) of `model_cfg`, with config fields changed."""
+    hf_config(model_cfg, eos_id=0).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    words = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a"))
+    words.save(str(folder / "tokenizer.json"))
+    return folder
+
+
 def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tmp_path):
     model = tiny_lm(vocab_size=512, n_layer=2, d_model=64, n_head=4, max_seq_len=64)
     to_hf_model(model, eos_id=0).save_pretrained(tmp_path / "hf")
@@ -231,4 +267,127 @@ def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tm
     with pytest.raises(ValueError, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
         main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
     assert exit_code(refused.value) == EXIT_CONFIG
-    assert not (tmp_path / "runs" / "smoke" / "config.yaml").exists()  # before the run directory is written
+    assert not (tmp_path / "runs" / "smoke").exists()  # no run directory, no lock: refused at preflight
+
+
+UNEXPRESSIBLE = {
+    "hidden_act": ({"hidden_act": "gelu"}, "its hidden_act='gelu' but lm's decoder has hidden_act='silu'"),
+    "attention_bias": (
+        {"attention_bias": True},
+        "its attention_bias=True but lm's decoder has attention_bias=False",
+    ),
+    "mlp_bias": ({"mlp_bias": True}, "its mlp_bias=True but lm's decoder has mlp_bias=False"),
+    "rope_scaling": (
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        "its rope_type='linear' but lm's decoder has rope_type='default'",
+    ),
+    "head_dim": ({"head_dim": 32}, "its head_dim=32 but lm's decoder has head_dim=16"),
+    "sliding_window": (
+        {"sliding_window": 32},
+        "its sliding_window=32 but lm's decoder has sliding_window=None",
+    ),
+    "tie_word_embeddings": (
+        {"tie_word_embeddings": True},
+        "model.tie_embeddings=False but its tie_word_embeddings=True",
+    ),
+    "rms_norm_eps": ({"rms_norm_eps": 1e-6}, "model.norm_eps=1e-05 but its rms_norm_eps=1e-06"),
+    "vocab_size": ({"vocab_size": 500}, "data.vocab_size=512 but its vocab_size=500"),
+    "model_type": (
+        {"model_type": "mistral"},
+        "its model_type='mistral' but lm's decoder has model_type='llama'",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", UNEXPRESSIBLE)
+def test_init_from_a_model_lm_cannot_express_is_refused_before_the_run_directory(field, tiny_cfg, tmp_path):
+    """A Llama config field lm would build otherwise (a GELU MLP was loaded into lm's SiLU one and trained,
+    exit 0) is refused (78) at preflight, naming the field and both values; nothing is left on disk."""
+    changes, message = UNEXPRESSIBLE[field]
+    model_cfg = to_objects(tiny_cfg()).model
+    folder = source_folder(tmp_path / "hf", model_cfg, **changes)
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        main(tiny_cfg(f"model.init_from={folder}"))
+    assert exit_code(refused.value) == EXIT_CONFIG and "doctor refuses" in str(refused.value)
+    assert not (tmp_path / "runs" / "smoke").exists()  # no run directory, no .lock
+
+
+def test_init_from_without_the_export_extra_is_refused_at_preflight(tiny_cfg, tmp_path, data_cache):
+    """`python train.py model.init_from=...` where transformers cannot be imported: 78 naming the pip line,
+    and no run directory, lock or hydra/<time>/ (it was exit 1, which `lm supervise` retries, leaving both)."""
+    folder = source_folder(tmp_path / "hf", to_objects(tiny_cfg()).model)
+    root = tmp_path / "runs"
+    args = [*TINY, f"run.root={root}", f"data.cache_dir={data_cache}", f"model.init_from={folder}"]
+    # Hidden once Lightning is imported: torchmetrics imports transformers whenever its metadata is installed.
+    hide = "import runpy, sys, lm.run.train; sys.modules['transformers'] = None; "
+    code = hide + "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=CONF.parent, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
+    assert (
+        "transformers is not installed; install the export extra: pip install -e '.[export]'" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert not root.exists() or not any(root.iterdir())  # no run directory, .lock or hydra/<time>/
+
+
+def batch_losses(batch: torch.Tensor, lm_model: Transformer, hf_model) -> tuple[float, float]:
+    """(lm's loss, transformers' loss) of one (B, T+1) batch: what LMModule computes, and HF's `labels=` loss."""
+    with torch.no_grad():
+        ours = eager_cross_entropy(lm_model.eval()(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        theirs = hf_model(batch, labels=batch).loss
+    return float(ours), float(theirs)
+
+
+def first_batch_and_loss(runs: Path, name: str, cfg) -> tuple[torch.Tensor, float]:
+    """A finished run's first batch (the loader at step 0) and the train/loss it logged for it."""
+    first = rundir.read_scalars(runs / name)["train/loss"]
+    assert first.steps[0] == 0
+    return next(iter(LMDataModule(to_objects(cfg).data).train_dataloader())), first.values[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", [4000, 4096])
+def test_one_vocabulary_rule_for_loss_export_and_init_from(vocab, data_cache, tmp_path):
+    """lm's loss, transformers' loss on the export and the first loss of `model.init_from` agree, for a
+    vocabulary that is (4,096) and is not (4,000) a multiple of lm's padding (64): lm's padding ids had taken
+    probability (+0.0073 nats from a 4,000-id Llama, +0.0081 from lm's own truncated export)."""
+    runs = tmp_path / "runs"
+    vocab_args = [
+        f"data.vocab_size={vocab}",
+        "model.vocab_multiple=64",
+        "trainer.max_steps=1",
+        "trainer.log_every_n_steps=1",
+    ]
+    # A Llama of exactly `vocab` ids as transformers initialises one, with an lm tokenizer of that size.
+    cfg = to_objects(compose_run(runs, data_cache, *vocab_args))
+    data = LMDataModule(cfg.data)
+    data.prepare_data()
+    assert data.vocab_size == vocab
+    torch.manual_seed(0)
+    config = hf_config(cfg.model, eos_id=data.eot_id, vocab_size=vocab)
+    source = AutoModelForCausalLM.from_config(config).eval()
+    source.save_pretrained(tmp_path / "source")
+    shutil.copy(data.data_dir / "tokenizer.json", tmp_path / "source" / "tokenizer.json")
+
+    a = compose_run(runs, data_cache, *vocab_args, "run.name=a", f"model.init_from={tmp_path / 'source'}")
+    main(a)
+    batch, first = first_batch_and_loss(runs, "a", a)
+    lm_source = Transformer(to_objects(a).model)
+    load_init_from(lm_source)
+    ours, theirs = batch_losses(batch, lm_source, source)
+    assert abs(first - theirs) < 2e-6 and abs(ours - theirs) < 2e-6
+
+    export(runs / "a", tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert exported.config.vocab_size == vocab
+    trained = load_run(runs / "a").model
+    ours, theirs = batch_losses(batch, trained, exported)
+    assert abs(ours - theirs) < 2e-6
+
+    b = compose_run(runs, data_cache, *vocab_args, "run.name=b", f"model.init_from={tmp_path / 'export'}")
+    main(b)
+    batch, first = first_batch_and_loss(runs, "b", b)
+    ours, theirs = batch_losses(batch, trained, exported)
+    assert abs(first - ours) < 2e-6 and abs(first - theirs) < 2e-6

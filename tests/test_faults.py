@@ -10,12 +10,18 @@ The fast cases run in CI; the rest are marked `faults_slow`:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
@@ -23,6 +29,7 @@ from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from .conftest import train_in_process
 from .faults import fill
 from .harness import (
+    ROOT,
     STEPS,
     Record,
     S3Server,
@@ -30,11 +37,15 @@ from .harness import (
     assert_kept,
     assert_matches_reference,
     checkpoints,
+    command,
     fault,
+    flip_bytes,
+    group_pids,
     last,
     marker,
     overrides,
     run,
+    sha256,
     tree_digest,
 )
 
@@ -366,6 +377,43 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(root, data_cac
     row.equal = True
 
 
+# -- a damaged run tokenizer (the file export and sampling read) -------------------------------------------
+
+
+def test_damaged_run_tokenizer_is_restored_from_the_prepared_data_and_the_run_resumes(
+    root, data_cache, reference, row
+):
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    kept = (run_dir / "tokenizer.json").read_bytes()
+    flip_bytes(run_dir / "tokenizer.json")
+    result = run(overrides(root, data_cache, name))
+    row.outcome(result)
+    assert result.code == 0, result.tail()
+    row.resumed = "resuming from" in result.stdout + result.stderr
+    assert row.resumed, result.tail()
+    assert "repaired it from the prepared data's" in result.stdout + result.stderr, result.tail()
+    assert (run_dir / "tokenizer.json").read_bytes() == kept
+    assert_matches_reference(root, name, reference)
+    row.equal = True
+
+
+def test_damaged_run_and_data_tokenizers_are_refused_with_78_naming_both(root, data_cache, reference, row):
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    folder = root / f"tokens-{name}"
+    shutil.copytree(next(p for p in data_cache.iterdir() if (p / "manifest.json").exists()), folder)
+    flip_bytes(run_dir / "tokenizer.json")
+    flip_bytes(folder / "tokenizer.json")
+    before = tree_digest(run_dir)
+    result = run(overrides(root, data_cache, name, "data=tokens", f"data.dir={folder}"), timeout=120)
+    row.outcome(result, expected=EXIT_CONFIG)
+    assert result.code == EXIT_CONFIG, result.tail()
+    assert str(run_dir / "tokenizer.json") in result.stderr, result.tail()
+    assert str(folder / "tokenizer.json") in result.stderr, result.tail()
+    assert tree_digest(run_dir) == before
+
+
 # -- refusals: before anything is written ----------------------------------------------------------------
 
 REFUSALS = [
@@ -389,6 +437,22 @@ def test_bad_config_is_refused_with_78_and_the_run_directory_unchanged(
     assert result.code == EXIT_CONFIG, result.tail()
     assert names in result.stderr, result.tail()  # the message names the key to fix
     assert tree_digest(run_dir) == before
+
+
+def test_a_changed_data_stream_key_on_resume_is_refused_with_78_naming_it(root, data_cache, reference, row):
+    """Windows cut at another length would put the resumed position on other tokens: refused under the lock,
+    before anything but the lock's holder changes."""
+    name = row.case
+    run_dir = copy_run(root, "reference", name)
+    before = tree_digest(run_dir)
+    result = run([*overrides(root, data_cache, name), "data.seq_len=32"], timeout=120)
+    row.outcome(result, expected=EXIT_CONFIG)
+    assert result.code == EXIT_CONFIG, result.tail()
+    assert "data.seq_len=64 -> 32" in result.stderr and "model.init_from" in result.stderr, result.tail()
+    after = tree_digest(run_dir)
+    assert {k: v for k, v in after.items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
 
 
 def truncate_shard(folder: Path) -> str:
@@ -419,3 +483,254 @@ def test_damaged_token_data_is_refused_with_78_naming_the_shard(root, data_cache
     assert result.code == EXIT_CONFIG, result.tail()
     assert shard in result.stderr, result.tail()
     assert not list((root / name).glob("checkpoints/*.ckpt"))
+
+
+# -- the last silent edges: a full or read-only disk, a vanished run, a bad token id, supervise, prepare ---------
+
+
+def last_line(stderr: str) -> str:
+    """The one-line summary a refusal ends with (`train.py: ...`)."""
+    return [line for line in stderr.splitlines() if line.startswith("train.py: ")][-1]
+
+
+def hydra_folders(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "hydra").iterdir()) if (run_dir / "hydra").is_dir() else []
+
+
+@pytest.mark.parametrize("existing", [pytest.param(False, id="fresh"), pytest.param(True, id="existing")])
+def test_full_disk_at_start_up_names_the_path_and_leaves_no_empty_invocation_folder(
+    small_disk, root, data_cache, row, request, existing
+):
+    """Hydra's own writes (hydra/<time>/config.yaml, train.log) meet the full disk before lm runs: exit 74
+    with the path and the fix, and no empty hydra/<time>/ (nor, for a fresh run, an empty run directory)."""
+    name = row.case = f"disk_full_at_start_{'existing' if existing else 'fresh'}"
+    run_dir = small_disk / name
+    if existing:
+        request.getfixturevalue("reference")
+        shutil.copytree(root / "reference", run_dir, symlinks=True)
+    before = tree_digest(run_dir) if existing else None
+    fill(small_disk / "filler")
+    result = run(overrides(small_disk, data_cache, name), timeout=120)
+    row.outcome(result, expected=EXIT_SAVE_FAILED)
+    assert result.code == EXIT_SAVE_FAILED, result.tail()
+    line = last_line(result.stderr)
+    assert f"writing {run_dir}/hydra/" in line and "the disk is full" in line, line
+    assert "free space (or point run.root at a bigger disk)" in line, line
+    assert "Traceback" not in result.stderr, result.tail()
+    if existing:
+        assert tree_digest(run_dir) == before  # hydra/<time>/ gone again, every file as it was
+    else:
+        assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """read_only(folder): mount `folder` read-only over itself (its files stay visible, new writes fail with
+    EROFS, as on a filesystem remounted read-only); every mount is undone when the test ends."""
+    mounted: list[Path] = []
+
+    def mount(folder: Path) -> None:
+        done = subprocess.run(
+            ["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount read-only here ({done.stderr.strip()}): needs root")
+        mounted.append(folder)
+
+    yield mount
+    for folder in reversed(mounted):
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def unmount(folder: Path) -> None:
+    subprocess.run(["umount", str(folder)], check=True, timeout=30)
+
+
+@pytest.mark.faults_slow
+def test_read_only_run_root_at_start_up_exits_74_naming_it(root, data_cache, reference, row, read_only):
+    name = row.case = "read_only_at_start"
+    run_dir = copy_run(root, "reference", name)
+    before = tree_digest(run_dir)
+    read_only(run_dir)
+    result = run(overrides(root, data_cache, name), timeout=120)
+    row.outcome(result, expected=EXIT_SAVE_FAILED)
+    assert result.code == EXIT_SAVE_FAILED, result.tail()
+    line = last_line(result.stderr)
+    assert f"{run_dir} is on a read-only filesystem" in line and "remount it read-write" in line, line
+    assert "Traceback" not in result.stderr, result.tail()
+    unmount(run_dir)
+    assert tree_digest(run_dir) == before
+
+
+@pytest.mark.faults_slow
+def test_run_root_turned_read_only_mid_run_exits_74_then_resumes(root, data_cache, reference, row, read_only):
+    """After step 6's checkpoint the run directory turns read-only: the next write (the ledger at step 10 or
+    the checkpoint at step 12) fails with EROFS, and so does the removal of its temporary: one message, exit
+    74, no traceback. Writable again, the rerun resumes from step 6 bitwise equal."""
+    name = row.case = "read_only_mid_run"
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    markers = (
+        root / f"{name}-markers"
+    )  # outside the run directory: the fault writes them while it is read-only
+    markers.mkdir()
+    args = overrides(root, data_cache, name, *fault(markers, "pause", step=8))
+    fired = marker(markers, "pause", 8)
+    result = run(args, triggers=(Trigger.at_pause(fired, lambda: read_only(run_dir)),))
+    row.outcome(result, fired, EXIT_SAVE_FAILED)
+    assert result.code == EXIT_SAVE_FAILED, result.tail()
+    assert row.exit_s <= 60
+    line = last_line(result.stderr)
+    assert f"{run_dir}" in line and "read-only filesystem" in line and "remount it read-write" in line, line
+    assert "Traceback" not in result.stderr, result.tail()
+    unmount(run_dir)
+    rerun_resumes(args, root, name, reference, row)
+
+
+@pytest.mark.faults_slow
+def test_run_directory_removed_mid_run_says_so_with_74(root, data_cache, row):
+    """With data.num_workers=0 the next TensorBoard write fails (a missing event file, which Lightning reported
+    as a value it could not log): the message says the run directory was removed instead."""
+    name = row.case = "run_dir_removed"
+    run_dir = root / name
+    markers = root / f"{name}-markers"
+    markers.mkdir()
+    args = overrides(root, data_cache, name, *fault(markers, "pause", step=8), "data.num_workers=0")
+    fired = marker(markers, "pause", 8)
+    result = run(args, triggers=(Trigger.at_pause(fired, lambda: shutil.rmtree(run_dir)),))
+    row.outcome(result, fired, EXIT_SAVE_FAILED)
+    assert result.code == EXIT_SAVE_FAILED, result.tail()
+    assert row.exit_s <= 60
+    line = last_line(result.stderr)
+    assert f"the run directory {run_dir} was removed while the run was training" in line, line
+    assert "nothing to save to" in line, line
+
+
+def out_of_vocabulary(folder: Path) -> str:
+    """Every 50th token of the first train shard becomes id 65000, above the 512-token vocabulary."""
+    shard = sorted(folder.glob("train-*.bin"))[0]
+    ids = np.fromfile(shard, dtype=np.uint16)
+    ids[::50] = 65000
+    ids.tofile(shard)
+    return shard.name
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_out_of_vocabulary_id_is_summed_up_in_one_line_naming_shard_id_and_fix(
+    root, data_cache, reference, row, workers
+):
+    name = row.case = f"oov_id_{workers}_workers"
+    folder = root / f"tokens-{name}"
+    shutil.copytree(next(p for p in data_cache.iterdir() if (p / "manifest.json").exists()), folder)
+    (folder / "verified.json").unlink(missing_ok=True)
+    shard = out_of_vocabulary(folder)
+    args = ["data=tokens", f"data.dir={folder}", "data.verify=size", f"data.num_workers={workers}"]
+    result = run(overrides(root, data_cache, name, *args), timeout=120)  # size only: read by the loader
+    row.outcome(result, expected=EXIT_CONFIG)
+    assert result.code == EXIT_CONFIG, result.tail()
+    line = last_line(result.stderr)
+    assert f"{folder / shard} holds token id 65000 at or above the vocabulary size 512" in line, line
+    assert "rerun `lm prepare`" in line and "data.vocab_size" in line, line
+    assert not line.startswith("train.py: Caught"), line
+
+
+@pytest.mark.faults_slow
+def test_supervise_counts_a_crash_however_long_the_start_up_took(root, data_cache, row):
+    """A crash at step 2, before any checkpoint, 61 s into every process (a start-up that took longer than
+    the old --start-secs=60, as 20-84 s did on a loaded 2-core machine): each counts toward --max-failures, so
+    the supervisor gives up after --max-failures + 1 attempts. The old rule took a crash later than 60 s
+    after the start for progress and restarted for ever."""
+    name = row.case = "supervise_slow_crash"
+    (root / name).mkdir(parents=True)
+    args = overrides(root, data_cache, name, *fault(root / name, "raise_always", step=2, seconds=61.0))
+    supervised = [
+        sys.executable,
+        "-m",
+        "lm.cli",
+        "supervise",
+        "--backoff",
+        "0.05",
+        "--max-failures",
+        "1",
+        "--",
+    ]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [*supervised, *command(args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=420)  # two attempts take ~170 s; a third means it never stops
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the trainer of an attempt still running at the timeout
+    row.code, row.expected, row.exit_s = proc.returncode, CRASH, time.monotonic() - started
+    assert proc.returncode == CRASH, stderr[-3000:]
+    assert stderr.count("restart 1 in") == 1 and "restart 2 in" not in stderr, stderr[-3000:]
+    assert "2 crashes in a row without a checkpoint saved in between" in stderr, stderr[-3000:]
+
+
+# -- SIGTERM to `lm prepare` -------------------------------------------------------------------------------
+
+PREPARE = [
+    "data.max_bytes=3000000",
+    "data.tokenizer_sample_bytes=500000",
+    "data.vocab_size=512",
+    "data.num_proc=2",
+    "data.shard_bytes=200000",  # ~17 units: the signal lands with units still to do
+]
+
+
+def prepare_command(cache: Path) -> list[str]:
+    return [sys.executable, "-m", "lm.cli", "prepare", *PREPARE, f"data.cache_dir={cache}"]
+
+
+def folder_state(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `folder` with its size and modification time: a late rename changes it."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def shard_digests(folder: Path) -> dict[str, str]:
+    return {p.name: sha256(p) for p in sorted(folder.glob("*.bin"))} | {
+        "tokenizer": sha256(folder / "tokenizer.json")
+    }
+
+
+@pytest.mark.faults_slow
+def test_sigterm_to_prepare_stops_its_workers_and_a_rerun_resumes_byte_identical(tmp_path, row):
+    row.case = "sigterm_prepare"
+    reference = subprocess.run(
+        prepare_command(tmp_path / "reference"), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    cache = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        prepare_command(cache), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not list(cache.glob("*/progress/unit-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the first unit is done: the workers are busy with the next ones
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        row.code, row.expected, row.exit_s = proc.returncode, EXIT_PREEMPTED, time.monotonic() - signalled
+        alive = [pid for pid in group_pids(proc.pid) if Path(f"/proc/{pid}").exists()]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert alive in ([], [proc.pid]), f"workers still running after the parent exited: {alive}"
+    assert "interrupted by SIGTERM: its worker processes are stopped" in stderr, stderr[-3000:]
+    assert "Rerun the same command to resume" in stderr, stderr[-3000:]
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    state = folder_state(folder)
+    time.sleep(3.0)  # workers that outlived the parent renamed their shards in here for 5-10 s
+    assert folder_state(folder) == state, "the folder changed after `lm prepare` exited"
+    again = subprocess.run(prepare_command(cache), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    row.resumed = "already done" in again.stderr
+    assert row.resumed, again.stderr[-3000:]
+    assert shard_digests(folder) == shard_digests(tmp_path / "reference" / folder.name)
+    row.equal = True

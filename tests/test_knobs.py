@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from lm.config import register_configs, to_objects
 from lm.engine.activation_checkpointing import allowed_bytes, candidates, resolve
+from lm.engine.fp8 import check_fp8
 from lm.engine.kernels import check_liger
 from lm.engine.module import LMModule
 from lm.engine.runtime import resolve_precision
@@ -29,7 +30,7 @@ KNOBS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml")) for group 
 
 
 def test_the_knob_groups_hold_the_issue_options():
-    assert {"auto", "bf16", "bf16_true", "fp16", "fp32"} <= set(KNOBS["precision"])
+    assert {"auto", "bf16", "bf16_true", "fp16", "fp32", "fp8", "fp8_rowwise"} <= set(KNOBS["precision"])
     assert {"off", "on", "every2", "auto"} <= set(KNOBS["activation_checkpointing"])
     assert {"auto", "eager", "compile", "liger", "liger_compile"} <= set(KNOBS["kernels"])
 
@@ -59,6 +60,10 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
                     "bf16-true",
                     "32-true",
                 )
+            assert cfg.precision.fp8 == files["precision"].get("fp8")
+            if cfg.precision.fp8:  # FP8 needs FP8 tensor cores
+                with pytest.raises(ValueError, match="this run is on a CPU"):
+                    check_fp8(cfg.precision.fp8, False, False, False, cfg.gpu, cfg.kernels.compile)
             if cfg.kernels.liger:
                 with pytest.raises(ValueError, match="kernels=eager or kernels=compile"):
                     check_liger(cfg.kernels.liger, cuda=False)
@@ -67,7 +72,7 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
             a = cfg.activation_checkpointing
             decision = resolve(a.every, a.auto, cfg.model.n_layer)
             assert decision.every == (0 if a.auto else a.every)
-    assert len(combos) >= 5 * 4 * 5
+    assert len(combos) >= 7 * 4 * 5
 
 
 @pytest.mark.parametrize(

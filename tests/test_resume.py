@@ -11,13 +11,17 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.local import rotate
-from lm.config import OptimConfig
+from lm.config import DataConfig, OptimConfig
 from lm.engine.module import lr_lambda
 from lm.run.train import main
-from lm.store.exits import EXIT_CONFIG
+from lm.store import rundir
+from lm.store.exits import EXIT_CONFIG, exit_code
 
-from .conftest import CONF, TINY
+from .conftest import CONF, TINY, train_in_process
+from .harness import flip_bytes
+from .test_mixture import SEQ, VOCAB, corpora  # noqa: F401 (a fixture, prepared once a session)
 
 ROOT = CONF.parent
 RUN = [
@@ -135,3 +139,98 @@ def test_rotation_keeps_the_newest_past_steps_the_link_and_foreign_files(tmp_pat
         "step-7.ckpt", "step-8.ckpt", "step-9.ckpt", "step-abc.ckpt",
     ]  # fmt: skip
     assert rotate(tmp_path, keep_last=-1, present=9) == []
+
+
+# -- the run's tokenizer: checked against tokenizer_info.json at every start ------------------------------
+
+
+def test_a_damaged_run_tokenizer_is_restored_from_the_data_or_refused_naming_both(tmp_path):
+    prepared, run_dir = tmp_path / "prepared.json", tmp_path / "run"
+    prepared.write_text('{"version": "1.0", "model": "a"}')
+    rundir.keep_tokenizer(run_dir, prepared, "<|endoftext|>", 0, resumed=False)
+    (run_dir / rundir.CHECKPOINTS).mkdir()
+    (run_dir / rundir.CHECKPOINTS / "step-5.ckpt").write_bytes(b"x")  # a run that will resume
+    data = DataConfig(source="tokens", dir=str(tmp_path))  # prepared_folder: data.dir itself
+    (tmp_path / "tokenizer.json").write_bytes(prepared.read_bytes())
+    flip_bytes(run_dir / rundir.TOKENIZER)
+
+    [finding] = tokenizer_findings(run_dir, data, resume=True)  # preflight: says so, writes nothing
+    assert finding.level == "ok" and "restored from" in finding.what
+    assert tokenizer_findings(run_dir, data, resume=False) == []  # the run is archived, not resumed
+    rundir.keep_tokenizer(run_dir, prepared, "<|endoftext|>", 0, resumed=True)  # at setup: restored
+    assert (run_dir / rundir.TOKENIZER).read_bytes() == prepared.read_bytes()
+    assert rundir.read_tokenizer(run_dir)["eot_id"] == 0  # what export checks
+
+    flip_bytes(run_dir / rundir.TOKENIZER)
+    flip_bytes(tmp_path / "tokenizer.json")
+    [finding] = tokenizer_findings(run_dir, data, resume=True)
+    assert finding.level == "error"
+    assert (
+        str(run_dir / rundir.TOKENIZER) in finding.what and str(tmp_path / "tokenizer.json") in finding.what
+    )
+    damaged = (run_dir / rundir.TOKENIZER).read_bytes()
+    with pytest.raises(ValueError, match="cannot restore it"):
+        rundir.keep_tokenizer(run_dir, tmp_path / "tokenizer.json", "<|endoftext|>", 0, resumed=True)
+    assert (run_dir / rundir.TOKENIZER).read_bytes() == damaged  # refused: left as it was
+
+
+def test_a_resume_restores_a_damaged_run_tokenizer_and_says_so(tiny_cfg, tmp_path, caplog):
+    main(tiny_cfg(*RUN, "trainer.max_steps=5"))
+    run = tmp_path / "runs/smoke"
+    kept = (run / "tokenizer.json").read_bytes()
+    flip_bytes(run / "tokenizer.json")
+    with caplog.at_level(logging.INFO):
+        main(tiny_cfg(*RUN, "trainer.max_steps=10"))
+    assert ckpt(run)["global_step"] == 10
+    assert (run / "tokenizer.json").read_bytes() == kept
+    assert "restored from" in caplog.text  # the doctor's line, before anything changed
+    assert f"{run / 'tokenizer.json'} was not the tokenizer tokenizer_info.json records" in caplog.text
+    assert "repaired it from the prepared data's" in caplog.text
+
+
+# -- the data stream: changes applied and logged, or refused by name --------------------------------------
+
+
+def mixture_run(sources: dict[str, Path], tmp_path: Path, web: float, code: float, steps: int) -> list[str]:
+    mixture = f"{{name:web,dir:'{sources['web']}',weight:{web}}},{{name:code,dir:'{sources['code']}',weight:{code}}}"
+    return [
+        *TINY, f"run.root={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}", "data=mixture",
+        f"data.mixture=[{mixture}]", f"data.vocab_size={VOCAB}", f"data.seq_len={SEQ}", "data.batch_size=4",
+        "data.num_workers=0", "trainer.val_every_steps=100", "trainer.limit_val_batches=1",
+        "checkpoint.every_n_steps=4", "+trainer.extra.num_sanity_val_steps=0", "sampling.prompts=[]",
+        f"trainer.max_steps={steps}", "run.name=mix",
+    ]  # fmt: skip
+
+
+def test_changed_mixture_weights_on_resume_are_applied_logged_and_recorded(corpora, tmp_path, caplog):  # noqa: F811
+    assert train_in_process(mixture_run(corpora, tmp_path, 0.7, 0.3, steps=4)) == 0
+    with caplog.at_level(logging.INFO):
+        assert train_in_process(mixture_run(corpora, tmp_path, 0.5, 0.5, steps=6)) == 0
+    run = tmp_path / "runs/mix"
+    assert ckpt(run)["global_step"] == 6
+    said = caplog.text
+    assert "resumed at step 4 with a changed setting, applied from here on" in said
+    assert "data.mixture.web.weight 0.7 -> 0.5" in said and "data.mixture.code.weight 0.3 -> 0.5" in said
+    assert "the data stream from step 4 on differs from an uninterrupted run's" in said
+    [event] = (
+        EventAccumulator(str(run / "tb"), size_guidance={"tensors": 0})
+        .Reload()
+        .Tensors("resume/changes/text_summary")
+    )
+    table = event.tensor_proto.string_val[0].decode()
+    assert event.step == 4 and "| data.mixture.web.weight | 0.7 | 0.5 |" in table
+    assert "data.mixture (sources)" not in table  # what did not change is not listed
+
+
+@pytest.mark.parametrize(
+    ("override", "named"), [("data.seq_len=32", "data.seq_len=64 -> 32"), ("data.seed=1", "data.seed=0 -> 1")]
+)
+def test_a_changed_window_cut_or_order_on_resume_is_refused_by_name(tiny_cfg, tmp_path, override, named):
+    main(tiny_cfg(*RUN, "trainer.max_steps=5"))
+    run = tmp_path / "runs/smoke"
+    before = files(run)
+    with pytest.raises(ValueError, match="was trained on another data stream") as refused:
+        main(tiny_cfg(*RUN, "trainer.max_steps=10", override))
+    assert named in str(refused.value) and "model.init_from" in str(refused.value)
+    assert exit_code(refused.value) == EXIT_CONFIG
+    assert files(run) == before

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.checkpoint.local import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
 from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.tools.supervise import backoff_s, supervise
@@ -210,7 +211,7 @@ def sh(script: str) -> list[str]:
 
 def test_supervise_restarts_on_75_and_stops_on_success(tmp_path):
     log = tmp_path / "runs.txt"
-    code = supervise(sh(f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -ge 2 ] || exit 75'), start_secs=0)
+    code = supervise(sh(f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -ge 2 ] || exit 75'))
     assert code == 0 and log.read_text().split() == ["0", "1", "2"]
 
 
@@ -223,9 +224,28 @@ def test_supervise_never_restarts_a_refusal(tmp_path, final):
 
 def test_supervise_restarts_crashes_with_backoff_then_gives_up(tmp_path):
     log = tmp_path / "runs.txt"
-    code = supervise(sh(f"echo x >> {log}; kill -9 $$"), max_failures=2, backoff=0.01, start_secs=60)
+    code = supervise(sh(f"echo x >> {log}; kill -9 $$"), max_failures=2, backoff=0.01)
     assert code == 128 + signal.SIGKILL and log.read_text().split() == ["x"] * 3
     assert [backoff_s(n, 5, 60) for n in (1, 2, 3, 5)] == [5, 10, 20, 60]
+
+
+def test_supervise_counts_every_crash_until_the_child_saves_a_checkpoint(tmp_path):
+    """Crashes count however long the child ran; only progress (a checkpoint saved, reported through
+    $LM_PROGRESS_FILE as lm's checkpoint writer does) starts the count again."""
+    log = tmp_path / "runs.txt"
+    script = (
+        f'echo "$LM_RESTARTS" >> {log}; [ "$LM_RESTARTS" -eq 1 ] && echo saved > "$LM_PROGRESS_FILE"; exit 1'
+    )
+    code = supervise(sh(script), max_failures=2, backoff=0.01)
+    assert code == 1 and log.read_text().split() == ["0", "1", "2", "3"]  # 1 crash, progress, then 2 more
+
+
+def test_supervise_gives_up_after_max_restarts_even_when_each_run_progresses(tmp_path):
+    log = tmp_path / "runs.txt"
+    code = supervise(
+        sh(f'echo x >> {log}; echo saved > "$LM_PROGRESS_FILE"; exit 1'), max_restarts=3, backoff=0.01
+    )
+    assert code == 1 and log.read_text().split() == ["x"] * 4
 
 
 def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
@@ -242,3 +262,15 @@ def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
         (tmp_path / f"step-{step}.ckpt").write_bytes(b"")
     (tmp_path / "step-100.ckpt.tmp-123").write_bytes(b"")  # a write in progress is never a candidate
     assert [p.name for p in resume_candidates(tmp_path)] == [f"step-{s}.ckpt" for s in (100, 99, 10, 9)]
+
+
+def test_nonfinite_guard_checkpoint_keeps_a_streak_of_skipped_steps():
+    """A save inside a streak of skipped steps (2 of 3 before a rollback) resumes inside it, as the
+    uninterrupted run would: the third in a row still rolls back."""
+    saved = NonFiniteGuard(max_in_a_row=3)
+    saved.skipped, saved.in_a_row = 5, 2
+    resumed = NonFiniteGuard(max_in_a_row=3)
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.skipped, resumed.in_a_row) == (5, 2)
+    resumed.load_state_dict({"skipped": 4})  # a checkpoint written before the streak was saved
+    assert (resumed.skipped, resumed.in_a_row) == (4, 0)

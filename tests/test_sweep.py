@@ -163,6 +163,7 @@ def test_committed_sky_task_is_generated_from_the_catalog(compose):
     wanted = [f"{c.sky_name}:1" for c in ranked if c.why_not is None]
     assert [r["accelerators"] for r in task["resources"]["ordered"]] == wanted
     assert wanted[0] == "H100:1" and task["resources"]["use_spot"] is True
+    assert task["run"].index("lm selftest") < task["run"].index("lm supervise")  # minutes before the hours
 
 
 def test_sky_task_matches_skypilot_schema():

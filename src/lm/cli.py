@@ -250,23 +250,18 @@ def cmd_supervise(args: argparse.Namespace) -> None:
             max_restarts=args.max_restarts,
             backoff=args.backoff,
             max_backoff=args.max_backoff,
-            start_secs=args.start_secs,
         )
     )
 
 
 def add_supervise(verbs) -> None:
     verb = verbs.add_parser("supervise", help="rerun a training command after preemptions and crashes")
-    verb.add_argument("--max-failures", type=int, default=5, help="crashes in a row (each soon after start)")
-    verb.add_argument("--max-restarts", type=int, default=1000, help="restarts in all before giving up")
+    verb.add_argument(
+        "--max-failures", type=int, default=5, help="crashes in a row without a checkpoint saved between (5)"
+    )
+    verb.add_argument("--max-restarts", type=int, default=100, help="restarts in all, any cause (100)")
     verb.add_argument("--backoff", type=float, default=5.0, help="first wait after a crash, seconds; doubles")
     verb.add_argument("--max-backoff", type=float, default=300.0, help="longest wait after a crash, seconds")
-    verb.add_argument(
-        "--start-secs",
-        type=float,
-        default=60.0,
-        help="a crash sooner than this after start is a failed start",
-    )
     verb.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py [overrides]")
     verb.set_defaults(fn=cmd_supervise)
 
@@ -301,7 +296,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from lm.tools.export import export
 
-    out = export(args.path, args.out, dtype=args.dtype, vocab=args.vocab)
+    given = {"dtype": args.dtype, "vocab": args.vocab}
+    out = export(args.path, args.out, **{k: v for k, v in given.items() if v is not None})
     print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it; vllm serve {out}")
 
 
@@ -321,6 +317,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     print((folder / rundir.EVAL_MD).read_text(), end="")
     print(f"wrote {folder / rundir.EVAL} and {rundir.EVAL_MD} ({record['seconds']:.1f} s)")
+    if record.get("errors"):  # the other tasks' scores are written; the exit status says not all were
+        sys.exit(f"lm eval: {len(record['errors'])} task(s) failed: {', '.join(record['errors'])}")
 
 
 def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
@@ -386,12 +384,11 @@ def add_run_readers(verbs) -> None:
     export_ = verbs.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama folder")
     export_.add_argument("path", help="runs/<run.name> (its last.ckpt) or runs/<run.name>/checkpoints/*.ckpt")
     export_.add_argument("--out", required=True, help="the folder to create (must not exist)")
-    # The choices are checked by lm.tools.export (DTYPES, VOCAB), which imports torch.
-    export_.add_argument("--dtype", default="fp32", help="weights' dtype: fp32 (the default) or bf16")
+    # Checked, and defaulted, by lm.tools.export.export (DTYPES, VOCAB), which imports torch.
+    export_.add_argument("--dtype", help="weights' dtype: fp32 (the default) or bf16")
     export_.add_argument(
         "--vocab",
-        default="keep",
-        help="padded vocabulary rows: keep (exact logits; never generated) or truncate to the tokenizer",
+        help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
     evaluate = verbs.add_parser("eval", help="benchmarks with lm-evaluation-harness -> eval.json + eval.md")

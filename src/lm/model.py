@@ -21,7 +21,9 @@ class ModelConfig:
     """Architecture of the decoder. Saved inside every checkpoint, so a checkpoint rebuilds its own model."""
 
     vocab_size: int = 4096
-    """Tokenizer vocabulary; the embedding is padded up to a multiple of `vocab_multiple`."""
+    """The real vocabulary: the ids the softmax covers. The embedding and head are padded up to a multiple of
+    `vocab_multiple` for aligned matmuls; the padding ids get -inf logits (`mask_padding`), so they never
+    take probability, and `lm export` writes only the real rows."""
     n_layer: int = 4
     """Transformer blocks."""
     d_model: int = 128
@@ -216,8 +218,18 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def mask_padding(logits_BTV: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`logits_BTV` with -inf at the padding ids (>= vocab_size, the rows `vocab_multiple` adds): they take
+    no probability, so the loss is the one over the real vocabulary, whatever the padding, and equals that of
+    a Hugging Face model of exactly `vocab_size` rows. In place on the padding columns only: the matmul keeps
+    its aligned width and no second (B, T, V) tensor is made (the head's backward needs not its output)."""
+    if logits_BTV.shape[-1] > vocab_size:
+        logits_BTV[..., vocab_size:] = float("-inf")
+    return logits_BTV
+
+
 class Transformer(nn.Module):
-    """The decoder: token ids (B, T) -> logits (B, T, padded V)."""
+    """The decoder: token ids (B, T) -> logits (B, T, padded V), -inf at the padding ids."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -251,7 +263,7 @@ class Transformer(nn.Module):
     def forward(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits for every position; with `kv_cache` (generation), idx_BT holds only the new tokens, which
         sit at positions kv_cache.pos onwards, and the cache advances past them."""
-        return self.lm_head(self.hidden(idx_BT, kv_cache))
+        return mask_padding(self.lm_head(self.hidden(idx_BT, kv_cache)), self.cfg.vocab_size)
 
     def hidden(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The final normalised hidden states (B, T, D), before the output head: what a fused

@@ -59,7 +59,7 @@ class BenchmarkEvaluator(MilestoneCallback):
         tokens, usd = self.meter.state.tokens, self.meter.usd()
         try:
             with generators_kept(pl_module.device):
-                scores = self.run_tasks(trainer, pl_module)
+                scores, errors = self.run_tasks(trainer, pl_module)
         except Exception as e:  # a benchmark's data out of reach must not end a paid-for training run
             log.error("benchmarks at step %d failed; training goes on: %s: %s", step, type(e).__name__, e)
             self.meter.switch("train")
@@ -74,6 +74,10 @@ class BenchmarkEvaluator(MilestoneCallback):
             "limit": self.cfg.limit,
             "scores": scores,
         }
+        if errors:  # the tasks that failed, with why; the others' scores are kept
+            record["errors"] = errors
+        for task, why in errors.items():
+            log.error("benchmark %s at step %d failed; the other tasks are kept: %s", task, step, why)
         rundir.append_evals(self.run_dir, record)
         metrics = {
             f"eval/{task}/{metric}": value
@@ -89,8 +93,11 @@ class BenchmarkEvaluator(MilestoneCallback):
         self.meter.switch("train")
         log.info("step %d benchmarks (%.1f s): %s", step, seconds, metrics)
 
-    def run_tasks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, float]]:
-        """The configured tasks on an in-memory `transformers` copy of the model, on the model's device."""
+    def run_tasks(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+        """The configured tasks on an in-memory `transformers` copy of the model, on the model's device:
+        (task -> metric -> value, task -> why it failed)."""
         datamodule = trainer.datamodule
         dtype = torch.bfloat16 if pl_module.device.type == "cuda" else torch.float32
         model = hf.to_hf_model(pl_module.model, eos_id=datamodule.eot_id, dtype=dtype).to(pl_module.device)
@@ -104,4 +111,4 @@ class BenchmarkEvaluator(MilestoneCallback):
             include_path=cfg.include_path,
             batch_size=cfg.batch_size,
         )
-        return out["scores"]
+        return out["scores"], out["errors"]

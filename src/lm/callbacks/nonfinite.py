@@ -106,10 +106,12 @@ class NonFiniteGuard(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         self.settle()  # a checkpoint holds the count up to its own step
-        return {"skipped": self.skipped}
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A save inside a streak of skipped steps resumes inside it: the rollback comes at the same step.
         self.skipped = state_dict.get("skipped", 0)
+        self.in_a_row = state_dict.get("in_a_row", 0)
 
 
 def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bool:

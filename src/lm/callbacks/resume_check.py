@@ -5,11 +5,16 @@ records today's command:
 - the architecture (`architecture()`: what the weights' shapes and rows mean) cannot change: `check_resumable`
   refuses before anything is written (exit 78) and names the fix;
 - every other `model` and `optim` key, the LR schedule's span and gradient clipping can change mid-run (a phase
-  may change them): they are applied from the resumed step on (`LMModule.apply_optim_config`) and logged.
+  may change them): they are applied from the resumed step on (`LMModule.apply_optim_config`) and logged;
+- the data stream: `data.seq_len` (where windows are cut) and `data.seed` (their order) cannot change
+  (`stream_keys`, refused by `check_resumable`); the global batch, the prepared data and a mixture's sources,
+  weights, caps and phase weights can (a curriculum decision, a smaller machine): they are applied and
+  logged with what they do to exact resume (`stream_settings`, `EFFECT`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,13 +22,78 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lm.checkpoint import files
+from lm.config import DataConfig
+from lm.data.datamodule import LMDataModule
 from lm.engine.module import LMModule
 from lm.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
 SETTINGS = "resume_settings"
-"""Checkpoint key of the run settings that are not hyper-parameters (the schedule's span, clipping)."""
+"""Checkpoint key of the run settings that are not hyper-parameters (the schedule's span, clipping, the data
+stream)."""
+
+GLOBAL_BATCH = "samples per step (data.batch_size x devices x nodes x accumulation)"
+STREAM_DIFFERS = "the data stream from step {step} on differs from an uninterrupted run's"
+REALLOCATED = (
+    "the mixture's allocation is recomputed from step 0 with it, so each source continues where the new "
+    "allocation is at step {step} (some windows are read again, others skipped): " + STREAM_DIFFERS + ". A "
+    "planned change of weights is a phase with its own `mixture`, which continues every source's count"
+)
+EFFECT = {
+    GLOBAL_BATCH: "the stream position is step x global batch, so windows are re-read or skipped: "
+    + STREAM_DIFFERS,
+    "prepared shards": "other tokens from here on (and another validation set): " + STREAM_DIFFERS,
+    "data.mixture": REALLOCATED,
+    "data.on_exhausted": REALLOCATED,
+    "phases.": REALLOCATED,
+}
+"""What an applied change of a data-stream setting does to exact resume, by a part of its key (the first that
+matches): logged with the change."""
+
+
+def stream_keys(data: DataConfig) -> dict[str, Any]:
+    """The data-stream settings a checkpoint cannot continue under another value of: windows are cut from the
+    token stream every `seq_len` tokens and visited in an order seeded by `seed`, so the resumed position
+    (step x global batch windows) would name other tokens."""
+    return {"data.seq_len": data.seq_len, "data.seed": data.seed}
+
+
+def shards_identity(manifest: dict[str, Any]) -> str:
+    """A prepared dataset by its contents, not its folder (a copy on a faster disk is the same stream)."""
+    shas = [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
+    digest = hashlib.sha256("".join(shas).encode()).hexdigest()[:12]
+    return f"{manifest['splits']['train']['tokens']:,} train tokens, shards sha256 {digest}"
+
+
+def stream_settings(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the training stream is, by the key a user sets: the refused keys (`stream_keys`), the global
+    batch, the prepared data by contents, and a mixture's sources, normalised weights, caps and phase weights.
+    Empty without a data module (a module trained on its own loaders)."""
+    dm = trainer.datamodule
+    if not isinstance(dm, LMDataModule):
+        return {}
+    data = dm.cfg
+    batch = data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
+    out = {**stream_keys(data), GLOBAL_BATCH: batch}
+    if not data.mixture:
+        return {**out, "data (prepared shards)": shards_identity(dm.manifest)}
+    total = sum(s.weight for s in data.mixture)
+    out["data.mixture (sources)"] = [s.name for s in data.mixture]
+    for source, manifest in zip(data.mixture, dm.manifests):
+        out[f"data.mixture.{source.name}.weight"] = round(source.weight / total, 6)
+        out[f"data.mixture.{source.name}.max_epochs"] = source.max_epochs
+        out[f"data.mixture.{source.name} (prepared shards)"] = shards_identity(manifest)
+    out["data.on_exhausted"] = data.on_exhausted
+    for phase in dm.phases:
+        out[f"phases.{phase.name}.mixture"] = dict(phase.mixture) if phase.mixture else None
+    return out
+
+
+def effect(key: str, step: int) -> str:
+    """What changing `key` at `step` does to exact resume ('' for a setting that leaves the stream alone)."""
+    found = next((text for part, text in EFFECT.items() if part in key), "")
+    return found.format(step=step)
 
 
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
@@ -42,8 +112,11 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def check_resumable(ckpt_path: Path | None, model: ModelConfig, optimizer: str = "adamw") -> None:
-    """Refuse to resume `ckpt_path` with another architecture, naming the keys and the fix (exit 78).
+def check_resumable(
+    ckpt_path: Path | None, model: ModelConfig, optimizer: str = "adamw", data: DataConfig | None = None
+) -> None:
+    """Refuse to resume `ckpt_path` with another architecture, optimizer or data stream (`stream_keys`),
+    naming the keys and the fix (exit 78).
 
     Called before the run directory is written to, so a refused command leaves the run as it was. Without it a
     changed shape fails deep inside `load_state_dict` (exit 1, which `lm supervise` retries forever), and a
@@ -60,6 +133,8 @@ def check_resumable(ckpt_path: Path | None, model: ModelConfig, optimizer: str =
             f"optim={optimizer}: the optimizer state cannot carry over; set optim={was} to continue the run, or "
             f"start a new one with run.resume=false (the old run moves to archive/) or another run.name"
         )
+    if data is not None:
+        check_stream(ckpt_path, ckpt, data)
     saved = ckpt.get("hyper_parameters", {}).get("model")
     if saved is None:
         return
@@ -71,6 +146,23 @@ def check_resumable(ckpt_path: Path | None, model: ModelConfig, optimizer: str =
             f"{', '.join(changed)}. Weights and optimizer state cannot carry over; set the checkpoint's values "
             f"to continue the run, or start a new one with run.resume=false (the old run moves to archive/) "
             f"or another run.name"
+        )
+
+
+def check_stream(ckpt_path: Path, ckpt: dict[str, Any], data: DataConfig) -> None:
+    """Refuse a changed `stream_keys` value (checkpoints from before they were recorded: nothing to compare)."""
+    before = ckpt.get(SETTINGS, {})
+    now = stream_keys(data)
+    changed = [
+        f"{key}={before[key]} -> {now[key]}" for key in now if key in before and before[key] != now[key]
+    ]
+    if changed:
+        raise ValueError(
+            f"{ckpt_path} (step {ckpt['global_step']}) was trained on another data stream: {', '.join(changed)}. "
+            f"The resumed position (step x global batch windows) would name other tokens, so the run cannot "
+            f"continue where it stopped; set the checkpoint's values to continue the run, or start a new run "
+            f"from these weights (`lm export` this run, then model.init_from=<the export> with another "
+            f"run.name)"
         )
 
 
@@ -107,6 +199,7 @@ class ResumeCheck(pl.Callback):
         return {
             "optim.total_steps (resolved)": pl_module.schedule_steps,  # trainer.max_steps when unset
             "trainer.gradient_clip_val": trainer.gradient_clip_val,
+            **stream_settings(trainer),
         }
 
     def on_save_checkpoint(
@@ -129,12 +222,14 @@ class ResumeCheck(pl.Callback):
                     f"{rank0_step} (or another rank disagrees): every node must see the same checkpoints. "
                     "Put run.root on storage that all nodes share"
                 )
+        changed = []
         if trainer.is_global_zero and self.previous is not None:
-            self.log_changes(trainer, pl_module)
+            changed = self.log_changes(trainer, pl_module)
         m = self.meter
         if (
             m is not None
             and trainer.is_global_zero
+            and GLOBAL_BATCH not in changed  # said with the change
             and m.state.step
             and m.state.tokens != m.state.step * m.tokens_per_step
         ):
@@ -145,28 +240,26 @@ class ResumeCheck(pl.Callback):
                 m.state.step, m.tokens_per_step, m.state.tokens, m.state.step, m.state.tokens / m.state.step,
             )  # fmt: skip
 
-    def log_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """One log line per changed setting (old -> new at the resumed step) and a table in TensorBoard's text
-        tab, as at a phase change: the new values are what the run trains with from here on."""
+    def log_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
+        """One log line per changed setting (old -> new at the resumed step, and what a data-stream change does
+        to exact resume) and a table in TensorBoard's text tab, as at a phase change: the new values are what
+        the run trains with from here on. Returns the changed keys."""
         now = {**flat_settings(pl_module.hparams), **self.run_settings(trainer, pl_module)}
+        step = trainer.global_step
         changed = [
-            (key, self.previous[key], value)
+            (key, self.previous[key], value, effect(key, step))
             for key, value in now.items()
             if key in self.previous and self.previous[key] != value
         ]
-        step = trainer.global_step
-        for key, old, new in changed:
+        for key, old, new, what in changed:
             log.warning(
-                "resumed at step %d with a changed setting, applied from here on: %s %r -> %r",
-                step,
-                key,
-                old,
-                new,
-            )
+                "resumed at step %d with a changed setting, applied from here on: %s %r -> %r%s",
+                step, key, old, new, f"; {what}" if what else "",
+            )  # fmt: skip
         experiment = getattr(trainer.logger, "experiment", None)
         if changed and hasattr(experiment, "add_text"):
-            rows = [f"| {key} | {old!r} | {new!r} |" for key, old, new in changed]
-            table = "\n".join(
-                [f"Resumed at step {step} with:", "", "| setting | was | now |", "|---|---|---|", *rows]
-            )
+            rows = [f"| {key} | {old!r} | {new!r} | {what or '-'} |" for key, old, new, what in changed]
+            header = ["| setting | was | now | exact resume |", "|---|---|---|---|"]
+            table = "\n".join([f"Resumed at step {step} with:", "", *header, *rows])
             experiment.add_text("resume/changes", table, global_step=step)
+        return [key for key, *_ in changed]

@@ -27,7 +27,8 @@ from lm.checkpoint.files import LAST, STEP_GLOB, checkpoint_step, loadable, read
 from lm.checkpoint.remote import RemoteCheckpoints, new_run_id
 from lm.config import CheckpointConfig, RunConfig
 from lm.store import rundir
-from lm.store.exits import CheckpointSaveError
+from lm.store.atomic import discard, nearest_folder, unwritable_cause, unwritable_fix
+from lm.store.exits import UNWRITABLE, CheckpointSaveError, report_progress
 from lm.store.findings import Finding
 from lm.store.lock import LOCK
 from lm.store.objects import check_writable
@@ -93,13 +94,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
             fsync_dir(path.parent)  # make the rename itself durable
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            free = shutil.disk_usage(path.parent).free
+            discard(tmp)  # never a second error over this one (a read-only filesystem refuses the unlink too)
             raise CheckpointSaveError(
-                f"saving {path} failed ({e.strerror or e}); {gib(free)} free in {path.parent}. The previous "
-                f"checkpoints are intact; fix the cause (disk full? quota?) and rerun the same command to resume"
+                f"saving {path} failed ({save_failure(e, path)}). The previous checkpoints "
+                f"are intact; {save_fix(e)} and rerun the same command to resume"
             ) from e
         self.expected_bytes = max(self.expected_bytes, size)
+        report_progress(f"saved {path}")  # `lm supervise` starts its count of crashes in a row again
+
+
+def save_failure(error: OSError, path: Path) -> str:
+    """What went wrong with a checkpoint write, with the free space."""
+    if error.errno in UNWRITABLE:
+        return unwritable_cause(error, path)
+    return f"{error.strerror or error}; {gib(shutil.disk_usage(nearest_folder(path)).free)} free in {path.parent}"
+
+
+def save_fix(error: OSError) -> str:
+    return unwritable_fix(error) if error.errno in UNWRITABLE else "fix the cause (disk full? quota?)"
 
 
 def fsync_dir(path: Path) -> None:

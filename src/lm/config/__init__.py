@@ -26,6 +26,7 @@ from lm.config.root import (
     SamplingConfig,
 )
 from lm.config.training import (
+    FP8_RECIPES,
     MUON_LR_SCALES,
     OPTIMIZERS,
     PRECISIONS,
@@ -41,7 +42,7 @@ from lm.config.training import (
 )
 
 __all__ = [
-    "MUON_LR_SCALES", "ON_EXHAUSTED", "OPTIMIZERS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
+    "FP8_RECIPES", "MUON_LR_SCALES", "ON_EXHAUSTED", "OPTIMIZERS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
     "ActivationCheckpointingConfig", "BenchConfig", "CheckpointConfig", "CostConfig", "DataConfig",
     "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "KernelsConfig", "LMConfig",
     "LoggerConfig", "MixtureSource", "OptimConfig", "PhaseConfig", "PhasesConfig", "PrecisionConfig",

@@ -48,6 +48,8 @@ class GpuConfig:
     """Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s per GPU; None means unknown: no MFU."""
     peak_tf32_tflops: float | None = None
     """Dense TF32 tensor-core peak, TFLOP/s per GPU (the peak for fp32 runs with precision.tf32)."""
+    peak_fp8_tflops: float | None = None
+    """Dense FP8 tensor-core peak, TFLOP/s per GPU (the peak for precision.fp8 runs); None: no FP8 cores."""
     memory_gb: float | None = None
     """Device memory, GB."""
     bandwidth_gbps: float | None = None

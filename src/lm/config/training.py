@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
+FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("wsd", "cosine", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_SCALES = ("match_rms_adamw", "original")
@@ -131,10 +132,19 @@ class PrecisionConfig:
     (bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32-true on CPU)."""
     tf32: bool = True
     """Let fp32 matmuls use TF32 tensor cores on Ampere and newer (free speed; ignored on CPU)."""
+    fp8: str | None = None
+    """FP8 matmuls in the blocks' linear layers (torchao float8 training): `tensorwise` (one scale per tensor,
+    the faster) or `rowwise` (one per row, closer to bf16); None off. Beside `mode` (bf16-mixed): the
+    embedding, the lm_head and attention's softmax stay in bf16. Needs compute capability 8.9+ and compile."""
+    fp8_emulate: bool = False
+    """Run the FP8 casts and scaled matmuls in emulation (any device, slow): tests the FP8 code path, the
+    checkpoints and the export on a CPU. Never for a real run."""
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISIONS:
             raise ValueError(f"precision.mode='{self.mode}' is unknown; use one of {', '.join(PRECISIONS)}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"precision.fp8='{self.fp8}' is unknown; use one of {', '.join(FP8_RECIPES)}")
 
 
 @dataclass

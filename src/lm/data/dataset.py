@@ -88,8 +88,10 @@ class TokenWindows(Dataset):
         offset = start + int(np.argmax(window >= self.vocab_size))
         path = self.paths[int(np.searchsorted(self.starts, offset, side="right")) - 1]
         raise ValueError(
-            f"{path} holds token id {int(window.max())} at or above the vocabulary size {self.vocab_size}: the "
-            f"shard is corrupt; delete {path.parent} and rerun `lm prepare` (data.verify=full checks every shard)"
+            f"{path} holds token id {int(window.max())} at or above the vocabulary size {self.vocab_size} the "
+            f"data was prepared with: the shard is corrupt, or was tokenized with a larger vocabulary. Delete "
+            f"{path.parent} and rerun `lm prepare` with this config's data.vocab_size (data.verify=full checks "
+            f"every shard before training)"
         )
 
     def __getstate__(self) -> dict:

@@ -9,6 +9,7 @@ tokenizes only the units that have none. Training reads the shards of a split as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,6 +18,8 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -54,6 +57,7 @@ from lm.data.tokenizer import (
     train_tokenizer,
 )
 from lm.store.atomic import write_atomic
+from lm.store.exits import Interrupted
 from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
@@ -135,6 +139,14 @@ def _init_worker(cfg: DataConfig, tokenizer_json: str, out: str, val_names: dict
     tok.encode_special_tokens = True  # a literal "<|endoftext|>" inside a document is text, not a boundary
     eot = tokenizer_id(tok, cfg.eot_token)
     _worker.update(cfg=cfg, tok=tok, eot=eot, out=Path(out), val_names=val_names, counters=counters)
+
+
+def _init_pool_worker(*args) -> None:
+    """A pool worker leaves stop signals to the parent, which terminates the pool (`stop_on_signals`): SIGTERM
+    ends it at once (the parent's handler is not inherited), Ctrl-C's SIGINT to the whole group is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(*args)
 
 
 def _is_val(name: str, cfg: DataConfig, forced: dict) -> bool:
@@ -341,7 +353,8 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
         # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer and
         # runs it on one thread, since the processes already fill the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        with mp.get_context("fork").Pool(procs, initializer=_init_worker, initargs=args) as pool:
+        # Leaving this block terminates the workers (SIGTERM) and joins them, on an interruption too.
+        with mp.get_context("fork").Pool(procs, initializer=_init_pool_worker, initargs=args) as pool:
             results = pool.imap_unordered(tokenize_unit, todo)
             while True:
                 try:
@@ -418,9 +431,23 @@ def tokenize_units(
     done_bytes = sum(u.n_bytes for u in plan.units if u.index in records)
     total = None if plan.n_bytes is None else plan.n_bytes - done_bytes
     t1 = time.perf_counter()
-    for record in _run_units(cfg, todo, tokenizer_json, out, forced, total):
-        write_json(out / PROGRESS / f"unit-{record['unit']:05d}.json", record)
-        records[record["unit"]] = record
+    # Closed on the way out wherever a stop signal lands, so its worker pool never outlives this call.
+    with (
+        stop_on_signals(),
+        contextlib.closing(_run_units(cfg, todo, tokenizer_json, out, forced, total)) as run,
+    ):
+        try:
+            for record in run:
+                write_json(out / PROGRESS / f"unit-{record['unit']:05d}.json", record)
+                records[record["unit"]] = record
+        except Interrupted as e:
+            run.close()  # terminates and joins the workers before the message says they are stopped
+            log.warning(
+                "data preparation %s: its worker processes are stopped; %d of %d units are finished and kept "
+                "in %s. Rerun the same command to resume from them",
+                e, len(records), len(plan.units), out,
+            )  # fmt: skip
+            raise
     seconds = time.perf_counter() - t1
     n_bytes = sum(r["shards"][s]["bytes"] for r in (records[u.index] for u in todo) for s in SPLITS)
     n_tokens = sum(r["shards"][s]["tokens"] for r in (records[u.index] for u in todo) for s in SPLITS)
@@ -430,6 +457,30 @@ def tokenize_units(
             len(todo), n_bytes / 1e6, n_tokens, seconds, n_bytes / 1e6 / seconds, n_tokens / 1e3 / seconds,
         )  # fmt: skip
     return records
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise `Interrupted` (exit 75) in the main thread while units are tokenized, so the
+    worker pool is terminated and joined on the way out. By default SIGTERM ends the parent alone, and its
+    workers went on for seconds renaming finished shards into the folder. A repeated signal is ignored while
+    the workers are being stopped. Elsewhere than the main thread (where handlers cannot be set) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[str] = []
+
+    def stop(signum: int, frame) -> None:
+        if not caught:
+            caught.append(signal.Signals(signum).name)
+            raise Interrupted(caught[0])
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _manifest(cfg: DataConfig, plan: UnitPlan, key: str, records: list[dict], tokenizer_json: str) -> dict:

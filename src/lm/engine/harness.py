@@ -81,6 +81,79 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None):
     return manager
 
 
+HUB_TIMEOUT_S = 5.0
+"""How long the reachability check waits for the Hugging Face Hub to answer one request."""
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """The Hugging Face Hub switched off for a moment, as `HF_HUB_OFFLINE=1` does: datasets then load from
+    the local cache or fail at once, where online they would retry an unreachable Hub for ~25 s. The flag is
+    read from the modules at each request (the environment variable only at import)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (offline mode, no network), or None."""
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_TIMEOUT_S)
+    except Exception as e:  # any failure to get an answer: DNS, refused, timeout, proxy
+        return f"{constants.ENDPOINT} does not answer: {one_line(e)}"
+    return None
+
+
+def unreachable_tasks(tasks: list[str], include_path: str | Path | None = None) -> dict[str, str]:
+    """Each task whose data cannot be had here -> why: neither local (task files, the Hugging Face datasets
+    cache) nor downloadable (the Hub unreachable). Loads each task from local data only, so a task already
+    cached costs no request and the Hub is asked once, only when one is not."""
+    manager = task_manager(tasks, include_path)
+    problems: dict[str, str] = {}
+    hub: list[str | None] = []  # the Hub's answer, asked at most once
+    for task in tasks:
+        try:  # building a task draws from the global generators (lm-eval's own seeding): kept as they were
+            with hub_offline(), generators_kept(torch.device("cpu")):
+                manager.load([task])
+        except ConnectionError as e:  # not in the local cache: only a reachable Hub can supply it
+            if not hub:
+                hub.append(hub_unreachable())
+            if hub[0] is not None:
+                problems[task] = (
+                    f"not in the local cache ({one_line(e)}) and the Hub cannot be reached ({hub[0]})"
+                )
+        except Exception as e:  # a local file missing, a task's own loader failing
+            problems[task] = one_line(e)
+    return problems
+
+
+def refuse_unreachable(tasks: list[str], include_path: str | Path | None = None) -> None:
+    """A ValueError in one line naming each task whose data cannot be had here (`unreachable_tasks`)."""
+    problems = unreachable_tasks(tasks, include_path)
+    if problems:
+        raise ValueError(
+            f"the data of lm-eval task(s) {', '.join(problems)} cannot be had here: "
+            + "; ".join(f"{task}: {why}" for task, why in problems.items())
+            + ". Run once where the Hub is reachable (datasets are cached in ~/.cache/huggingface), point "
+            "HF_HOME at a copied cache, or drop the task(s)"
+        )
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: message` on one line (an exception's text may span several)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
 def score(
     model,
     tokenizer,
@@ -91,7 +164,9 @@ def score(
     batch_size: int = 16,
     log_samples: bool = False,
 ) -> dict[str, Any]:
-    """Run `tasks` on a `transformers` causal LM; {"scores": task -> metric -> value, "samples": ...}.
+    """Run `tasks` on a `transformers` causal LM: {"scores": task -> metric -> value, "errors": task -> why
+    it failed, "samples": ...}. Each task runs on its own, so one that fails (its data out of reach) costs
+    only its own scores.
 
     Metric names drop lm-eval's default filter suffix (`acc,none` -> `acc`; another filter stays as
     `exact_match/flexible`); stderr is `<metric>_stderr`. `samples` (per-example log-likelihoods) only with
@@ -102,20 +177,24 @@ def score(
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(tasks, include_path)
+    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    scores, errors, samples = {}, {}, {}
     was_training = model.training
     model.eval()
     try:
-        out = lm_eval.simple_evaluate(
-            model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
-            tasks=list(tasks),
-            limit=limit,
-            task_manager=manager,
-            log_samples=log_samples,
-        )
+        for task in tasks:
+            try:
+                out = lm_eval.simple_evaluate(
+                    model=wrapped, tasks=[task], limit=limit, task_manager=manager, log_samples=log_samples
+                )
+            except Exception as e:  # this task's alone: the others are still scored
+                errors[task] = one_line(e)
+                continue
+            scores |= {name: metrics_of(values) for name, values in out["results"].items()}
+            samples |= out.get("samples") or {}
     finally:
         model.train(was_training)
-    scores = {task: metrics_of(values) for task, values in out["results"].items()}
-    return {"scores": scores, "samples": out.get("samples") if log_samples else None}
+    return {"scores": scores, "errors": errors, "samples": samples if log_samples else None}
 
 
 @contextlib.contextmanager
@@ -180,7 +259,7 @@ def evaluate_path(
     `with_samples` keeps each example's log-likelihoods in eval.json (what the per-example check reads).
     """
     require_harness()
-    task_manager(tasks, include_path)  # an unknown task is refused before the model is loaded
+    refuse_unreachable(tasks, include_path)  # an unknown or unreachable task: before the model is loaded
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     with generators_kept(torch.device(device)):
         model, tokenizer, folder, about = load(path, device)
@@ -202,9 +281,12 @@ def evaluate_path(
         "seconds": time.monotonic() - started,  # the scoring, without loading
         "scores": out["scores"],
     }
+    if out["errors"]:
+        record["errors"] = out["errors"]
     if with_samples:
         record["samples"] = {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
-    rundir.write_eval(folder, record, evals_markdown(out["scores"]) + "\n")
+    failed = "".join(f"\n{task} failed: {why}\n" for task, why in out["errors"].items())
+    rundir.write_eval(folder, record, evals_markdown(out["scores"]) + "\n" + failed)
     return folder, record
 
 
@@ -220,9 +302,8 @@ def example(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def evals_findings(evals: EvalsConfig) -> list[Finding]:
-    """Benchmarks at milestones (`evals=`) need lm-eval installed: refused now, not at the first phase
-    boundary hours in. (Task names are checked by the callback at setup, before the first step: knowing
-    lm-eval's registry means indexing thousands of YAMLs.)"""
+    """Benchmarks at milestones (`evals=`) need lm-eval installed, known tasks and each task's data within
+    reach (local, cached or downloadable): refused now, not at the first phase boundary hours in."""
     if not evals.tasks:
         return []
     problem = missing_harness()
@@ -230,4 +311,18 @@ def evals_findings(evals: EvalsConfig) -> list[Finding]:
         problem = f"evals.include_path={evals.include_path} is not a folder of task YAMLs"
     if problem:
         return [Finding("evals", "error", problem, fix="evals=off, or the fix above")]
+    try:
+        unreachable = unreachable_tasks(evals.tasks, evals.include_path)
+    except ValueError as e:  # an unknown task
+        return [Finding("evals", "error", str(e), fix="evals.tasks=[...] without it")]
+    if unreachable:
+        return [
+            Finding(
+                "evals",
+                "error",
+                f"task {task}'s data cannot be had here: {why}",
+                fix="evals.tasks=[...] without it",
+            )
+            for task, why in unreachable.items()
+        ]
     return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(evals.tasks)}")]

@@ -2,7 +2,10 @@
 
 lm's decoder is numerically a standard Llama (rotate-half RoPE like HF, so no q/k permutation): conversion
 is a renaming of state-dict keys, one table read in both directions (`KEYS`, `LAYER_KEYS`), plus the
-vocabulary rows that lm pads to `model.vocab_multiple`. `load_run` is what `lm sample`, `lm export` and
+vocabulary rows that lm pads to `model.vocab_multiple`. One vocabulary rule holds in all three places:
+`model.vocab_size` ids are real; lm masks its padding ids to -inf (`lm.model.mask_padding`), an export
+writes the real rows only, and `model.init_from` takes a model whose vocabulary is exactly
+`data.vocab_size`, so its loss, transformers' loss on an export and the first loss of an init_from run agree. `load_run` is what `lm sample`, `lm export` and
 `lm eval` open a run with: the weights, the config they were built from and the run's own tokenizer.
 
 `transformers` is an optional dependency (the `export` extra): it is imported inside the functions that
@@ -11,6 +14,7 @@ build its objects, so `lm sample` and training never need it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +24,7 @@ import torch
 from lm.checkpoint import files
 from lm.model import ModelConfig, Transformer
 from lm.store import rundir
+from lm.store.findings import Finding
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -43,9 +48,10 @@ LAYER_KEYS = {
 }
 """lm key -> HF key inside block i (`blocks.{i}.` <-> `model.layers.{i}.`)."""
 VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")
-"""lm tensors with one row per token id: padded in lm, optionally cut to the tokenizer's size in HF."""
-VOCAB = ("keep", "truncate")
-EXTRA = "transformers is not installed; install the export extra: pip install -e '.[export]'"
+"""lm tensors with one row per token id: padded in lm, cut to the real vocabulary in HF (`to_hf_model`)."""
+VOCAB = ("truncate", "keep")
+"""What `lm export --vocab` writes of the padded rows (`to_hf_model`); the first is the default."""
+EXTRA = "{name} is not installed; install the export extra: pip install -e '.[export]'"
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
@@ -133,29 +139,100 @@ def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = N
 
 def model_config_from_hf(config: LlamaConfig | dict[str, Any], **rest: Any) -> ModelConfig:
     """The ModelConfig of an HF Llama config (the inverse of `hf_config`); `rest` sets the fields HF does not
-    describe (`vocab_multiple`, `init_std`, ...)."""
+    describe (`vocab_multiple`, `init_std`, ...). A config lm cannot express (`FIELDS`) is refused, naming
+    each field with both values."""
     c = config if isinstance(config, dict) else config.to_dict()
-    if c.get("model_type", "llama") != "llama" or c.get("attention_bias") or c.get("mlp_bias"):
-        raise ValueError("only Llama models without attention/MLP biases can be loaded into lm")
-    rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={rope['rope_type']!r} is not lm's plain RoPE; it cannot be loaded")
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if head_dim * c["num_attention_heads"] != c["hidden_size"]:
-        raise ValueError(f"head_dim={head_dim} x heads != hidden_size: lm needs d_model = n_head x head_dim")
-    return ModelConfig(
+    model_cfg = ModelConfig(
         vocab_size=c["vocab_size"],
         n_layer=c["num_hidden_layers"],
         d_model=c["hidden_size"],
         n_head=c["num_attention_heads"],
-        n_kv_head=c.get("num_key_value_heads") or c["num_attention_heads"],
+        n_kv_head=source_value(c, "num_key_value_heads"),
         ffn_hidden=c["intermediate_size"],
         max_seq_len=c["max_position_embeddings"],
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        rope_theta=source_value(c, "rope_theta"),
         norm_eps=c["rms_norm_eps"],
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         **rest,
     )
+    wrong = mismatches(c, model_cfg)
+    if wrong:
+        raise ValueError(f"this Hugging Face model is not one lm can load: {'; '.join(wrong)}")
+    return model_cfg
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config.json field against what lm uses for it."""
+
+    hf: str
+    """The field of the Hugging Face config (`SOURCE` reads the ones spelled several ways)."""
+    lm: Callable[[ModelConfig], Any]
+    """What lm's model of this config has there."""
+    key: str | None = None
+    """The lm config key that sets it; None: lm's decoder has no setting for it (a fixed part of it)."""
+
+
+FIELDS = (
+    Field("model_type", lambda m: "llama"),
+    Field("hidden_act", lambda m: "silu"),  # the SwiGLU MLP's gate
+    Field("attention_bias", lambda m: False),
+    Field("mlp_bias", lambda m: False),
+    Field("attention_dropout", lambda m: 0.0),
+    Field("rope_type", lambda m: "default"),  # plain RoPE, no scaling
+    Field("sliding_window", lambda m: None),  # full causal attention
+    Field("use_sliding_window", lambda m: False),
+    Field("head_dim", lambda m: m.head_dim),  # always d_model / n_head in lm
+    Field("num_hidden_layers", lambda m: m.n_layer, "model.n_layer"),
+    Field("hidden_size", lambda m: m.d_model, "model.d_model"),
+    Field("num_attention_heads", lambda m: m.n_head, "model.n_head"),
+    Field("num_key_value_heads", lambda m: m.kv_heads, "model.n_kv_head"),
+    Field("intermediate_size", lambda m: m.hidden_dim, "model.ffn_hidden"),
+    Field("rope_theta", lambda m: m.rope_theta, "model.rope_theta"),
+    Field("rms_norm_eps", lambda m: m.norm_eps, "model.norm_eps"),
+    Field("tie_word_embeddings", lambda m: m.tie_embeddings, "model.tie_embeddings"),
+    Field("vocab_size", lambda m: m.vocab_size, "data.vocab_size"),  # model.vocab_size follows it
+)
+"""Every Hugging Face config field that `model.init_from` must find as lm would build it: the fixed parts of
+lm's decoder first, then the ones a config key sets. A new architecture feature in lm (another activation,
+qk-norm) is one more row here, its `lm` reading the ModelConfig field that expresses it."""
+
+
+def rope_of(c: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings: `rope_parameters` (transformers >= 5) or the older `rope_scaling`."""
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
+SOURCE: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "rope_type": lambda c: rope_of(c).get("rope_type") or rope_of(c).get("type") or "default",
+    "rope_theta": lambda c: float(rope_of(c).get("rope_theta") or c.get("rope_theta") or 10000.0),
+    "num_key_value_heads": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
+    "head_dim": lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+}
+"""config.json fields that are absent, None or spelled in several places, read as transformers reads them."""
+
+
+def source_value(c: dict[str, Any], field: str, absent: Any = None) -> Any:
+    """The value of `field` in the HF config dict `c` (`absent` when the config has no such field)."""
+    return SOURCE[field](c) if field in SOURCE else c.get(field, absent)
+
+
+def mismatches(c: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
+    """Each field of `FIELDS` where the HF config `c` differs from what lm builds for `model_cfg`, named
+    with both values (a field the config lacks is taken to be lm's)."""
+    wrong = []
+    for f in FIELDS:
+        ours = f.lm(model_cfg)
+        theirs = source_value(c, f.hf, ours)
+        if theirs == ours:
+            continue
+        if f.key is None:
+            wrong.append(
+                f"its {f.hf}={theirs!r} but lm's decoder has {f.hf}={ours!r} (no lm setting changes it)"
+            )
+        else:
+            wrong.append(f"{f.key}={ours} but its {f.hf}={theirs}")
+    return wrong
 
 
 def to_hf_model(
@@ -163,14 +240,16 @@ def to_hf_model(
     *,
     eos_id: int,
     model_cfg: ModelConfig | None = None,
-    vocab: str = "keep",
-    tokenizer_vocab_size: int | None = None,
+    vocab: str = "truncate",
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
     """An lm model (or its state dict + `model_cfg`) as an HF LlamaForCausalLM in memory, in eval mode.
 
-    `vocab="keep"` keeps lm's padded rows (exact logits) and tells HF generation never to pick a padding id
-    (`suppress_tokens`); `"truncate"` cuts them to `tokenizer_vocab_size` (default: `model.vocab_size`)."""
+    `vocab="truncate"` (the default) writes the real vocabulary, `model.vocab_size` rows: the HF model's
+    logits, softmax and loss are lm's (whose padding ids have -inf logits). `"keep"` keeps lm's padded rows
+    for aligned shapes; HF has no logit mask, so there the padding ids take a little probability (their
+    logits are those of never-trained rows) and generation is only told never to pick one
+    (`suppress_tokens`)."""
     transformers = require_transformers()
     if isinstance(model, Transformer):
         model_cfg, state_dict = model.cfg, model.state_dict()
@@ -180,7 +259,7 @@ def to_hf_model(
         state_dict = model
     if vocab not in VOCAB:
         raise ValueError(f"vocab={vocab!r} is unknown; use one of {', '.join(VOCAB)}")
-    real = tokenizer_vocab_size or model_cfg.vocab_size
+    real = model_cfg.vocab_size
     rows = model_cfg.padded_vocab_size if vocab == "keep" else real
     config = hf_config(model_cfg, eos_id=eos_id, vocab_size=rows)
     hf = transformers.LlamaForCausalLM(config)
@@ -192,48 +271,52 @@ def to_hf_model(
     return hf.to(dtype).eval()
 
 
-ARCHITECTURE = {
-    "n_layer": "num_hidden_layers",
-    "d_model": "hidden_size",
-    "n_head": "num_attention_heads",
-    "kv_heads": "num_key_value_heads",
-    "hidden_dim": "intermediate_size",
-    "rope_theta": "rope_parameters.rope_theta",
-    "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings",
-}
-"""ModelConfig attribute -> the LlamaConfig key it must equal for `model.init_from`."""
-KEY_OF = {"kv_heads": "n_kv_head", "hidden_dim": "ffn_hidden"}
-"""Where an attribute above is a derived property: the config key a user sets."""
+INIT_FROM_FIX = "set those keys to its values (or start without model.init_from)"
+
+
+def init_from_findings(model_cfg: ModelConfig, seq_len: int | None = None) -> list[Finding]:
+    """The check of `model.init_from` (the doctor's, before the run directory or its lock exists): refused
+    without the export extra, with a config.json that cannot be read, and for each field lm would build
+    otherwise (`FIELDS`); a warning where a training window (`seq_len`: data.seq_len) is longer than the
+    context the source model was trained for."""
+    name = model_cfg.init_from
+    if name is None:
+        return []
+    try:
+        c = read_hf_config(name)
+    except ImportError as e:
+        return [Finding("init_from", "error", f"model.init_from={name} is read with transformers: {e}")]
+    except ValueError as e:
+        return [Finding("init_from", "error", str(e), fix="model.init_from=<a Hugging Face Llama folder>")]
+    found = [
+        Finding("init_from", "error", f"model.init_from={name}: {wrong}", fix=INIT_FROM_FIX)
+        for wrong in mismatches(c, model_cfg)
+    ]
+    context = c.get("max_position_embeddings")
+    if seq_len is not None and context is not None and seq_len > context:
+        what = f"data.seq_len={seq_len} is longer than its max_position_embeddings={context}: positions it never saw"
+        found.append(Finding("init_from", "warn", what, fix=f"data.seq_len={context}"))
+    return found or [Finding("init_from", "ok", f"starts from {name}")]
 
 
 def check_init_from(model_cfg: ModelConfig) -> None:
-    """Refuse `model.init_from` whose config.json describes another architecture (exit 78, before any
-    training), naming each field with both values."""
-    theirs = model_config_from_hf(read_hf_config(model_cfg.init_from))
-    wrong = [
-        f"model.{KEY_OF.get(attr, attr)}={getattr(model_cfg, attr)} but its {hf_key}={getattr(theirs, attr)}"
-        for attr, hf_key in ARCHITECTURE.items()
-        if getattr(model_cfg, attr) != getattr(theirs, attr)
-    ]
-    if theirs.vocab_size > model_cfg.padded_vocab_size:
-        wrong.append(
-            f"model.vocab_size={model_cfg.vocab_size} (padded to {model_cfg.padded_vocab_size} rows) but its "
-            f"vocab_size={theirs.vocab_size}"
-        )
-    if wrong:
+    """Refuse (exit 78) what `init_from_findings` refuses. The doctor has refused such a run already, before
+    the run directory changed, unless it is off or the run was to resume a remote checkpoint (this runs
+    once the run knows it starts fresh)."""
+    errors = [f.what for f in init_from_findings(model_cfg) if f.level == "error"]
+    if errors:
         raise ValueError(
-            f"model.init_from={model_cfg.init_from} is another architecture than this config: "
-            f"{'; '.join(wrong)}. Set these model keys to its values (or start without model.init_from)"
+            f"{'; '.join(errors)}. Set these keys to its values (or start without model.init_from)"
         )
 
 
 def read_hf_config(name: str) -> dict[str, Any]:
-    """config.json of an HF folder or Hub name (downloaded when online), as a dict."""
+    """config.json of an HF folder or Hub name (downloaded when online), as a dict; an ImportError without
+    the export extra."""
     transformers = require_transformers()
     try:
         return transformers.AutoConfig.from_pretrained(name).to_dict()
-    except OSError as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
+    except (OSError, ValueError) as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
         raise ValueError(
             f"model.init_from={name} is neither a Hugging Face model folder (with config.json) nor a Hub model "
             f"this machine can download: {e}"
@@ -260,11 +343,13 @@ def hf_tokenizer(
 
 
 def require_transformers():
-    """transformers, imported here: heavy (seconds), and only the export/eval extras install it."""
+    """transformers (and safetensors, its weights' format), imported here: heavy (seconds), and only the
+    export/eval extras install them."""
     try:
+        import safetensors  # noqa: F401
         import transformers
     except ImportError as e:
-        raise ImportError(EXTRA) from e
+        raise ImportError(EXTRA.format(name=e.name or "transformers")) from e
     return transformers
 
 

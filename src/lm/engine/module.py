@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from lm.config import OptimConfig
 from lm.data.bytes import token_byte_lengths
+from lm.engine import fp8 as float8
 from lm.engine import optim
 from lm.engine.kernels import apply_liger
 from lm.engine.parallel import grad_norm, shard_model
@@ -39,8 +40,9 @@ class LMModule(pl.LightningModule):
 
     `model` and `optim` are saved as plain dicts in every checkpoint's hyper-parameters, so
     `LMModule.load_from_checkpoint(path)` rebuilds the architecture without the config tree.
-    Activation checkpointing, compilation and Liger kernels are runtime choices, not hyper-parameters: a run
-    may change them between phases without touching its weights (Liger keeps the eager state-dict keys).
+    Activation checkpointing, compilation, Liger kernels and FP8 matmuls are runtime choices, not
+    hyper-parameters: a run may change them between phases without touching its weights (Liger and torchao's
+    Float8Linear keep the eager state-dict keys and fp32 weights).
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class LMModule(pl.LightningModule):
         compile: bool = False,
         compile_mode: str | None = None,
         liger: bool = False,
+        fp8: str | None = None,
+        fp8_emulate: bool = False,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -65,6 +69,8 @@ class LMModule(pl.LightningModule):
         self.liger = liger
         if liger:
             apply_liger(self.model)
+        if fp8:  # after Liger, which calls the same linear modules; before compile and FSDP sharding
+            float8.convert(self.model, fp8, fp8_emulate)
         self.lr_cooldown: tuple[int, int] | None = None
         self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
@@ -99,9 +105,9 @@ class LMModule(pl.LightningModule):
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
         if self.liger:  # Liger's fused head + loss: the (B, T, V) logits are never materialised
             hidden_BTD = self.model.hidden(inputs)
-            return fused_linear_cross_entropy(
-                hidden_BTD.flatten(0, 1), self.model.lm_head.weight, targets.flatten()
-            )
+            # Liger takes no logit mask: the head cut to the real vocabulary is the loss of the masked logits.
+            weight_VD = self.model.lm_head.weight[: self.model_cfg.vocab_size]
+            return fused_linear_cross_entropy(hidden_BTD.flatten(0, 1), weight_VD, targets.flatten())
         return eager_cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

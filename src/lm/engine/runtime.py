@@ -23,6 +23,7 @@ from lm.config import (
     TrainerConfig,
     conf_dir,
 )
+from lm.engine.fp8 import check_fp8
 from lm.engine.kernels import check_liger
 from lm.numbers import cost
 from lm.store.findings import Finding
@@ -40,12 +41,19 @@ class Runtime:
     """Lightning precision, never `auto`."""
     compile: bool
     fused_adamw: bool
+    fp8: str | None
+    """torchao's FP8 recipe for the blocks' linear layers (`tensorwise`, `rowwise`), or None."""
     gpu: GpuConfig
     """Catalog entry of the device (`cpu` on a CPU, an empty `unknown` for an uncatalogued GPU)."""
     device_name: str
     """What the device calls itself."""
     price: float | None
     """$/hour per device the run is metered at (cost.price_per_hour or the catalog; None: unknown)."""
+
+    @property
+    def precision_label(self) -> str:
+        """The precision as the log and bench.json name it: `bf16-mixed`, `bf16-mixed+fp8-tensorwise`."""
+        return f"{self.precision}+fp8-{self.fp8}" if self.fp8 else self.precision
 
 
 def uses_cuda(trainer: TrainerConfig) -> bool:
@@ -99,14 +107,17 @@ def resolve(
     else:
         device, bf16 = cost.resolve_gpu(gpu, None, conf_dir()), False
     resolved = resolve_precision(precision.mode, cuda, bf16)
+    compile = kernels.compile if kernels.compile is not None else cuda
     if not planned:  # a planned GPU's machine will have its own Liger install: nothing to import here
         check_liger(kernels.liger, cuda)
+    check_fp8(precision.fp8, precision.fp8_emulate, cuda, planned, device.gpu, compile)
     return Runtime(
         cuda=cuda,
         planned=planned,
         precision=resolved,
-        compile=kernels.compile if kernels.compile is not None else cuda,
+        compile=compile,
         fused_adamw=optim.fused if optim.fused is not None else cuda,
+        fp8=precision.fp8,
         gpu=device.gpu,
         device_name=device.device_name,
         price=cost.price_per_hour(device.gpu, cost_cfg),

@@ -43,15 +43,27 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int | None = None)
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * seq_len
 
 
-def peak_flops(gpu: GpuConfig, precision: str, tf32: bool) -> float | None:
-    """Dense peak FLOP/s per device for the run's precision, or None when the catalog does not know it."""
-    if precision.startswith(("bf16", "16")):
+def peak_flops(gpu: GpuConfig, precision: str, tf32: bool, fp8: bool = False) -> float | None:
+    """Dense peak FLOP/s per device for the run's precision, or None when the catalog does not know it.
+
+    An FP8 run's MFU is against the FP8 peak (2x bf16's on every FP8 tensor core): its matmuls could go that
+    fast, so a run at 1.2x bf16's tokens/s shows 0.6x its MFU, not a flattering 1.2x."""
+    if fp8:
+        tflops = gpu.peak_fp8_tflops
+    elif precision.startswith(("bf16", "16")):
         tflops = gpu.peak_bf16_tflops
     elif tf32:
         tflops = gpu.peak_tf32_tflops
     else:
         tflops = None  # plain fp32 CUDA-core peaks are not catalogued: no MFU rather than a guess
     return tflops * 1e12 if tflops else None
+
+
+def fp8_peak_ratio(gpu: GpuConfig) -> float:
+    """The GPU's FP8 peak over its bf16 peak (2 on every FP8 tensor core; 1 where either is unknown)."""
+    if gpu.peak_fp8_tflops and gpu.peak_bf16_tflops:
+        return gpu.peak_fp8_tflops / gpu.peak_bf16_tflops
+    return 1.0
 
 
 def mfu(tokens_per_sec: float, flops_per_tok: float, peak: float | None, n_devices: int) -> float | None:

@@ -20,13 +20,16 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lm.checkpoint.local import disk_findings
+from lm.callbacks.run_tokenizer import tokenizer_findings
+from lm.checkpoint.local import disk_findings, resume_candidates
 from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
 from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
+from lm.engine.fp8 import fp8_findings
 from lm.engine.harness import evals_findings
+from lm.engine.hf import init_from_findings
 from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
 from lm.numbers import cost, memory, run_plan
@@ -90,7 +93,10 @@ def check_memory(t: Target) -> list[Finding]:
 
 
 def check_precision(t: Target) -> list[Finding]:
-    return runtime.precision_findings(t.cuda, t.precision, t.gpu, t.cfg.precision.tf32)
+    p = t.cfg.precision
+    return runtime.precision_findings(t.cuda, t.precision, t.gpu, p.tf32) + fp8_findings(
+        p.fp8, p.fp8_emulate, t.cuda
+    )
 
 
 def check_kernels(t: Target) -> list[Finding]:
@@ -119,7 +125,10 @@ def check_plan(t: Target) -> list[Finding]:
 
 def check_price(t: Target) -> list[Finding]:
     c = t.cfg
-    bench_mfu = measured_mfu(Path(c.bench.out_dir), t.gpu.name, c.model, t.n_params) if t.cuda else None
+    ratio = cost.fp8_peak_ratio(t.gpu)
+    bench_mfu = (
+        measured_mfu(Path(c.bench.out_dir), t.gpu.name, c.model, t.n_params, ratio) if t.cuda else None
+    )
     return cost.price_findings(
         t.workload, t.gpu, t.catalog, c.cost, c.precision.tf32, c.doctor.assumed_mfu, bench_mfu
     )
@@ -129,8 +138,23 @@ def check_evals(t: Target) -> list[Finding]:
     return evals_findings(t.cfg.evals)
 
 
+def check_init_from(t: Target) -> list[Finding]:
+    """`model.init_from` of a fresh run: here, so that a refusal leaves no run directory, lock or hydra/<time>/.
+    A run that resumes reads its checkpoint, not init_from; one that may resume a remote checkpoint is
+    checked once it knows (`lm.run.train.open_run`)."""
+    c = t.cfg
+    resumes = c.run.resume and (
+        c.checkpoint.remote is not None or bool(resume_candidates(t.run_dir / rundir.CHECKPOINTS))
+    )
+    return [] if resumes else init_from_findings(c.model, c.data.seq_len)
+
+
 def check_optimizer(t: Target) -> list[Finding]:
     return optimizer_findings(t.cfg.model, t.cfg.optim)
+
+
+def check_tokenizer(t: Target) -> list[Finding]:
+    return tokenizer_findings(t.run_dir, t.cfg.data, t.cfg.run.resume)
 
 
 def check_mixture(t: Target) -> list[Finding]:
@@ -149,7 +173,9 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_mixture,
     check_price,
     check_evals,
+    check_init_from,
     check_optimizer,
+    check_tokenizer,
 ]
 
 

@@ -4,14 +4,20 @@ writes anything."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from lm.config import to_objects
 from lm.store.exits import EXIT_CONFIG
+
+INVOCATION: dict[str, Path] = {}
+"""This invocation's folder (`output_dir`, `hydra/<time>/`) and run directory (`run_dir`), known before Hydra
+makes the folder: where `train.py` looks when Hydra's own writes there fail (a full or read-only disk)."""
 
 
 class CheckBeforeRun(Callback):
@@ -21,6 +27,9 @@ class CheckBeforeRun(Callback):
     job alone and the sweep goes on."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Resolved on Hydra's own config: `${now:}` is cached there, so this is the folder it makes next.
+        INVOCATION["output_dir"] = Path(os.path.abspath(OmegaConf.select(config, "hydra.run.dir")))
+        INVOCATION["run_dir"] = Path(os.path.abspath(Path(config.run.root, config.run.name)))
         task = copy.deepcopy(config)
         with read_write(task), open_dict(task):
             del task["hydra"]  # what the task receives (hydra's run_job strips it the same way)

@@ -50,7 +50,7 @@ from lm.numbers.memory import Workload
 from lm.run.doctor import Target, preflight, resolve_runtime
 from lm.run.report import write_report
 from lm.store import atomic, rundir
-from lm.store.exits import CheckpointSaveError, Preempted, exit_within, intended_code
+from lm.store.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.store.lock import RunLock
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,8 @@ def build_module(
         compile=rt.compile,
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
+        fp8=rt.fp8,
+        fp8_emulate=cfg.precision.fp8_emulate,
     )
     if cfg.model.init_from is not None and not resumed:  # a resume continues from its checkpoint
         hf.load_init_from(module.model)
@@ -183,10 +185,12 @@ def open_run(
     optimizer is refused before the run directory is written.
     """
     if rank_zero_only.rank == 0:
-        on_exit.callback(RunLock(run_dir).acquire().release)
+        lock = RunLock(run_dir).acquire()
+        on_exit.callback(lock.release)
+        on_exit.push(functools.partial(explain_removal, lock))  # before the release: it reads the lock
         atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
     ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
-    check_resumable(ckpt_path, cfg.model, cfg.optim.name)
+    check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
@@ -195,6 +199,18 @@ def open_run(
         if remote is not None:
             rundir.write_run_id(run_dir, remote.run_id)
     return ckpt_path
+
+
+def explain_removal(lock: RunLock, kind, error: BaseException | None, tb) -> None:
+    """A run whose directory was removed under it fails at its next write somewhere (TensorBoard's event file,
+    a ledger), with an error that points elsewhere; say what happened instead (exit 74). A stop signal's or
+    a rollback's exit (SystemExit) keeps its own code."""
+    if isinstance(error, Exception) and lock.removed():
+        raise RunDirRemoved(
+            f"the run directory {lock.path.parent} was removed while the run was training; nothing to save to "
+            f"(its checkpoints and logs went with it, and this process stops rather than write a partial "
+            f"copy). Restore the folder to resume, or start over with run.resume=false or another run.name",
+        ) from error
 
 
 def stop_data_workers(trainer: pl.Trainer) -> None:
@@ -219,7 +235,7 @@ def log_runtime(
         run_dir,
         rt.device_name,
         rt.gpu.name,
-        rt.precision,
+        rt.precision_label,
         cfg.precision.tf32,
         rt.compile,
         cfg.kernels.liger,
@@ -243,7 +259,7 @@ def cost_meter(
     fpt = cost.flops_per_token(
         cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
     )
-    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32)
+    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
     log.info(
         "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
         f"{n_params:,}",

@@ -1,9 +1,9 @@
 """The one way lm writes a run's files: a crash or a full disk leaves the old file or the whole new one.
 
-Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT for a
-quota) is met in one place: the temporary is removed and `DiskFull` (exit 74: a restart would only fail again)
-names the file and the fix. Temporaries are `.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose
-process is gone.
+Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT
+for a quota) or a read-only filesystem (EROFS) is met in one place: the temporary is removed where the filesystem
+allows it and `DiskFull` (exit 74: a restart would only fail again) names the file and the fix. Temporaries are
+`.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose process is gone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from lm.store.exits import DISK_FULL, DiskFull
+from lm.store.exits import DISK_FULL, UNWRITABLE, DiskFull
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def open_atomic(path: Path) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        raise_disk_full(e, path)
+        discard(tmp)
+        raise_unwritable(e, path)
         raise
 
 
@@ -54,7 +54,11 @@ def append_atomic(path: Path, data: bytes | str) -> None:
     append never continues a torn line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only filesystem refuses the open itself
+        raise_unwritable(e, path)
+        raise
     try:
         end = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -62,25 +66,59 @@ def append_atomic(path: Path, data: bytes | str) -> None:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
         except OSError as e:
-            os.ftruncate(fd, end)
-            raise_disk_full(e, path)
+            with contextlib.suppress(OSError):  # a read-only filesystem refuses the cut too
+                os.ftruncate(fd, end)
+            raise_unwritable(e, path)
             raise
     finally:
         os.close(fd)
 
 
-def raise_disk_full(error: BaseException, path: Path) -> None:
-    """Re-raise a full disk as `DiskFull` naming the file, the free space and the fix; anything else returns."""
-    if not isinstance(error, OSError) or error.errno not in DISK_FULL or isinstance(error, DiskFull):
+def raise_unwritable(error: BaseException, path: Path) -> None:
+    """Re-raise a full disk or a read-only filesystem as `DiskFull` naming the file, the cause and the fix;
+    anything else returns."""
+    if not isinstance(error, OSError) or error.errno not in UNWRITABLE or isinstance(error, DiskFull):
         return
-    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
-    what = "the quota" if error.errno == DISK_FULL[1] else "the disk"
     raise DiskFull(
         error.errno,
-        f"writing {path} failed: {what} is full ({free / 2**20:.1f} MiB free in {path.parent}). The file's "
-        f"previous version and the checkpoints are intact; free space (or move run.root to a bigger disk) "
-        f"and rerun the same command to resume",
+        f"writing {path} failed: {unwritable_cause(error, path)}. The file's previous version and the "
+        f"checkpoints are intact; {unwritable_fix(error)} and rerun the same command to resume",
     ) from error
+
+
+def unwritable_cause(error: OSError, path: Path) -> str:
+    """Why `path` cannot be written, in words: the disk or quota is full (with the free space), or read-only."""
+    if error.errno not in DISK_FULL:
+        return f"{nearest_folder(path)} is on a read-only filesystem"
+    folder = nearest_folder(path)
+    free = shutil.disk_usage(folder).free
+    what = "the quota" if error.errno == DISK_FULL[1] else "the disk"
+    return f"{what} is full ({free / 2**20:.1f} MiB free in {folder})"
+
+
+def unwritable_fix(error: OSError) -> str:
+    """What to do about a full or read-only run root."""
+    if error.errno not in DISK_FULL:
+        return "remount it read-write (or point run.root at a writable disk)"
+    return "free space (or point run.root at a bigger disk)"
+
+
+def nearest_folder(path: Path) -> Path:
+    """`path`'s folder, or its nearest ancestor that exists (where a write that failed early would have gone)."""
+    folder = path.parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def discard(tmp: Path) -> None:
+    """Remove a temporary that will never be renamed; where that fails too (a read-only filesystem refuses the
+    unlink as it refused the write) it is left for `remove_stale_temporaries`, never raised over the error
+    that matters."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not remove %s (%s); a later start removes it", tmp, e.strerror or e)
 
 
 def remove_stale_temporaries(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:

@@ -85,11 +85,17 @@ def without_init(model: dict) -> dict:
     return {k: v for k, v in model.items() if k != "init_from"}
 
 
-def measured_mfu(out_dir: Path, gpu: str, model: ModelConfig, n_params: int) -> float | None:
-    """The best MFU `lm bench` measured for this model on this catalog GPU (bench.json in `out_dir`), or None.
+def measured_mfu(
+    out_dir: Path, gpu: str, model: ModelConfig, n_params: int, fp8_peak_ratio: float = 1.0
+) -> float | None:
+    """The best MFU `lm bench` measured for this model on this catalog GPU (bench.json in `out_dir`), as a
+    fraction of the GPU's bf16 peak (the rate every plan multiplies), or None.
 
-    The model must be the one benched: its config where the bench recorded it, else its parameter count
-    (benches written before the config was recorded). A tiny model's MFU says nothing about a 1B run's.
+    An FP8 row's MFU is against the FP8 peak: times `fp8_peak_ratio` (the GPU's FP8/bf16 peaks,
+    `lm.numbers.cost.fp8_peak_ratio`) it is against the bf16 peak, so a measured FP8 speed-up reaches `lm plan`
+    and the doctor. The model must be the one benched: its config where the bench recorded
+    it, else its parameter count (benches written before the config was recorded). A tiny model's MFU says
+    nothing about a 1B run's.
     """
     try:
         payload = load_bench(Path(out_dir))
@@ -98,7 +104,7 @@ def measured_mfu(out_dir: Path, gpu: str, model: ModelConfig, n_params: int) -> 
     if "model" in payload and without_init(payload["model"]) != without_init(asdict(model)):
         return None
     mfus = [
-        r["mfu"]
+        r["mfu"] * (fp8_peak_ratio if "fp8" in r.get("precision", "") else 1.0)
         for r in payload["results"]
         if r.get("gpu") == gpu
         and r.get("status") == "ok"

@@ -4,8 +4,9 @@
 |---|---|---|
 | 0 | finished (or stopped early on purpose) | not needed |
 | 75 `EXIT_PREEMPTED` | a stop signal's checkpoint is saved, or a rollback after non-finite steps | resumes |
+| 75 (`lm prepare`) | SIGTERM or SIGINT stopped a data preparation: its workers are stopped, finished units kept | resumes |
 | 65 `EXIT_DIVERGED` | non-finite again after a rollback: deterministic divergence | cannot help |
-| 74 `EXIT_SAVE_FAILED` | a checkpoint or any run file could not be written (disk full, quota) | would fail again |
+| 74 `EXIT_SAVE_FAILED` | a checkpoint or any run file could not be written (disk full, quota, a read-only filesystem), or the run directory was removed under the run | would fail again |
 | 78 `EXIT_CONFIG` | a config, data or preflight refusal that names its fix | cannot help |
 | 69 `EXIT_UNAVAILABLE` | something a later restart can fix is unavailable (object storage down past the retry window, the run directory locked by a live process) | resumes, after a backoff |
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import os
+import re
 import sys
 import threading
 import time
@@ -26,8 +28,9 @@ EXIT_PREEMPTED = 75
 EXIT_DIVERGED = 65
 """Training diverged again after a rollback: a human must look (EX_DATAERR)."""
 EXIT_SAVE_FAILED = 74
-"""A checkpoint could not be written; the previous ones are intact and a restart would only fail at the next
-save (EX_IOERR)."""
+"""A checkpoint or run file could not be written (a full disk, a quota, a read-only filesystem), or the run
+directory was removed under the run; the previous checkpoints are intact (where they still exist) and a restart
+would only fail at the next write (EX_IOERR)."""
 EXIT_CONFIG = 78
 """A config or preflight check refused the run; restarting cannot help (EX_CONFIG)."""
 EXIT_UNAVAILABLE = 69
@@ -37,7 +40,13 @@ with backoff (EX_UNAVAILABLE)."""
 EXIT_GRACE_S = 30.0
 """How long a process may take to exit once training is over before it is ended with its exit code."""
 
+PROGRESS_FILE = "LM_PROGRESS_FILE"
+"""The environment variable `lm supervise` names a file in: a child touches it when it saves a checkpoint,
+so a crash after that starts the supervisor's count of crashes in a row again (`report_progress`)."""
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+UNWRITABLE = (*DISK_FULL, errno.EROFS)
+"""The errors of a disk that takes no more writes until someone acts (frees space, remounts it read-write)."""
 
 
 class Preempted(SystemExit):
@@ -46,6 +55,18 @@ class Preempted(SystemExit):
     def __init__(self, reason: str) -> None:
         super().__init__(EXIT_PREEMPTED)
         self.reason = reason
+
+
+class Interrupted(SystemExit):
+    """A stop signal (SIGTERM, SIGINT) ended a data preparation (`lm prepare`, or a run's start-up) once its
+    worker processes were stopped; the finished units are kept and a rerun resumes (exit 75)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.signal_name = signal_name
+
+    def __str__(self) -> str:
+        return f"interrupted by {self.signal_name}"
 
 
 class Diverged(SystemExit):
@@ -62,8 +83,14 @@ class CheckpointSaveError(OSError):
 
 
 class DiskFull(OSError):
-    """A run file could not be written because the disk (or the quota) is full; its temporary is removed and the
-    previous version of the file is intact (exit 74)."""
+    """A run file could not be written because the disk (or the quota) is full, or the filesystem is read-only;
+    its temporary is removed where the filesystem allows it and the previous version of the file is intact
+    (exit 74)."""
+
+
+class RunDirRemoved(OSError):
+    """The run directory was removed (or replaced) while the run trained: its checkpoints and logs are gone,
+    so there is nothing to save to (exit 74)."""
 
 
 class Unavailable(OSError):
@@ -88,9 +115,9 @@ def exit_code(error: BaseException) -> int | None:
     """The code a run that raised `error` leaves with when no restart can help (or, for 69, when a restart must
     wait), or None for a crash (exit 1, which `lm supervise` retries) or a rollback (75, raised as it is).
 
-    A full disk anywhere in the chain of causes is 74 whatever wraps it: Hydra turns an error in its own config
-    writer into `SystemExit(1)`, and a restart on a full disk would only fail again."""
-    if isinstance(error, CheckpointSaveError) or disk_full(error):
+    A full disk or a read-only filesystem anywhere in the chain of causes is 74 whatever wraps it: Hydra turns
+    an error in its own config writer into `SystemExit(1)`, and a restart would only fail again."""
+    if isinstance(error, CheckpointSaveError | RunDirRemoved) or unwritable(error) is not None:
         return EXIT_SAVE_FAILED
     if isinstance(error, Unavailable):
         return EXIT_UNAVAILABLE
@@ -101,15 +128,45 @@ def exit_code(error: BaseException) -> int | None:
     return None
 
 
-def disk_full(error: BaseException | None) -> bool:
-    """Whether `error`, or any exception it was raised from or while handling, is ENOSPC or EDQUOT."""
+def unwritable(error: BaseException | None) -> OSError | None:
+    """The full disk, quota or read-only filesystem error in `error`'s chain (itself, what it was raised from or
+    while handling), or None."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno in DISK_FULL:
-            return True
+        if isinstance(error, OSError) and error.errno in UNWRITABLE:
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+WORKER_ERROR = re.compile(r"Caught (\w+) (in DataLoader worker process \d+)\.\nOriginal Traceback")
+
+
+def one_line(error: BaseException) -> str:
+    """`error`'s message on one line, for a refusal's summary.
+
+    torch re-raises an error of a DataLoader worker as "Caught ValueError in DataLoader worker process 0.",
+    then the worker's whole traceback: the worker's own message (the shard, the id, the fix) is its end."""
+    text = str(error)
+    if m := WORKER_ERROR.match(text):
+        kind, where = m.groups()
+        own = text.rpartition(f"\n{kind}: ")[2] or text
+        text = f"{own.strip()} ({where})"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def report_progress(what: str) -> None:
+    """Tell a supervisor (`lm supervise`, through $LM_PROGRESS_FILE) that the run made progress: `what` was
+    saved. Best effort: a supervisor's file that cannot be written must not fail the run."""
+    path = os.environ.get(PROGRESS_FILE)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(what)
+    except OSError as e:
+        print(f"lm: could not report progress to the supervisor in {path}: {e}", file=sys.stderr)
 
 
 def intended_code(error: BaseException | None) -> int:

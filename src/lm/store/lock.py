@@ -60,6 +60,19 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
+    def removed(self) -> bool:
+        """Whether the lock file this process holds is no longer at its path: the run directory (or the lock)
+        was removed or replaced while the run trained. A writer that recreates a folder on its way (the next
+        checkpoint) does not hide it: the new `.lock`, if any, is another file."""
+        if self.fd is None:
+            return False
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
     def holder(self) -> dict:
         """What the holder wrote: pid, host, since (empty while it has not written yet)."""
         try:

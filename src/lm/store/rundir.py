@@ -25,6 +25,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lm.store.atomic import append_atomic, write_atomic
+
+log = logging.getLogger(__name__)
 
 CONFIG = "config.yaml"
 LEDGER = "cost.json"
@@ -201,13 +204,16 @@ def keep_tokenizer(
     run_dir: Path, tokenizer_json: Path, eot_token: str, eot_id: int, *, resumed: bool
 ) -> None:
     """Copy the tokenizer the run trains with into the run directory; a resumed run must train with the one
-    it kept (a fresh start in the directory, with no checkpoint to continue, replaces it).
+    it kept (a fresh start in the directory, with no checkpoint to continue, replaces it), and a damaged copy
+    of it is restored from `tokenizer_json` when that is the same tokenizer (`restore_tokenizer`).
 
     The copy makes a run directory self-contained: sampling, export and evaluation read it, never the data
     cache, which another machine or Python version would rebuild with another tokenizer."""
     data = tokenizer_json.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     kept = read_record(run_dir / TOKENIZER_INFO) if resumed else None
+    if kept is not None:
+        restore_tokenizer(run_dir, tokenizer_json)
     if kept is not None and kept["sha256"] != sha:
         raise ValueError(
             f"{run_dir} trained with the tokenizer in {run_dir / TOKENIZER} (sha256 {kept['sha256']}), but "
@@ -215,9 +221,47 @@ def keep_tokenizer(
             f"with the run's tokenizer (data.tokenizer={run_dir / TOKENIZER}) or start a new run "
             f"(run.resume=false or another run.name)"
         )
-    if kept is None or not (run_dir / TOKENIZER).is_file():
+    if kept is None:
         write_atomic(run_dir / TOKENIZER, data)
         write_record(run_dir / TOKENIZER_INFO, {"sha256": sha, "eot_token": eot_token, "eot_id": eot_id})
+
+
+def tokenizer_intact(run_dir: Path, info: dict[str, Any]) -> bool:
+    """Whether the run's tokenizer.json is the one tokenizer_info.json records (its sha256): the one check that
+    export, sampling and evaluation (`read_tokenizer`) and every resume (`restore_tokenizer`) make."""
+    path = run_dir / TOKENIZER
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == info["sha256"]
+
+
+def restore_tokenizer(run_dir: Path, prepared: Path | None, *, write: bool = True) -> Path | None:
+    """Check the run's tokenizer.json against tokenizer_info.json at start; a damaged copy (bytes flipped on
+    disk, an edit, a lost file) is rewritten from `prepared`, the prepared data's tokenizer.json, when that one
+    has the recorded sha256.
+
+    Returns the file it restored from (with `write=False`: would restore from); None when the copy is intact,
+    when no tokenizer is recorded yet, or when the data is not prepared yet (`prepared` None: checked again
+    once it is). Raises ValueError naming both files when `prepared` is not the recorded tokenizer either:
+    then nothing says which strings the run's ids mean, and export would refuse the run days later.
+    """
+    info = read_record(run_dir / TOKENIZER_INFO)
+    if info is None or tokenizer_intact(run_dir, info) or prepared is None:
+        return None
+    path, want = run_dir / TOKENIZER, info["sha256"]
+    data = prepared.read_bytes() if prepared.is_file() else None
+    if data is None or hashlib.sha256(data).hexdigest() != want:
+        got = "is missing" if data is None else f"has sha256 {hashlib.sha256(data).hexdigest()}"
+        raise ValueError(
+            f"{path} is not the tokenizer {run_dir / TOKENIZER_INFO} records (sha256 {want}), and the prepared "
+            f"data's {prepared} cannot restore it: it {got}. Copy a tokenizer.json with sha256 {want} to {path} "
+            f"(an `lm export` of this run holds one), or start a new run (run.resume=false or another run.name)"
+        )
+    if write:
+        write_atomic(path, data)
+        log.warning(
+            "%s was not the tokenizer %s records (sha256 %s): repaired it from the prepared data's %s",
+            path, TOKENIZER_INFO, want, prepared,
+        )  # fmt: skip
+    return prepared
 
 
 def read_tokenizer(run_dir: Path) -> dict[str, Any]:
@@ -229,8 +273,11 @@ def read_tokenizer(run_dir: Path) -> dict[str, Any]:
             f"{run_dir} holds no {TOKENIZER} + {TOKENIZER_INFO} (runs keep their tokenizer since lm's export "
             f"verb); resume the run once (python train.py <its overrides>): it copies the tokenizer in at start"
         )
-    if hashlib.sha256(path.read_bytes()).hexdigest() != info["sha256"]:
-        raise ValueError(f"{path} is not the tokenizer {TOKENIZER_INFO} records (sha256 differs): restore it")
+    if not tokenizer_intact(run_dir, info):
+        raise ValueError(
+            f"{path} is not the tokenizer {TOKENIZER_INFO} records (sha256 differs): restore it (resuming the "
+            f"run restores it from the prepared data when that holds the same tokenizer)"
+        )
     return info
 
 

@@ -113,7 +113,7 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
         # Liger without CUDA: an error row naming the fix
         rt = runtime.resolve(cfg.trainer, cfg.gpu, cfg.precision, cfg.kernels, cfg.optim, cfg.cost)
         cuda = rt.cuda
-        result.device, result.gpu, result.precision = rt.device_name, rt.gpu.name, rt.precision
+        result.device, result.gpu, result.precision = rt.device_name, rt.gpu.name, rt.precision_label
         runtime.set_matmul_precision(cfg.precision.tf32)
         if cfg.bench.memory_limit_gb is not None:  # before `auto` decides: its trials must see the cap
             limit_memory(cfg.bench.memory_limit_gb, cuda)
@@ -147,6 +147,8 @@ def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
         compile=rt.compile,
         compile_mode=cfg.kernels.compile_mode,
         liger=cfg.kernels.liger,
+        fp8=rt.fp8,
+        fp8_emulate=cfg.precision.fp8_emulate,
     )
     result.params = module.model.num_parameters()
     clock = Clock(rt.cuda)
@@ -196,7 +198,8 @@ def timed(cfg: LMConfig, rt: runtime.Runtime, result: Result, stamps: list[float
     result.status, result.step_seconds = "ok", round(seconds, 5)
     result.tokens_per_sec = round(tokens_per_step / seconds, 1)
     fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len)
-    mfu = cost.mfu(result.tokens_per_sec, fpt, cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32), 1)
+    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
+    mfu = cost.mfu(result.tokens_per_sec, fpt, peak, 1)
     result.mfu = round(mfu, 4) if mfu is not None else None
     result.usd_per_btok = catalog_usd_per_btok(result.tokens_per_sec, rt.gpu)
     if cfg.cost.price_per_hour:

@@ -234,7 +234,9 @@ def hardware(
         return Hardware(gpu, tokens_per_sec, "given", on_demand, spot)
     if not gpu.peak_bf16_tflops:
         return None
-    mfu = measured_mfu(bench_dir, gpu.name, model, memory.parameter_count(model)[0]) if bench_dir else None
+    n_params = memory.parameter_count(model)[0]
+    ratio = cost.fp8_peak_ratio(gpu)
+    mfu = measured_mfu(bench_dir, gpu.name, model, n_params, ratio) if bench_dir else None
     source = f"measured by lm bench (MFU {mfu:.2f})" if mfu else f"assumed MFU {ASSUMED_MFU:.2f}"
     rate = gpu.peak_bf16_tflops * 1e12 * (mfu or ASSUMED_MFU) / flops_per_token
     return Hardware(gpu, rate, source, on_demand, spot)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer
 
 from lm.engine.hf import VOCAB, Loaded, hf_tokenizer, load_run, to_hf_model
 from lm.run.report import headline
@@ -34,7 +33,7 @@ def export(
     out: str | Path,
     *,
     dtype: str = "fp32",
-    vocab: str = "keep",
+    vocab: str = VOCAB[0],
     max_shard_size: str | int = MAX_SHARD_SIZE,
 ) -> Path:
     """Export the run directory or checkpoint `path` to the folder `out` (which must not exist yet)."""
@@ -58,8 +57,7 @@ def write_folder(
     run: Loaded, folder: Path, dtype: torch.dtype, vocab: str, max_shard_size: str | int
 ) -> None:
     """Model, generation config, tokenizer and model card into `folder`."""
-    tokens = Tokenizer.from_file(str(run.tokenizer_path)).get_vocab_size()
-    hf = to_hf_model(run.model, eos_id=run.eot_id, vocab=vocab, tokenizer_vocab_size=tokens, dtype=dtype)
+    hf = to_hf_model(run.model, eos_id=run.eot_id, vocab=vocab, dtype=dtype)
     hf.save_pretrained(folder, max_shard_size=max_shard_size)
     hf_tokenizer(run.tokenizer_path, run.eot_token, run.model_cfg.max_seq_len).save_pretrained(folder)
     portable_tokenizer_class(folder / "tokenizer_config.json")

@@ -11,11 +11,13 @@ lm uploaded to the bucket (`checkpoint.remote`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from lm.config import DataConfig, GpuConfig
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.cost import ASSUMED_MFU
+from lm.store.bench_file import measured_mfu
 
 MEMORY_HEADROOM = 0.9  # fragmentation, compile workspaces, the NCCL and CUDA contexts' own appetite
 
@@ -75,9 +77,11 @@ def rank_gpus(
     catalog: dict[str, GpuConfig],
     pricing: str = "spot",
     mfu: float = ASSUMED_MFU,
+    bench_dir: Path | None = None,
 ) -> list[Candidate]:
     """Every catalogued GPU with its $/10^9 tokens for this model and micro-batch, cheapest first
-    (unpriceable ones last)."""
+    (unpriceable ones last). A GPU that `lm bench` measured this model on (bench.json in `bench_dir`) is
+    ranked at its measured MFU (an FP8 row's speed included), the others at `mfu`."""
     fpt = cost.flops_per_token(model, data.seq_len)
     need = memory_needed_gb(model, data, ac_every)
     out = []
@@ -87,7 +91,10 @@ def rank_gpus(
         price, kind = cost.catalog_price(gpu, pricing) or (None, pricing)
         per_b = None
         if price is not None and gpu.peak_bf16_tflops:
-            tokens_per_sec = gpu.peak_bf16_tflops * 1e12 * mfu / fpt
+            n_params = memory.parameter_count(model)[0]
+            ratio = cost.fp8_peak_ratio(gpu)
+            measured = measured_mfu(bench_dir, key, model, n_params, ratio) if bench_dir else None
+            tokens_per_sec = gpu.peak_bf16_tflops * 1e12 * (measured or mfu) / fpt
             per_b = cost.usd_per_billion_tokens(tokens_per_sec, price, 1)
         fits = gpu.memory_gb is not None and need <= MEMORY_HEADROOM * gpu.memory_gb
         out.append(Candidate(gpu, SKY_NAMES.get(key), price, kind, per_b, need, fits))
@@ -159,6 +166,8 @@ def render_task(overrides: list[str], ranked: list[Candidate], mfu: float = ASSU
         "run: |",
         "  set -e",
         "  source ~/lm-venv/bin/activate",
+        "  # Every path this config takes, on this machine, in minutes (exit 1 ends the job before the hours).",
+        f"  lm selftest {args + ' ' if args else ''}$TRAIN_ARGS",
         "  # lm supervise reruns after a crash on this machine; a reclaimed machine is SkyPilot's to replace.",
         "  # Either way the command resumes: from the local last.ckpt, or from the bucket on a new machine.",
         f"  lm supervise -- python train.py {args + ' ' if args else ''}run.root=$HOME/lm-runs "

@@ -10,9 +10,16 @@ Resume is the default, so rerunning the same command continues the run; this loo
 | 69 (`EXIT_UNAVAILABLE`) | something was down past the run's own retry window (object storage) | restarts after a backoff |
 | anything else, or killed by a signal (SIGKILL, OOM) | a crash | restarts after a backoff |
 
-Crashes and outages (69) back off exponentially; `max_failures` crashes in a row, each within `start_secs` of starting (the
-command fails before it makes progress, like supervisord's startsecs), give up. When the supervisor itself gets
-SIGTERM/SIGINT (the whole machine is going away) it forwards the signal, waits for the save, and exits.
+When to give up is decided by exit status and progress, never by how long the child ran (a start-up alone
+takes 20-84 s on a loaded 2-core machine, so "it ran a while" says nothing):
+- every crash and every outage (69) counts toward `max_failures`, however late it came; more than
+  `max_failures` of them in a row give up. The count starts again only after progress: the child saved a
+  checkpoint (lm's checkpoint writer touches `$LM_PROGRESS_FILE`, see `lm.store.exits.report_progress`) or
+  left with 75. A command that reports no progress gives up after `max_failures` crashes in a row.
+- `max_restarts` restarts in all (preemptions included) give up whatever the reason: the backstop for a
+  run that crashes just after each checkpoint for ever.
+Crashes and outages back off exponentially. When the supervisor itself gets SIGTERM/SIGINT (the whole machine
+is going away) it forwards the signal, waits for the save, and exits.
 For reprovisioning a lost machine use an engine built for it (SkyPilot managed spot jobs run this command).
 """
 
@@ -22,18 +29,20 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED, PROGRESS_FILE
 
 log = logging.getLogger(__name__)
 
 FINAL = {
     EXIT_CONFIG: "config or preflight refusal",
     EXIT_DIVERGED: "training diverged",
-    EXIT_SAVE_FAILED: "a checkpoint could not be written (disk full? quota?)",
+    EXIT_SAVE_FAILED: "a checkpoint or run file could not be written (disk full? quota? read-only?)",
     2: "usage error",
 }
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -54,30 +63,36 @@ class RestartPolicy:
     """When to rerun a child that left with a non-zero code, and how long to wait first."""
 
     max_failures: int = 5
-    max_restarts: int = 1000
+    max_restarts: int = 100
     backoff: float = 5.0
     max_backoff: float = 300.0
-    start_secs: float = 60.0
     restarts: int = 0
     failures: int = 0
-    """Crashes in a row, each within start_secs of starting."""
+    """Crashes and outages since the child last made progress (a checkpoint saved, or exit 75)."""
 
-    def after(self, code: int, uptime: float, what: str) -> tuple[int | None, float]:
-        """(exit status to leave with, or None to restart; seconds to wait before the restart)."""
+    def after(self, code: int, progress: bool, what: str) -> tuple[int | None, float]:
+        """(exit status to leave with, or None to restart; seconds to wait before the restart).
+
+        `progress`: the child saved a checkpoint before it left."""
         if code in FINAL:
             log.error("lm supervise: %s (%s); not restarting", FINAL[code], what)
             return code, 0.0
         if self.restarts >= self.max_restarts:
-            log.error("lm supervise: %d restarts, the limit (--max-restarts); giving up", self.restarts)
+            log.error(
+                "lm supervise: %d restarts, the limit (--max-restarts); giving up (last: %s)",
+                self.restarts,
+                what,
+            )
             return exit_status(code), 0.0
         if code == EXIT_PREEMPTED:
             self.failures = 0
             return None, 0.0
-        self.failures = self.failures + 1 if uptime < self.start_secs else 1
+        self.failures = 1 if progress else self.failures + 1
         if self.failures > self.max_failures:
             log.error(
-                "lm supervise: %d crashes in a row within %.0f s of starting (last: %s); giving up",
-                self.failures, self.start_secs, what,
+                "lm supervise: %d crashes in a row without a checkpoint saved in between (last: %s), more "
+                "than --max-failures=%d; giving up",
+                self.failures, what, self.max_failures,
             )  # fmt: skip
             return exit_status(code), 0.0
         return None, backoff_s(self.failures, self.backoff, self.max_backoff)
@@ -87,16 +102,22 @@ def supervise(
     cmd: Sequence[str],
     *,
     max_failures: int = 5,
-    max_restarts: int = 1000,
+    max_restarts: int = 100,
     backoff: float = 5.0,
     max_backoff: float = 300.0,
-    start_secs: float = 60.0,
 ) -> int:
-    """Run `cmd` until it exits 0 or a final code; returns the exit code to leave with.
+    """Run `cmd` until it exits 0 or a final code, or the policy gives up; returns the exit code to leave with.
 
-    The child gets `LM_RESTARTS=<n>` in its environment (restarts so far) so a run can report it.
+    The child gets `LM_RESTARTS=<n>` in its environment (restarts so far) so a run can report it, and
+    `LM_PROGRESS_FILE`, which it touches when it saves a checkpoint.
     """
-    policy = RestartPolicy(max_failures, max_restarts, backoff, max_backoff, start_secs)
+    policy = RestartPolicy(max_failures, max_restarts, backoff, max_backoff)
+    with tempfile.TemporaryDirectory(prefix="lm-supervise-") as tmp:
+        return run_until_done(cmd, policy, Path(tmp) / "progress")
+
+
+def run_until_done(cmd: Sequence[str], policy: RestartPolicy, progress: Path) -> int:
+    """The loop of `supervise`, with the signals it forwards to the child installed meanwhile."""
     stopping: list[int] = []  # a signal the supervisor itself received: pass it on, then do not restart
     child: subprocess.Popen | None = None
 
@@ -109,7 +130,9 @@ def supervise(
     try:
         while True:
             start = time.monotonic()
-            child = subprocess.Popen(list(cmd), env={**os.environ, "LM_RESTARTS": str(policy.restarts)})
+            progress.unlink(missing_ok=True)
+            env = {**os.environ, "LM_RESTARTS": str(policy.restarts), PROGRESS_FILE: str(progress)}
+            child = subprocess.Popen(list(cmd), env=env)
             code = child.wait()
             uptime = time.monotonic() - start
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
@@ -120,7 +143,7 @@ def supervise(
                 name = signal.Signals(stopping[0]).name
                 log.warning("lm supervise: stopped by %s; the child left with %s", name, what)
                 return exit_status(code)
-            status, wait = policy.after(code, uptime, what)
+            status, wait = policy.after(code, progress.exists(), what)
             if status is not None:
                 return status
             policy.restarts += 1
