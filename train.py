@@ -17,7 +17,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lm.config import register_configs
 from lm.run.hydra_checks import INVOCATION
-from lm.run.train import main as train
 from lm.store.atomic import unwritable_cause, unwritable_fix
 from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, unwritable
 from lm.store.rundir import in_multirun
@@ -30,6 +29,9 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    # Deferred: Lightning and transformers take seconds to import, and a refused config should not wait.
+    from lm.run.train import main as train
+
     try:
         return train(cfg)
     except (ValueError, OSError, SystemExit) as e:

@@ -1,12 +1,16 @@
 """`lm plan`: its arithmetic agrees with the cost meter of a real run, the experiment it writes composes and
-trains, and a budget it cannot spend, an unknown GPU or a corpus not prepared get a clear error."""
+trains, a corpus not prepared yet is planned on an estimate of its size that says so, and a budget it cannot
+spend, an unknown GPU or a streamed corpus not prepared get a clear error."""
 
+import dataclasses
 import json
 
 import pytest
 
 from lm.cli import main as lm
 from lm.config import conf_dir, to_objects
+from lm.data import prepare
+from lm.data.manifest import MANIFEST, TOKENIZER, load_manifest
 from lm.numbers.cost import load_catalog
 from lm.run.train import main
 from lm.tools import budget
@@ -80,12 +84,51 @@ def test_the_written_experiment_composes_and_runs_a_few_steps(tiny_cfg, tmp_path
             "unknown GPU h100_sxmm: use one of",
         ),
         (["--target-loss", "1.0", "--corpus-tokens", "1000000"], "below what any preset reaches"),
-        (["--usd", "100"], "is not prepared yet: run `lm prepare"),
+        (
+            ["--usd", "100", "data=hf", "data.name=HuggingFaceFW/fineweb-edu"],
+            "cannot be estimated without reading it: run `lm prepare",
+        ),
     ],
-    ids=["budget below one step", "unknown gpu", "unreachable loss", "corpus not prepared"],
+    ids=["budget below one step", "unknown gpu", "unreachable loss", "hf corpus not prepared"],
 )
 def test_bad_input_gets_a_clear_error(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        lm(["plan", *args, "--out-dir", str(tmp_path), f"data.cache_dir={tmp_path / 'empty-cache'}"])
+        lm(["plan", "--out-dir", str(tmp_path), *args, f"data.cache_dir={tmp_path / 'empty-cache'}"])
     assert message in str(e.value)
     assert not list(tmp_path.glob("*.yaml"))  # nothing written
+
+
+def test_plan_on_a_corpus_not_prepared_estimates_its_size_and_says_so(tmp_path, capsys):
+    cache = tmp_path / "empty-cache"
+    lm(["plan", "--usd", "100", "--gpu", "h100_sxm", "--out-dir", str(tmp_path), f"data.cache_dir={cache}"])
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("corpus: ~") and "training tokens, an ESTIMATE: " in first
+    assert "MB of raw sources" in first and "the default for a byte-level BPE of 4,096 tokens" in first
+    assert "epochs: of the corpus's ~" in out  # under the table, whose epochs read ~0.53
+    assert "training tokens, an ESTIMATE: " in (tmp_path / "planned.yaml").read_text()
+    assert not cache.exists()  # nothing was prepared to plan
+
+
+def test_the_estimate_measures_the_runs_tokenizer_and_a_prepared_corpus_is_exact(tiny_cfg, tmp_path):
+    data = dataclasses.replace(to_objects(tiny_cfg()).data, cache_dir=str(tmp_path / "cache"))
+    default = budget.corpus_size(data)  # no tokenizer yet: the default bytes per token at 512 tokens
+    folder = prepare(data)
+    exact = budget.corpus_size(data)
+    assert not exact.estimated and exact.tokens == load_manifest(folder)["splits"]["train"]["tokens"]
+    assert not str(exact).startswith("~") and "exact: the manifest of" in str(exact)
+    (
+        folder / MANIFEST
+    ).unlink()  # as an interrupted `lm prepare` leaves it: the tokenizer trained, no manifest
+    interrupted = budget.corpus_size(data)
+    configured = budget.corpus_size(
+        dataclasses.replace(data, tokenizer=str(folder / TOKENIZER), cache_dir=str(tmp_path / "other"))
+    )
+    assert "the default for a byte-level BPE of 512 tokens" in default.how
+    assert "measured on a 1.0 MB sample with the tokenizer `lm prepare` trained in" in interrupted.how
+    assert f"measured on a 1.0 MB sample with data.tokenizer={folder / TOKENIZER}" in configured.how
+    for estimate, within in [(default, 0.15), (interrupted, 0.05), (configured, 0.05)]:
+        assert estimate.estimated and str(estimate).startswith(
+            f"~{estimate.tokens:,} training tokens, an ESTIMATE"
+        )
+        assert abs(estimate.tokens - exact.tokens) < within * exact.tokens, (estimate, exact)

@@ -161,6 +161,10 @@ def test_multirun_gives_one_run_directory_per_job(tmp_path, data_cache):
     cmd = [sys.executable, "train.py", "-m", "optim.lr=1e-4,3e-4", *overrides]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # Lightning's litlogger advertisement is kept out of the console and every job's log (issue 27).
+    logs = [p.read_text() for p in (tmp_path / "smoke").rglob("*.log")]
+    assert logs and "INFO" in "".join(logs)
+    assert not [text for text in [result.stdout, result.stderr, *logs] if "litlogger" in text]
     jobs = sorted(p.parent.parent.name for p in (tmp_path / "smoke").glob("*/checkpoints/last.ckpt"))
     assert jobs == ["optim.lr=0.0001", "optim.lr=0.0003"]
     lrs = {

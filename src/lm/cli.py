@@ -37,39 +37,34 @@ import logging
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from omegaconf import OmegaConf
-from tokenizers import Tokenizer
+if TYPE_CHECKING:
+    from lm.config import LMConfig
+    from lm.numbers.loss_law import ChinchillaLaw
 
-from lm.config import compose, conf_dir, to_objects
-from lm.data import implied_epochs, load_manifest, prepare
-from lm.data.manifest import summary
-from lm.data.mixture import prepare_mixture
-from lm.data.shards import sample_tokenizer
-from lm.engine.generate import complete
-from lm.engine.harness import evaluate_path
-from lm.engine.hf import VOCAB, load_run
-from lm.numbers import loss_law, run_plan
-from lm.numbers.cost import ASSUMED_MFU, load_catalog
-from lm.run.doctor import diagnose, level_of, resolve_target, table
-from lm.run.report import write_report
-from lm.store.atomic import write_atomic
-from lm.tools import budget, calibrate
-from lm.tools.bench import run_bench, run_compare
-from lm.tools.export import FORMATS, export
-from lm.tools.sky import rank_gpus, render_task
-from lm.tools.supervise import supervise
-from lm.tools.sweep import write_summary
+# Each verb imports what it runs inside its own function: torch, Lightning and transformers take seconds to
+# import, and `lm --help`, `lm <verb> --help` or a refused argument should not wait for them
+# (experiments/2026-11-24-startup).
 
 
 def cmd_config(args: argparse.Namespace) -> None:
+    from omegaconf import OmegaConf
+
+    from lm.config import compose, to_objects
+
     cfg = compose(args.overrides)
     to_objects(cfg)  # run the cross-field checks too
     print(OmegaConf.to_yaml(cfg, resolve=True), end="")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from lm.config import compose, to_objects
+    from lm.data import implied_epochs, load_manifest, prepare
+    from lm.data.manifest import summary
+    from lm.data.mixture import prepare_mixture
+    from lm.numbers import run_plan
+
     cfg = to_objects(compose(args.overrides))
     if cfg.data.mixture:  # every source, with one shared tokenizer (lm.data.mixture)
         for spec, folder in zip(cfg.data.mixture, prepare_mixture(cfg.data)):
@@ -102,6 +97,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> None:
+    from lm.config import compose, to_objects
+    from lm.run.doctor import diagnose, level_of, resolve_target, table
+
     cfg = to_objects(compose(args.overrides))
     target = resolve_target(cfg)
     strict = args.strict or cfg.doctor.strict
@@ -119,6 +117,8 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    from lm.tools.bench import run_bench, run_compare
+
     if args.compare:
         if args.overrides:
             raise SystemExit(
@@ -131,6 +131,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from lm.config import compose, to_objects
+    from lm.data.shards import sample_tokenizer
+
     cfg = to_objects(compose(args.overrides)).data
     out = Path(args.out)
     sha = sample_tokenizer(cfg, out)
@@ -139,21 +142,31 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
+    from lm.run.report import write_report
+
     print(f"wrote {write_report(args.run_dir)}")
 
 
 def cmd_sweep_summary(args: argparse.Namespace) -> None:
+    from lm.tools.sweep import write_summary
+
     path, rows = write_summary(args.sweep_dir)
     print(path.read_text(), end="")
     print(f"wrote {path} and {path.with_suffix('.csv')} ({len(rows)} jobs)")
 
 
 def cmd_sky(args: argparse.Namespace) -> None:
+    from lm.config import compose, conf_dir, to_objects
+    from lm.numbers.cost import ASSUMED_MFU, load_catalog
+    from lm.store.atomic import write_atomic
+    from lm.tools.sky import rank_gpus, render_task
+
     overrides = args.overrides or ["+experiment=plan_1b"]
     cfg = to_objects(compose(overrides))
     every = cfg.activation_checkpointing.every
-    ranked = rank_gpus(cfg.model, cfg.data, every, load_catalog(conf_dir()), args.pricing, args.mfu)
-    text = render_task(overrides, ranked, args.mfu)
+    mfu = ASSUMED_MFU if args.mfu is None else args.mfu
+    ranked = rank_gpus(cfg.model, cfg.data, every, load_catalog(conf_dir()), args.pricing, mfu)
+    text = render_task(overrides, ranked, mfu)
     out = Path(args.out)
     if args.check:
         if not out.is_file() or out.read_text() != text:
@@ -168,17 +181,28 @@ def cmd_sky(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    from lm.config import compose, conf_dir, to_objects
+    from lm.numbers.cost import load_catalog
+    from lm.store.atomic import write_atomic
+    from lm.tools import budget
+
     cfg = to_objects(compose(args.overrides))
     goal = budget.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
+    corpus = (
+        budget.CorpusSize(args.corpus_tokens, estimated=False, how="given with --corpus-tokens")
+        if args.corpus_tokens
+        else budget.corpus_size(cfg.data)
+    )
+    print(f"corpus: {corpus}")
     plans = budget.make_plans(
         goal,
         budget.load_presets(conf_dir(), cfg.data),
         gpus,
         seq_len=cfg.data.seq_len,
         tokens_per_step=args.tokens_per_step,
-        corpus=args.corpus_tokens or budget.corpus_tokens(cfg.data),
+        corpus=corpus.tokens,
         interruptions_per_hour=args.interruptions_per_hour,
         bench_dir=Path(cfg.bench.out_dir),
         tokens_per_sec=args.tokens_per_sec,
@@ -187,15 +211,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
         interval=interval,
     )
     budget.check_goal(goal, plans, gpus, law)
-    print(budget.render(plans, args.top))
+    print(budget.render(plans, args.top, corpus))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
-    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command))
+    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 
 
-def plan_law(args: argparse.Namespace, cfg) -> tuple[loss_law.ChinchillaLaw, float | None]:
+def plan_law(args: argparse.Namespace, cfg: LMConfig) -> tuple[ChinchillaLaw, float | None]:
     """The law `lm plan` predicts with: calibrated now (--calibrate), read from --law, or the published fit."""
+    from lm.numbers import loss_law
+    from lm.tools import calibrate
+
     if args.calibrate:
         law_file = Path(args.law or Path(cfg.run.root) / "calibration" / "calibration.json")
         record = calibrate.calibrate(
@@ -215,6 +242,8 @@ def plan_law(args: argparse.Namespace, cfg) -> tuple[loss_law.ChinchillaLaw, flo
 
 
 def cmd_supervise(args: argparse.Namespace) -> None:
+    from lm.tools.supervise import supervise
+
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise ValueError("nothing to supervise; usage: lm supervise [options] -- python train.py [overrides]")
@@ -242,6 +271,12 @@ def add_supervise(verbs) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
+    import torch
+    from tokenizers import Tokenizer
+
+    from lm.engine.generate import complete
+    from lm.engine.hf import load_run
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     run = load_run(args.ckpt, device)
     model, tokenizer = run.model, Tokenizer.from_file(str(run.tokenizer_path))
@@ -263,8 +298,15 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    from lm.tools.export import export
+
+    given = {"dtype": args.dtype, "vocab": args.vocab}
     out = export(
-        args.path, args.out, format=args.format, dtype=args.dtype, vocab=args.vocab, license=args.license
+        args.path,
+        args.out,
+        format=args.format,
+        license=args.license,
+        **{k: v for k, v in given.items() if v is not None},
     )
     quoted = shlex.quote(str(out))  # pasted into a shell as printed, spaces and all
     if args.format == "gguf":
@@ -276,6 +318,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from lm.engine.harness import evaluate_path
+
     tasks = [t for t in args.tasks.split(",") if t]
     written, record = evaluate_path(
         args.path,
@@ -359,22 +403,18 @@ def add_run_readers(verbs) -> None:
     export_.add_argument("path", help="runs/<run.name> (its last.ckpt) or runs/<run.name>/checkpoints/*.ckpt")
     export_.add_argument("--out", required=True, help="the folder (or .gguf file) to create (must not exist)")
     export_.add_argument(
-        "--format", choices=list(FORMATS), default="hf", help="hf: a transformers folder; gguf: llama.cpp"
+        "--format", choices=["hf", "gguf"], default="hf", help="hf: a transformers folder; gguf: llama.cpp"
     )
     export_.add_argument("--gguf", dest="format", action="store_const", const="gguf", help="--format gguf")
+    # Checked, and defaulted, by lm.tools.export.export (FORMATS, VOCAB), which imports torch.
     export_.add_argument(
-        "--dtype",
-        choices=sorted({d for dtypes in FORMATS.values() for d in dtypes}),
-        default="fp32",
-        help="weights' dtype (fp32); fp16 only with --format gguf",
+        "--dtype", help="weights' dtype: fp32 (the default) or bf16; fp16 only with --format gguf"
     )
     export_.add_argument(
         "--license", default=None, help="the model's license (a Hub id, e.g. apache-2.0); default run.license"
     )
     export_.add_argument(
         "--vocab",
-        choices=VOCAB,
-        default=VOCAB[0],
         help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
@@ -401,7 +441,10 @@ def add_sky(verbs) -> None:
     sky = verbs.add_parser("sky", help="rank GPUs by $/token for a config; write the SkyPilot task")
     sky.add_argument("--out", default="sky/train.yaml", help="the task file (default: sky/train.yaml)")
     sky.add_argument(
-        "--mfu", type=float, default=ASSUMED_MFU, help=f"assumed model FLOPs utilisation ({ASSUMED_MFU})"
+        "--mfu",
+        type=float,
+        default=None,
+        help="assumed model FLOPs utilisation (default: the doctor's, lm.numbers.cost.ASSUMED_MFU)",
     )
     sky.add_argument("--pricing", choices=["spot", "on_demand"], default="spot", help="price to rank by")
     sky.add_argument("--check", action="store_true", help="only check that --out is up to date")
@@ -419,7 +462,11 @@ def add_plan(verbs) -> None:
     p.add_argument(
         "--pricing", choices=["on_demand", "spot"], default="on_demand", help="price --usd buys at"
     )
-    p.add_argument("--corpus-tokens", type=int, help="training tokens of the corpus (default: its manifest)")
+    p.add_argument(
+        "--corpus-tokens",
+        type=int,
+        help="training tokens of the corpus (default: its manifest; estimated when not prepared)",
+    )
     p.add_argument("--tokens-per-step", type=int, default=131_072, help="global batch in tokens (131,072)")
     p.add_argument("--interruptions-per-hour", type=float, default=0.1, help="spot interruption rate (0.1)")
     p.add_argument("--tokens-per-sec", type=float, help="a measured throughput instead of peak x MFU")

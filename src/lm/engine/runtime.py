@@ -8,6 +8,7 @@ without CUDA) are refused here, before any data is prepared or a model is built.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -121,6 +122,23 @@ def resolve(
         device_name=device.device_name,
         price=cost.price_per_hour(device.gpu, cost_cfg),
     )
+
+
+LIGHTNING_RANK_ZERO_LOG = "lightning.pytorch.utilities.rank_zero"
+"""The logger Lightning's `rank_zero_info` writes through (lightning_utilities' `rank_zero_module.log`)."""
+
+
+def hide_litlogger_tip(record: logging.LogRecord) -> bool:
+    """False for the litlogger advertisement Lightning logs from every Trainer without a LitLogger, which no
+    run of lm uses; it has no switch of its own (lightning 2.6's LoggerConnector.configure_logger)."""
+    return "litlogger" not in record.getMessage()
+
+
+def quiet_lightning() -> None:
+    """Keep Lightning's advertisement out of the run's log and console; idempotent (a filter is added once)."""
+    logger = logging.getLogger(LIGHTNING_RANK_ZERO_LOG)
+    if hide_litlogger_tip not in logger.filters:
+        logger.addFilter(hide_litlogger_tip)
 
 
 def set_matmul_precision(tf32: bool) -> None:

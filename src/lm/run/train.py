@@ -78,6 +78,31 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
     started_at = time.monotonic()
     cfg = to_objects(dcfg)
+    rt, plan, run_dir = check_run(cfg)
+    datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
+    datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
+    # The bucket is probed and claimed (another run's folder refused) before the run directory changes.
+    remote = remote_checkpoints(cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir)
+    ckpt_path = open_run(cfg, dcfg, run_dir, remote, on_exit)
+    runtime.set_matmul_precision(cfg.precision.tf32)
+    ac, decide = checkpointing_decision(cfg, rt)
+    log_runtime(cfg, rt, ac, run_dir)
+    module = build_module(cfg, rt, ac, resumed=ckpt_path is not None)
+    meter = cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
+    callbacks = run_callbacks(
+        cfg, plan, meter, run_dir, module, resumed=ckpt_path is not None, remote=remote, decide=decide
+    )
+    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks)
+    on_exit.callback(stop_data_workers, trainer)
+    if decide is None:  # a deferred decision logs the hparams once it is made
+        for logger in trainer.loggers:
+            logger.log_hyperparams(meter.about)
+    fit(trainer, module, datamodule, ckpt_path)
+    return finish(trainer, run_dir, remote)
+
+
+def check_run(cfg: LMConfig) -> tuple[runtime.Runtime, run_plan.RunPlan, Path]:
+    """The runtime, plan and run directory, after the checks that need neither data nor model."""
     rt = resolve_runtime(cfg)  # refuses an impossible precision or Liger without CUDA before any I/O
     check_strategy(cfg.trainer.strategy, cfg.trainer.devices, rundir.in_multirun())
     plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)  # read by all below
@@ -85,22 +110,30 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     if cfg.doctor.enabled:  # before data preparation and the model; every rank, so all refuse together
         catalog = cost.load_catalog(conf_dir())
         preflight(Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, catalog, plan))
-    datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
-    datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
-    # The bucket is probed and claimed (another run's folder refused) before the run directory changes.
-    remote = remote_checkpoints(cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir)
-    ckpt_path = open_run(cfg, dcfg, run_dir, remote, on_exit)
-    runtime.set_matmul_precision(cfg.precision.tf32)
-    # `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
-    # every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
-    deferred = cfg.activation_checkpointing.auto and rt.cuda
+    return rt, plan, run_dir
+
+
+def checkpointing_decision(
+    cfg: LMConfig, rt: runtime.Runtime
+) -> tuple[activation_checkpointing.Decision, Callable[[], activation_checkpointing.Decision] | None]:
+    """The activation checkpointing stride, and the function that decides it at setup when it is deferred.
+
+    `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
+    every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    """
     workload = Workload(cfg.model, cfg.data.batch_size, cfg.data.seq_len, rt.precision, rt.cuda)
-    ac = (
-        activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True)
-        if deferred
-        else activation_checkpointing.decide(cfg.activation_checkpointing, workload, cfg.kernels.liger)
+    decide = functools.partial(
+        activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
     )
-    log_runtime(cfg, rt, ac, run_dir)
+    if cfg.activation_checkpointing.auto and rt.cuda:
+        return activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True), decide
+    return decide(), None
+
+
+def build_module(
+    cfg: LMConfig, rt: runtime.Runtime, ac: activation_checkpointing.Decision, *, resumed: bool
+) -> LMModule:
+    """The seeded LightningModule, its weights from `model.init_from` on a fresh start."""
     pl.seed_everything(cfg.run.seed, workers=True)
     module = LMModule(
         cfg.model,
@@ -112,29 +145,23 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
         fp8=rt.fp8,
         fp8_emulate=cfg.precision.fp8_emulate,
     )
-    if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+    if cfg.model.init_from is not None and not resumed:  # a resume continues from its checkpoint
         hf.load_init_from(module.model)
-    meter = cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
-    decide = (
-        functools.partial(
-            activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
-        )
-        if deferred
-        else None
-    )
-    callbacks = run_callbacks(
-        cfg, plan, meter, run_dir, module, resumed=ckpt_path is not None, remote=remote, decide=decide
-    )
-    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks)
-    on_exit.callback(stop_data_workers, trainer)
-    if not deferred:
-        for logger in trainer.loggers:
-            logger.log_hyperparams(meter.about)
+    return module
+
+
+def fit(
+    trainer: pl.Trainer, module: LMModule, datamodule: pl.LightningDataModule, ckpt_path: Path | None
+) -> None:
+    """Train, from `ckpt_path` when resuming; a SIGTERM Lightning caught itself is a preemption."""
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
         raise Preempted("SIGTERM") from e
 
+
+def finish(trainer: pl.Trainer, run_dir: Path, remote: RemoteCheckpoints | None) -> float | None:
+    """Rank 0 writes the report and checks the mirror; every rank returns the last validation loss."""
     if trainer.is_global_zero:
         behind = remote_behind(remote, run_dir) if remote is not None else None  # after the last upload
         finish_report(trainer, run_dir)
@@ -331,6 +358,7 @@ def build_trainer(
 ) -> pl.Trainer:
     """The Lightning Trainer with the run's callbacks (`run_callbacks`: checkpointing included) and logging."""
     t = cfg.trainer
+    runtime.quiet_lightning()
     logger = (
         TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
         if cfg.logger.tensorboard

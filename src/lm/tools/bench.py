@@ -152,6 +152,7 @@ def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
     )
     result.params = module.model.num_parameters()
     clock = Clock(rt.cuda)
+    runtime.quiet_lightning()
     trainer = pl.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=1,

@@ -16,16 +16,20 @@ scaling does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer
 
 from lm.checkpoint.local import estimate_checkpoint_bytes
 from lm.config import DataConfig, GpuConfig
-from lm.data.manifest import load_manifest, prepared_folder
+from lm.data import shards, sources
+from lm.data.manifest import TOKENIZER, cache_key, dataset_dir, load_manifest, prepared_folder
+from lm.data.tokenizer import load_tokenizer, load_tokenizer_spec
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.cost import ASSUMED_MFU
@@ -105,15 +109,111 @@ def load_presets(conf: Path, data: DataConfig) -> dict[str, ModelConfig]:
     return presets
 
 
-def corpus_tokens(data: DataConfig) -> int:
-    """Training tokens of the prepared corpus, from its manifest; a clear error when it is not prepared."""
+@dataclass(frozen=True)
+class CorpusSize:
+    """The corpus's training tokens, exact (a manifest, --corpus-tokens) or estimated (not prepared yet)."""
+
+    tokens: int
+    estimated: bool
+    how: str
+    """Where the number comes from, printed beside it."""
+
+    def __str__(self) -> str:
+        if self.estimated:
+            return f"~{self.tokens:,} training tokens, an ESTIMATE: {self.how}"
+        return f"{self.tokens:,} training tokens ({self.how})"
+
+
+def corpus_size(data: DataConfig) -> CorpusSize:
+    """Training tokens of the prepared corpus, from its manifest; estimated from the raw sources when it is
+    not prepared yet (`estimate_corpus`), so that a plan comes before paying for the tokenizing."""
     folder = prepared_folder(data)
-    if folder is None or not (folder / "manifest.json").is_file():
+    if folder is not None:
+        tokens = int(load_manifest(folder)["splits"]["train"]["tokens"])
+        return CorpusSize(tokens, estimated=False, how=f"exact: the manifest of {folder}")
+    if data.source not in ("stdlib", "text"):
         raise ValueError(
-            f"the corpus (data.source={data.source}) is not prepared yet: run `lm prepare <the same data "
-            "overrides>` first, or give its size with --corpus-tokens N"
+            f"the corpus (data.source={data.source}) is not prepared here and its size cannot be estimated "
+            "without reading it: run `lm prepare <the same data overrides>` first, or give its size with "
+            "--corpus-tokens N"
         )
-    return int(load_manifest(folder)["splits"]["train"]["tokens"])
+    return estimate_corpus(data)
+
+
+SAMPLE_BYTES = 1_000_000
+"""Text of an unprepared corpus that the run's tokenizer encodes to measure its bytes per token (~1 s)."""
+BYTES_PER_TOKEN = {
+    512: 2.03,
+    1024: 2.50,
+    2048: 2.91,
+    4096: 3.25,
+    8192: 3.53,
+    16384: 3.72,
+    32768: 3.82,
+    65536: 3.86,
+}
+"""Bytes on disk per training token (end-of-text included) of the byte-level BPE `lm prepare` trains, by
+vocabulary size, measured on the bundled stdlib corpus, Python source (experiments/2026-11-24-startup/
+bytes_per_token.py). The estimate's default when no tokenizer exists yet, interpolated in log2(vocabulary)
+between sizes; prose and other languages compress differently, which is why it is labelled a default."""
+
+
+def default_bytes_per_token(vocab_size: int) -> float:
+    """BYTES_PER_TOKEN at `vocab_size`: interpolated in log2 between the measured sizes, the ends held."""
+    sizes = sorted(BYTES_PER_TOKEN)
+    v = min(max(vocab_size, sizes[0]), sizes[-1])
+    hi = next(s for s in sizes if s >= v)
+    lo = max(s for s in sizes if s <= v)
+    if hi == lo:
+        return BYTES_PER_TOKEN[lo]
+    t = (math.log2(v) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return BYTES_PER_TOKEN[lo] + t * (BYTES_PER_TOKEN[hi] - BYTES_PER_TOKEN[lo])
+
+
+def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
+    """UTF-8 bytes per token of `texts` as prepared data counts them: each document ends with end-of-text."""
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts)) + len(texts)
+    return sum(len(t.encode("utf-8")) for t in texts) / tokens
+
+
+def run_tokenizer(data: DataConfig, plan: sources.UnitPlan) -> tuple[Tokenizer | None, str]:
+    """The tokenizer the run will use, where one exists before preparing: data.tokenizer, or the one an
+    interrupted `lm prepare` already trained into the dataset folder. (None, "") when it is yet to be trained."""
+    if data.tokenizer is not None:
+        return load_tokenizer_spec(data.tokenizer)[0], f"data.tokenizer={data.tokenizer}"
+    path = dataset_dir(data, cache_key(data, plan)) / TOKENIZER
+    if path.is_file():
+        return load_tokenizer(path), f"the tokenizer `lm prepare` trained in {path.parent}"
+    return None, ""
+
+
+def estimate_corpus(data: DataConfig) -> CorpusSize:
+    """Training tokens of an unprepared corpus: its bytes on disk (after data.max_bytes, less the validation
+    share) over the bytes per token of the run's tokenizer on a sample of its training documents, or over
+    `default_bytes_per_token` when no tokenizer exists yet. Compressed or JSON files hold other bytes than
+    the text they yield, so for them the estimate is rougher."""
+    plan = sources.plan_units(data)
+    tokenizer, which = run_tokenizer(data, plan)
+    if tokenizer is None:
+        bpt = default_bytes_per_token(data.vocab_size)
+        per = (
+            f"{bpt:.2f} bytes per token, the default for a byte-level BPE of {data.vocab_size:,} tokens "
+            "(measured on the stdlib corpus: lm.tools.budget.BYTES_PER_TOKEN)"
+        )
+    else:
+        sampled = dataclasses.replace(data, tokenizer_sample_bytes=SAMPLE_BYTES)
+        texts = list(shards.sample_documents(sampled, plan, shards.forced_validation(data, plan)))
+        if not texts:
+            raise ValueError(f"the corpus (data.source={data.source}) has no training document to sample")
+        bpt = bytes_per_token(tokenizer, texts)
+        sample_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        per = f"{bpt:.2f} bytes per token measured on a {sample_mb:.1f} MB sample with {which}"
+    tokens = round(plan.n_bytes * (1 - data.val_fraction) / bpt)
+    how = (
+        f"{plan.n_bytes / 1e6:,.1f} MB of raw sources (less the {data.val_fraction:g} validation share) / "
+        f"{per}; `lm prepare` makes it exact"
+    )
+    return CorpusSize(tokens, estimated=True, how=how)
 
 
 def hardware(
@@ -302,8 +402,9 @@ def pick_gpus(catalog: dict[str, GpuConfig], names: list[str] | None) -> list[Gp
     return [catalog[n] for n in names]
 
 
-def render(plans: list[BudgetPlan], top: int = 10) -> str:
-    """The ranking as a text table."""
+def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = None) -> str:
+    """The ranking as a text table; epochs of an estimated corpus read `~0.53` and the table says so."""
+    approx = "~" if corpus is not None and corpus.estimated else ""
     head = (
         f"{'#':>2} {'model':<6} {'params':>8} {'gpu':<12} {'tok/s':>9} {'micro x acc':>11} {'AC':>3} "
         f"{'steps':>8} {'tokens':>9} {'epochs':>6} {'hours':>7} {'on demand':>10} {'spot':>10} "
@@ -314,7 +415,7 @@ def render(plans: list[BudgetPlan], top: int = 10) -> str:
         lines.append(
             f"{i:>2} {p.preset:<6} {p.params / 1e6:>7.1f}M {p.hw.gpu.name:<12} {p.hw.tokens_per_sec:>9,.0f} "
             f"{f'{p.micro_batch}x{p.accumulate}':>11} {'on' if p.ac_every else 'off':>3} {p.steps:>8,} "
-            f"{p.tokens / 1e9:>8.3f}B {p.epochs:>6.2f} {p.hours:>7.2f} {fmt_money(p.usd_on_demand):>10} "
+            f"{p.tokens / 1e9:>8.3f}B {f'{approx}{p.epochs:.2f}':>6} {p.hours:>7.2f} {fmt_money(p.usd_on_demand):>10} "
             f"{fmt_money(p.usd_spot):>10} {f'{p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f})':>20}  "
             f"{p.hw.throughput_source}"
         )
@@ -329,11 +430,14 @@ def render(plans: list[BudgetPlan], top: int = 10) -> str:
             + ". Spot adds "
             f"{plans[0].spot_overhead:.1%} expected overhead (lost work + restarts)."
         )
+    if corpus is not None:
+        lines.append(f"epochs: of the corpus's {corpus}")
     return "\n".join(lines)
 
 
-def experiment_yaml(p: BudgetPlan, name: str, command: str) -> str:
-    """The plan as a sparse experiment file with phases (warm-up, stable, decay)."""
+def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize | None = None) -> str:
+    """The plan as a sparse experiment file with phases (warm-up, stable, decay); `corpus`: its size, an
+    estimate said so, in a comment."""
     warmup = max(1, min(2000, p.steps // 20))
     decay_start = max(warmup + 1, p.steps - int(DECAY_FRACTION * p.steps))
     phases = [("warm-up", warmup), ("stable", decay_start), ("decay", p.steps)]
@@ -344,6 +448,7 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str) -> str:
         f"# Written by `{command}` on {date.today().isoformat()}: {p.preset} ({p.params / 1e6:.1f}M) on {gpu},",
         f"# {p.steps:,} steps x {p.tokens_per_step:,} tokens, ~{p.hours:.2f} h, {fmt_money(p.usd_on_demand)} on demand, "
         f"expected final loss {p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f}, {p.law}).",
+        *([f"# {'~' if corpus.estimated else ''}{p.epochs:.2f} epochs of {corpus}."] if corpus else []),
         f"#   python train.py +experiment={name}",
         "defaults:",
         f"  - override /model: {p.preset}",
