@@ -4,6 +4,8 @@ lm config  [overrides...]   print the composed, validated config
 lm prepare [overrides...]   build the tokenizer and token shards the config trains on
 lm tokenizer train [--out tokenizer.json] [overrides...]
                             train a byte-level BPE on a sample of the configured corpus
+lm selftest [--keep DIR] [--layers K] [overrides...]
+                            every path the config takes, run on this machine in minutes; a table, exit 1 on failure
 lm doctor [--strict] [overrides...]
                             preflight: forgotten free optimizations, memory, disk, plan, $/token
 lm bench   [overrides with comma lists...]
@@ -165,7 +167,10 @@ def cmd_sky(args: argparse.Namespace) -> None:
     cfg = to_objects(compose(overrides))
     every = cfg.activation_checkpointing.every
     mfu = ASSUMED_MFU if args.mfu is None else args.mfu
-    ranked = rank_gpus(cfg.model, cfg.data, every, load_catalog(conf_dir()), args.pricing, mfu)
+    catalog, bench = load_catalog(conf_dir()), Path(cfg.bench.out_dir)  # a GPU lm bench measured: its MFU
+    ranked = rank_gpus(
+        cfg.model, cfg.data, every, catalog, args.pricing, mfu, bench if bench.is_dir() else None
+    )
     text = render_task(overrides, ranked, mfu)
     out = Path(args.out)
     if args.check:
@@ -256,6 +261,21 @@ def cmd_supervise(args: argparse.Namespace) -> None:
             max_backoff=args.max_backoff,
         )
     )
+
+
+def cmd_selftest(args: argparse.Namespace) -> None:
+    from lm.tools.selftest import selftest
+
+    keep = Path(args.keep) if args.keep else None
+    sys.exit(selftest(args.overrides, keep=keep, layers=args.layers))
+
+
+def add_selftest(verbs) -> None:
+    verb = verbs.add_parser("selftest", help="every path of a config, run on this machine in minutes")
+    verb.add_argument("--keep", help="leave the runs in this folder (default: a temporary one, removed)")
+    verb.add_argument("--layers", type=int, default=2, help="blocks of the model in the path checks (2)")
+    add_overrides(verb, "+experiment=plan_1b precision=fp8")
+    verb.set_defaults(fn=cmd_selftest)
 
 
 def add_supervise(verbs) -> None:
@@ -491,7 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lm", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
-    for add in (add_config_verbs, add_doctor_and_bench, add_run_readers, add_supervise, add_sky, add_plan):
+    verbs_in_order = (
+        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_supervise, add_sky, add_plan
+    )  # fmt: skip
+    for add in verbs_in_order:
         add(verbs)
     return parser
 
