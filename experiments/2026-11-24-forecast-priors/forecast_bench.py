@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import OptimConfig
-from lm.numbers.loss_law import fit_schedule_law
+from lm.numbers.loss_law import block_means, fit_schedule_law
 from lm.numbers.loss_prior import (
     MODELS,
     default_prior,
@@ -29,6 +29,7 @@ from lm.numbers.loss_prior import (
     prior_from_shapes,
 )
 from lm.numbers.lr_schedule import multipliers
+from lm.tools.calibrate import TRAIN_BLOCK
 
 CURVES = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
@@ -50,10 +51,19 @@ def shape_of(name: str) -> str:
     return name.split("_")[0]
 
 
+PRIOR_FROM = "val"
+"""What a prior is fitted to on the donor curves: `val` (the precise validation points) or `train` (block means
+of 5 training losses, what `lm plan --calibrate` fits, its runs validating only once)."""
+
+
 @cache
-def shape_fit(name: str, model: str) -> tuple | None:
+def shape_fit(name: str, model: str, source: str) -> tuple | None:
     curve = CURVE_SET[name]
-    shape = fit_shape(curve["val"]["step"], curve["val"]["loss"], plan_mult(curve), model)
+    if source == "train":
+        steps, losses = block_means(np.array(curve["train"]["step"]) + 1, curve["train"]["loss"], TRAIN_BLOCK)
+    else:
+        steps, losses = curve["val"]["step"], curve["val"]["loss"]
+    shape = fit_shape(steps, losses, plan_mult(curve), model)
     return None if shape is None else tuple(sorted(shape.items()))
 
 
@@ -66,7 +76,7 @@ def prior_for(name: str, kind: str, model: str):
         donors = [n for n in CURVE_SET if SHAPES.index(shape_of(n)) < rank]
     else:
         donors = [n for n in CURVE_SET if n != name]
-    shapes = [dict(s) for s in (shape_fit(n, model) for n in donors) if s is not None]
+    shapes = [dict(s) for s in (shape_fit(n, model, PRIOR_FROM) for n in donors) if s is not None]
     if not shapes:
         return None
     return prior_from_shapes(model, shapes, f"{kind}: {', '.join(donors)}")
@@ -97,12 +107,13 @@ def forecast(name: str, model: str, kind: str, fraction: float) -> dict | None:
     }
 
 
-def run() -> dict:
+def run(fractions=FRACTIONS) -> dict:
+    """{"curve|model|prior": {"30%": cell or None}}: `today` is the stopper's law without a prior."""
     rows = {}
     for name in CURVE_SET:
         for model in ("today", *MODELS, "auto"):
             for kind in ("none",) if model == "today" else PRIORS:
-                cells = {f"{f:.0%}": forecast(name, model, kind, f) for f in FRACTIONS}
+                cells = {f"{f:.0%}": forecast(name, model, kind, f) for f in fractions}
                 rows[f"{name}|{model}|{kind}"] = cells
     return rows
 
@@ -156,11 +167,15 @@ CURVE_SET = load_curves()
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, help="also write every cell and the summary here")
+    parser.add_argument("--prior-from", choices=("val", "train"), default="val", help="see PRIOR_FROM")
     args = parser.parse_args()
+    global PRIOR_FROM
+    PRIOR_FROM = args.prior_from
     rows = run()
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1) + "\n")
+        record = {"prior_from": PRIOR_FROM, "rows": rows, "summary": summary(rows)}
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
