@@ -135,3 +135,26 @@ def test_a_file_without_a_prior_and_an_unknown_model_are_refused(tmp_path):
         read_priors(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="forecast_model='power'"):
         EarlyStoppingConfig(forecast_model="power")
+
+
+def test_a_calibration_run_s_logged_training_loss_gives_the_prior(tmp_path):
+    """`lm plan --calibrate` fits the prior to each run's logged training loss (its runs validate once)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lm.store import rundir
+    from lm.tools.calibrate import run_curve
+
+    mult = multipliers(WSD, PLAN)
+    scale = float(mult.sum())
+    law = ScheduleLaw(L0=2.0, A=scale**0.5, alpha=0.5, C=6.0 * 0.5 / scale, lam=lam_for(PLAN))
+    curve, rng = law.curve(mult), np.random.default_rng(8)
+    curves = []
+    for name in ("a", "b"):
+        writer = SummaryWriter(str(tmp_path / name / rundir.TB))
+        for step in range(9, PLAN, 10):  # Lightning logs the loss of step s (s + 1 updates) at step s
+            writer.add_scalar("train/loss", curve[step] + rng.normal(0.0, 0.02), step)
+        writer.close()
+        curves.append(run_curve(tmp_path / name, WSD, PLAN))
+    prior = priors_from_curves(curves, "calibration")["schedule"]
+    assert prior.mean["alpha"] == pytest.approx(0.5, abs=0.05)
+    assert prior.mean["anneal_gain"] == pytest.approx(6.0, rel=0.2)

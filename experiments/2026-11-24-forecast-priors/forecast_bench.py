@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import OptimConfig
-from lm.numbers.loss_law import block_means, fit_schedule_law
+from lm.numbers.loss_law import fit_schedule_law
 from lm.numbers.loss_prior import (
     MODELS,
     default_prior,
@@ -29,7 +29,7 @@ from lm.numbers.loss_prior import (
     prior_from_shapes,
 )
 from lm.numbers.lr_schedule import multipliers
-from lm.tools.calibrate import TRAIN_BLOCK
+from lm.tools.calibrate import train_points
 
 CURVES = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
@@ -60,7 +60,8 @@ of 5 training losses, what `lm plan --calibrate` fits, its runs validating only 
 def shape_fit(name: str, model: str, source: str) -> tuple | None:
     curve = CURVE_SET[name]
     if source == "train":
-        steps, losses = block_means(np.array(curve["train"]["step"]) + 1, curve["train"]["loss"], TRAIN_BLOCK)
+        warmup = curve["optim"]["warmup_steps"]
+        steps, losses = train_points(np.array(curve["train"]["step"]), curve["train"]["loss"], warmup)
     else:
         steps, losses = curve["val"]["step"], curve["val"]["loss"]
     shape = fit_shape(steps, losses, plan_mult(curve), model)

@@ -160,10 +160,18 @@ def run_curve(run_dir: Path, optim, steps: int) -> tuple | None:
     """(steps, block-mean training losses, LR multipliers of the run) for the forecast prior; None when the
     run logged no training loss."""
     train = rundir.read_scalars(run_dir).get("train/loss")
-    if train is None or len(train.values) < TRAIN_BLOCK:
+    points = None if train is None else train_points(train.steps, train.values, optim.warmup_steps)
+    return None if points is None else (*points, multipliers(optim, steps))
+
+
+def train_points(steps: np.ndarray, losses: np.ndarray, warmup: int) -> tuple | None:
+    """Block means of the logged training losses after the warm-up, at the steps done (a loss logged at step s
+    saw s + 1 updates); None when too few. The warm-up transient follows no law, and a block mean across its
+    steep start would be no point of the curve."""
+    late = np.asarray(steps) >= 2 * warmup
+    if late.sum() < TRAIN_BLOCK:
         return None
-    at, losses = block_means(train.steps + 1, train.values, TRAIN_BLOCK)  # logged at step s: s + 1 updates
-    return at, losses, multipliers(optim, steps)
+    return block_means(np.asarray(steps)[late] + 1, np.asarray(losses)[late], TRAIN_BLOCK)
 
 
 def calibrate(
