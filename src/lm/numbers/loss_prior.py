@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.numbers.fit import huber_weights, nnls
-from lm.numbers.loss_law import ALPHA_RANGE, ANNEAL_GAIN, Z90, Prediction, areas, lam_for
+from lm.numbers.loss_law import ALPHA_RANGE, ANNEAL_GAIN, Z90, Prediction, areas, fit_schedule_law, lam_for
 
 MODELS = ("schedule", "multi_power")
 GRID = 13
@@ -314,16 +314,15 @@ def held_out_error(law: PriorLaw, plan_mult, steps, losses) -> float:
 # -- priors from full curves (calibration) ----------------------------------------------------------------
 
 
-def fit_shape(steps, losses, plan_mult: np.ndarray, model: str) -> dict | None:
-    """A law's shape fitted freely to one full curve (its decay included): the calibration's measurement."""
+def fit_shape(steps, losses, plan_mult: np.ndarray, model: str, fixed: dict | None = None) -> dict | None:
+    """A law's shape fitted freely to one full curve (its decay included): the calibration's measurement.
+    `fixed`: the multi-power law's C, beta, gamma held at these (only alpha and b fitted)."""
     steps = np.asarray(steps, dtype=np.int64)
     y = np.asarray(losses, dtype=np.float64)
     if len(y) < 6:
         return None
     scale = float(np.sum(plan_mult))
     if model == "schedule":
-        from lm.numbers.loss_law import fit_schedule_law
-
         law = fit_schedule_law(steps, y, plan_mult, anneal_gain=None)
         if law is None or law.c_source != "fitted" or law.C <= 0:
             return None
@@ -331,9 +330,8 @@ def fit_shape(steps, losses, plan_mult: np.ndarray, model: str) -> dict | None:
         return {"alpha": law.alpha, "anneal_gain": law.C * scale / (law.alpha * a_scaled)}
     lam = lam_for(len(plan_mult))
     best = (math.inf, None)
-    for C, beta, gamma in itertools.product(
-        np.geomspace(0.3, 300, 10), (0.25, 0.5, 1.0, 2.0), (0.25, 0.5, 1.0)
-    ):
+    triples = itertools.product(np.geomspace(0.3, 300, 10), (0.25, 0.5, 1.0, 2.0), (0.25, 0.5, 1.0))
+    for C, beta, gamma in [tuple(fixed[k] for k in ("C", "beta", "gamma"))] if fixed else triples:
         b = basis(model, plan_mult, steps, scale, lam, {"C": C, "beta": beta, "gamma": gamma})
         if b.extra.max() <= 0:
             return None  # no decay in this curve: its drop cannot be measured
@@ -347,9 +345,17 @@ def fit_shape(steps, losses, plan_mult: np.ndarray, model: str) -> dict | None:
     return None if best[1] is None else {k: float(v) for k, v in best[1].items()}
 
 
+def middle(shapes: list[dict]) -> dict:
+    """The multi-power law's C, beta, gamma of the curve whose alpha is nearest the curves' mean: held fixed for
+    every curve's (alpha, b), so that b means the same on all of them (it trades off against C and beta)."""
+    mean = float(np.mean([s["alpha"] for s in shapes]))
+    nearest = min(shapes, key=lambda s: abs(s["alpha"] - mean))
+    return {k: nearest[k] for k in ("C", "beta", "gamma")}
+
+
 def prior_from_shapes(model: str, shapes: list[dict], source: str) -> ShapePrior:
     """Mean and spread of the shapes fitted to several curves (log space for the gains); the multi-power law's
-    C, beta, gamma from the curve whose fit they came from nearest the median alpha (they are kept fixed)."""
+    C, beta, gamma from `middle` (fit the curves with them fixed first: priors_from_curves)."""
     if not shapes:
         raise ValueError(f"no curve with a decay to fit the {model} law's shape to ({source})")
     mean, sd = {}, {}
@@ -362,8 +368,7 @@ def prior_from_shapes(model: str, shapes: list[dict], source: str) -> ShapePrior
         mean[name] = float(np.exp(centre)) if name in LOG_PARAMS else centre
         sd[name] = max(float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, MIN_SD[name])
     if model == "multi_power":
-        middle = min(shapes, key=lambda s: abs(s["alpha"] - mean["alpha"]))
-        mean |= {k: middle[k] for k in ("C", "beta", "gamma")}
+        mean |= middle(shapes)
     return ShapePrior(model, mean, sd, f"{source} ({len(shapes)} curve(s))")
 
 
@@ -373,6 +378,9 @@ def priors_from_curves(curves: list[tuple], source: str) -> dict:
     priors = {}
     for model in MODELS:
         shapes = [s for s in (fit_shape(st, lo, mult, model) for st, lo, mult in curves) if s is not None]
+        if shapes and model == "multi_power":  # every curve's (alpha, b) under one C, beta, gamma
+            fixed = middle(shapes)
+            shapes = [s for s in (fit_shape(st, lo, mult, model, fixed) for st, lo, mult in curves) if s]
         if shapes:
             priors[model] = prior_from_shapes(model, shapes, source)
     return priors
