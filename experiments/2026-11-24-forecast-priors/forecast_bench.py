@@ -1,7 +1,7 @@
 """Forecast benchmark that keeps score: replay every recorded curve (tests/data/curves) point by point and
 predict its final validation loss at 10/20/30/50/80% of the run, for each law (schedule, multi_power, auto)
 and each prior (none; `smaller`: fitted on the full curves of the smaller model shapes only; `loo`: fitted on
-every other curve), with the 90% interval's coverage of the measured final loss.
+every other curve; `own`: the curve's own, an oracle), with the 90% interval's coverage of the measured final loss.
 
     python experiments/2026-11-24-forecast-priors/forecast_bench.py            # table to stdout
     python experiments/2026-11-24-forecast-priors/forecast_bench.py --json experiments/2026-11-24-forecast-priors/results.json
@@ -36,7 +36,9 @@ CURVES = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
 SHAPES = ("tiny", "small", "medium")
 """Model shapes by size (record_runs.sh): a `smaller` prior comes from the shapes before a curve's own."""
-PRIORS = ("none", "smaller", "loo")
+PRIORS = ("none", "smaller", "loo", "own")
+"""`own`: the curve's own full-curve shape at the least spread (MIN_SD), an oracle: what a perfect shape prior
+leaves to the level."""
 
 
 def load_curves() -> dict[str, dict]:
@@ -76,6 +78,8 @@ def prior_for(name: str, kind: str, model: str):
     rank = SHAPES.index(shape_of(name))
     if kind == "smaller":
         donors = [n for n in CURVE_SET if SHAPES.index(shape_of(n)) < rank]
+    elif kind == "own":
+        donors = [name]
     else:
         donors = [n for n in CURVE_SET if n != name]
     shapes = [dict(s) for s in (shape_fit(n, model, PRIOR_FROM) for n in donors) if s is not None]
