@@ -33,7 +33,16 @@ from pathlib import Path
 import numpy as np
 
 from lm.numbers.fit import huber_weights, nnls
-from lm.numbers.loss_law import ALPHA_RANGE, ANNEAL_GAIN, Z90, Prediction, areas, fit_schedule_law, lam_for
+from lm.numbers.loss_law import (
+    ALPHA_RANGE,
+    ANNEAL_GAIN,
+    MIN_ANNEAL_FRACTION,
+    Z90,
+    Prediction,
+    areas,
+    fit_schedule_law,
+    lam_for,
+)
 
 MODELS = ("schedule", "multi_power")
 GRID = 13
@@ -239,28 +248,18 @@ def fit_prior_law(
     designs = np.stack([columns(prior.model, b, theta) for theta in grid])
     weights = np.ones_like(y)
     for _ in range(3):  # Huber reweighting around the best shape
-        coef, sse = nnls(designs, y, weights)
-        sigma2 = max(float(np.min(sse)) / max(1, len(y) - 2), NOISE_FLOOR**2)
-        score = sse / sigma2 + np.array([penalty(prior, t) for t in grid])
+        coef, score, _ = score_grid(designs, y, weights, prior, grid)
         best = int(np.argmin(score))
-        residuals = y - designs[best] @ coef[best]
-        weights = huber_weights(residuals, None)
-    coef, sse = nnls(designs, y, weights)
-    sigma2 = max(
-        float(np.min(sse)) / max(1, len(y) - 2) / max(float(np.mean(weights)), 1e-12), NOISE_FLOOR**2
-    )
-    score = sse / sigma2 + np.array([penalty(prior, t) for t in grid])
+        weights = huber_weights(y - designs[best] @ coef[best], None)
+    coef, score, sigma2 = score_grid(designs, y, weights, prior, grid)
     best = int(np.argmin(score))
-    profile = []
-    for i in np.nonzero(score <= score[best] + CHI2_90)[0]:
-        Xw = designs[i] * np.sqrt(weights)[:, None]
-        free = coef[i] > 0
-        cov = np.zeros((2, 2))
-        if free.any():
-            cov[np.ix_(free, free)] = sigma2 * np.linalg.pinv(Xw[:, free].T @ Xw[:, free])
-        profile.append((grid[i], coef[i], cov))
+    profile = profile_of(designs, weights, grid, coef, score, sigma2)
     residuals = y - designs[best] @ coef[best]
-    seen = b.extra.max() > 0 if prior.model == "multi_power" else b.extra.max() >= 0.02 * b.s1.max()
+    seen = (
+        b.extra.max() > 0
+        if prior.model == "multi_power"
+        else b.extra.max() >= MIN_ANNEAL_FRACTION * b.s1.max()
+    )
     return PriorLaw(
         model=prior.model,
         L0=float(coef[best][0]),
@@ -275,6 +274,28 @@ def fit_prior_law(
         profile=tuple(profile),
         c_source="fitted" if seen else "prior",
     )
+
+
+def score_grid(designs, y, weights, prior: ShapePrior, grid: list[dict]):
+    """The level at every shape of the grid, and each shape's penalised error: weighted squared residuals over
+    the noise (at least NOISE_FLOOR) plus the prior's penalty. Returns (coefficients, scores, noise^2)."""
+    coef, sse = nnls(designs, y, weights)
+    dof = max(1, len(y) - 2)
+    sigma2 = max(float(np.min(sse)) / dof / max(float(np.mean(weights)), 1e-12), NOISE_FLOOR**2)
+    return coef, sse / sigma2 + np.array([penalty(prior, t) for t in grid]), sigma2
+
+
+def profile_of(designs, weights, grid, coef, score, sigma2) -> list[tuple]:
+    """(shape, level, level covariance) of every grid shape within the 90% profile of the best."""
+    profile = []
+    for i in np.nonzero(score <= score.min() + CHI2_90)[0]:
+        Xw = designs[i] * np.sqrt(weights)[:, None]
+        free = coef[i] > 0
+        cov = np.zeros((2, 2))
+        if free.any():
+            cov[np.ix_(free, free)] = sigma2 * np.linalg.pinv(Xw[:, free].T @ Xw[:, free])
+        profile.append((grid[i], coef[i], cov))
+    return profile
 
 
 def fit_forecast(steps, losses, plan_mult, model: str, priors: dict, min_points: int = 3) -> PriorLaw | None:
