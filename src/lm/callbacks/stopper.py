@@ -26,6 +26,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
+from lm.numbers.loss_prior import fit_forecast, read_priors
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
 from lm.store.tables import fmt_money
@@ -107,6 +108,8 @@ class DiminishingReturnsStopper(Callback):
         self.decision: dict[str, Any] | None = None
         self.optim, self.schedule_steps = optim, schedule_steps
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
+        self.priors = read_priors(cfg.forecast_prior) if cfg.forecast_prior else {}
+        """Shape priors for the forecast (early_stopping.forecast_prior): read once, so a bad file fails at start."""
         self.last_schedule: ScheduleForecast | None = None
         self.last_choices: dict[str, Any] | None = None
         """The schedule-aware forecast in dollars at the last validation; stop.json keeps the one a stop saw."""
@@ -169,12 +172,13 @@ class DiminishingReturnsStopper(Callback):
         step = last.step
         plan_steps = max(self.plan_end_steps or self.schedule_steps, step)
         pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
-        law = fit_schedule_law(
-            [p.step for p in pts],
-            [p.loss for p in pts],
-            multipliers(self.optim, self.schedule_steps, plan_steps),
-            min_points=self.cfg.forecast_min_points,
-        )
+        steps, losses = [p.step for p in pts], [p.loss for p in pts]
+        plan_mult = multipliers(self.optim, self.schedule_steps, plan_steps)
+        if self.cfg.forecast_model == "schedule" and not self.priors:
+            law = fit_schedule_law(steps, losses, plan_mult, min_points=self.cfg.forecast_min_points)
+        else:
+            model, priors, n = self.cfg.forecast_model, self.priors, self.cfg.forecast_min_points
+            law = fit_forecast(steps, losses, plan_mult, model, priors, min_points=n)
         if law is None:
             return None
         cooldown = math.ceil(self.cfg.cooldown_fraction * step)  # what decide() would run
@@ -397,6 +401,4 @@ class DiminishingReturnsStopper(Callback):
             if sf.law.c_source == "prior"
             else "",
         )
-        law = sf.law
-        fields = ("L0", "A", "alpha", "C", "lam", "rms", "n_points", "c_source")
-        return {"step": sf.step, "law": {k: getattr(law, k) for k in fields}, **choices}
+        return {"step": sf.step, "law": sf.law.record(), **choices}

@@ -222,8 +222,19 @@ class EarlyStoppingConfig:
     """Validation points needed before the loss forecast is fitted."""
     forecast_skip_tokens: int = 0
     """Validation points before this many tokens stay out of the fit (the warm-up transient follows no law)."""
+    forecast_model: str = "schedule"
+    """The forecast's law (lm.numbers.loss_prior): `schedule` (Tissue et al. 2024), `multi_power` (Luo et al.
+    2025) or `auto` (the one that predicts the run's last points better; the interval covers both)."""
+    forecast_prior: str | None = None
+    """Shape prior for the forecast: a `calibration.json` of `lm plan --calibrate` or a law file with a
+    `forecast_prior` mapping. null with forecast_model=schedule: the law as before (alpha free, the anneal
+    gain's default prior)."""
 
     def __post_init__(self) -> None:
+        if self.forecast_model not in ("schedule", "multi_power", "auto"):
+            raise ValueError(
+                f"early_stopping.forecast_model={self.forecast_model!r}: use schedule, multi_power or auto"
+            )
         if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:
             raise ValueError(
                 "early_stopping.window must be >= 1, smoothing in [0, 1) and cooldown_fraction in [0, 1]"

@@ -85,6 +85,11 @@ class ScheduleLaw:
     profile: tuple = ()
     """(alpha, coefficients, covariance, k) for every alpha in the 90% profile: what the interval spans."""
 
+    def record(self) -> dict:
+        """forecast.json's `law`: the constants, and that no calibrated prior was used."""
+        fields = ("L0", "A", "alpha", "C", "lam", "rms", "n_points", "c_source")
+        return {"model": "schedule", **{k: getattr(self, k) for k in fields}, "prior": None}
+
     def curve(self, mult: np.ndarray) -> np.ndarray:
         """The loss after each step of a schedule given as LR multipliers (index s: after s+1 steps)."""
         s1, s2 = areas(mult, self.lam)

@@ -341,20 +341,36 @@ ENDINGS = (
 )
 
 
+def law_sentence(law: dict) -> str:
+    """The forecast's law, its fit and the prior it started from (forecast.json's `law`)."""
+    source = "fitted" if law["c_source"] == "fitted" else "from the prior: the LR had not fallen yet"
+    fit = f"{law['n_points']} points, rms {law['rms']:.4f}"
+    if not law.get("prior"):  # the schedule law without a calibrated prior (and records written before one)
+        return (
+            f"L = {law['L0']:.3f} + {law['A']:.4g} x S1^-{law['alpha']:.3f} - {law['C']:.3g} x S2 (the loss law "
+            f"of Tissue et al. 2024, lm.numbers.loss_law: S1 the summed LR, S2 the annealing area; C {source}; "
+            f"{fit}; no calibrated prior)."
+        )
+    name = {"schedule": "Tissue et al. 2024", "multi_power": "the multi-power law of Luo et al. 2025"}
+    prior = law["prior"]
+    return (
+        f"{name.get(law['model'], law['model'])} (lm.numbers.loss_prior), alpha {law['alpha']:.3f}, the drop "
+        f"{source}; {fit}; shape prior: {prior['source']}"
+        + (f"; {law['choice']}" if law.get("choice") else "")
+        + "."
+    )
+
+
 def forecast_section(sched: dict | None, measured: float | None, at_stop: bool) -> str:
     """The loss forecast, the schedule-aware law of lm.numbers.loss_law (from stop.json when the stopper
     decided, else forecast.json's latest): the run's endings with their 90% intervals and dollars, against
     the run's last measured validation loss. Records written before an ending existed lack its key."""
     if not sched:
         return ""
-    law = sched["law"]
-    source = "fitted" if law["c_source"] == "fitted" else "from the prior: the LR had not fallen yet"
     lines = [
         "",
         f"Schedule-aware forecast{' when the stop was decided' if at_stop else ''}, at step {sched['step']:,}: "
-        f"L = {law['L0']:.3f} + {law['A']:.4g} x S1^-{law['alpha']:.3f} - {law['C']:.3g} x S2 (the loss law of "
-        f"Tissue et al. 2024, lm.numbers.loss_law: S1 the summed LR, S2 the annealing area; C {source}; "
-        f"{law['n_points']} points, rms {law['rms']:.4f}).",
+        + law_sentence(sched["law"]),
         "",
         "| ending | final loss (90% interval) | dollars |",
         "|---|---|---|",

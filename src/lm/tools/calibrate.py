@@ -25,7 +25,9 @@ from lm.config import DataConfig, compose, to_objects
 from lm.data.manifest import prepared_folder
 from lm.numbers import memory, run_plan
 from lm.numbers.fit import robust_nnls
-from lm.numbers.loss_law import BESIROGLU, ChinchillaLaw
+from lm.numbers.loss_law import BESIROGLU, ChinchillaLaw, block_means
+from lm.numbers.loss_prior import priors_from_curves, priors_record
+from lm.numbers.lr_schedule import multipliers
 from lm.run.train import main as train
 from lm.store import rundir
 from lm.store.atomic import write_atomic
@@ -40,6 +42,9 @@ EXPONENTS = np.round(np.arange(0.05, 1.0001, 0.01), 2)
 """The (alpha, beta) grid: published fits lie in 0.28-0.37; the grid is wide enough for other corpora."""
 HEAD_DIM = 32
 """Attention head width of the calibration shapes (n_head = d_model / HEAD_DIM)."""
+TRAIN_BLOCK = 5
+"""Training losses averaged per point of the curves the forecast prior is fitted to (lm.numbers.loss_law
+block_means): the runs validate once, so their logged training loss is the curve."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def calibration_run(
     overrides: list[str], root: Path, layers: int, width: int, steps: int
-) -> tuple[CalibrationPoint, dict]:
-    """Train one shape for `steps` steps (validated once, at the end) and return its point and cost ledger."""
+) -> tuple[CalibrationPoint, dict, tuple | None]:
+    """Train one shape for `steps` steps (validated once, at the end); its point, cost ledger and loss curve."""
     name = f"cal_{layers}x{width}_s{steps}"
     cfg = compose(
         [
@@ -148,7 +153,25 @@ def calibration_run(
     point = CalibrationPoint(
         name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan)
     )
-    return point, rundir.read_ledger(root / name) or {}
+    return point, rundir.read_ledger(root / name) or {}, run_curve(root / name, objects.optim, steps)
+
+
+def run_curve(run_dir: Path, optim, steps: int) -> tuple | None:
+    """(steps, block-mean training losses, LR multipliers of the run) for the forecast prior; None when the
+    run logged no training loss."""
+    train = rundir.read_scalars(run_dir).get("train/loss")
+    points = None if train is None else train_points(train.steps, train.values, optim.warmup_steps)
+    return None if points is None else (*points, multipliers(optim, steps))
+
+
+def train_points(steps: np.ndarray, losses: np.ndarray, warmup: int) -> tuple | None:
+    """Block means of the logged training losses after the warm-up, at the steps done (a loss logged at step s
+    saw s + 1 updates); None when too few. The warm-up transient follows no law, and a block mean across its
+    steep start would be no point of the curve."""
+    late = np.asarray(steps) >= 2 * warmup
+    if late.sum() < TRAIN_BLOCK:
+        return None
+    return block_means(np.asarray(steps)[late] + 1, np.asarray(losses)[late], TRAIN_BLOCK)
 
 
 def calibrate(
@@ -157,13 +180,19 @@ def calibrate(
     """Train every shape x step count on `data`, fit the law and return the calibration record."""
     check_counts(len(shapes) * len(steps), len(set(shapes)), len(set(steps)))  # before any training
     started = time.monotonic()
-    points, usd = [], 0.0
+    points, curves, usd = [], [], 0.0
     for (layers, width), n_steps in itertools.product(shapes, steps):
-        point, ledger = calibration_run(overrides, root, layers, width, n_steps)
+        point, ledger, curve = calibration_run(overrides, root, layers, width, n_steps)
         points.append(point)
+        curves += [curve] if curve is not None else []
         usd += ledger.get("usd") or 0.0
     fit = fit_law(points, f"calibrated on {corpus_label(data)}")  # now prepared: named by its folder
+    priors = priors_from_curves(
+        curves, f"training-loss curves of the calibration runs on {corpus_label(data)}"
+    )
     return {
+        # The loss forecast's shape prior (early_stopping.forecast_prior); empty when no run's LR decayed.
+        "forecast_prior": priors_record(priors),
         "law": asdict(fit.law),
         "rmse": fit.rmse,
         "fixed": fit.fixed,
