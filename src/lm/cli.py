@@ -318,16 +318,21 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    from lm.store.exits import EXIT_CONFIG
     from lm.tools.export import export
 
     given = {"dtype": args.dtype, "vocab": args.vocab}
-    out = export(
-        args.path,
-        args.out,
-        format=args.format,
-        license=args.license,
-        **{k: v for k, v in given.items() if v is not None},
-    )
+    try:
+        out = export(
+            args.path,
+            args.out,
+            format=args.format,
+            license=args.license,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+    except ValueError as e:  # a refusal naming its fix (an option no architecture carries, --out exists): 78
+        print(f"lm export: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     quoted = shlex.quote(str(out))  # pasted into a shell as printed, spaces and all
     if args.format == "gguf":
         print(f"wrote {out}: llama-cli -m {quoted} runs it (llama.cpp); llama-quantize makes it smaller")

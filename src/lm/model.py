@@ -2,7 +2,8 @@
 
 RMSNorm pre-normalisation, rotary position embeddings, SwiGLU MLP, causal attention through
 `F.scaled_dot_product_attention` (flash kernel on GPUs), optional grouped-query attention and tied
-embeddings. Shapes: B batch, T time, D model width, H query heads, K key/value heads, E head dim, V vocab.
+embeddings. The recipe levers (`qk_norm`, `mlp`, `logit_softcap`, `z_loss`, `zero_init_proj`) are off by
+default: off, the model, its state-dict keys, initialisation and numerics are those of the plain Llama. Shapes: B batch, T time, D model width, H query heads, K key/value heads, E head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+MLP_NAMES = ("swiglu", "relu2_gated", "relu2")
+"""The values of `model.mlp` (`MLPS` builds them)."""
 
 
 @dataclass
@@ -52,6 +56,22 @@ class ModelConfig:
     """A Hugging Face Llama folder (`lm export`'s) or Hub name whose weights a fresh run starts from
     (continued pretraining) instead of `init_std`'s; its config.json must describe this architecture, and its
     tokenizer becomes data.tokenizer. A resume ignores it: the checkpoint has the weights."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3, OLMo-2): bounds the attention logits.
+    Adds two gains of head_dim per block; exports as Qwen3ForCausalLM."""
+    mlp: str = "swiglu"
+    """The MLP (`MLPS`): `swiglu` (Llama's), `relu2_gated` (ReLU² in place of SiLU, the same three matrices;
+    exports as Llama with hidden_act relu2) or `relu2` (non-gated up/down, 3/2 the default width so the same
+    parameters and FLOPs; no transformers architecture carries it: `lm export` refuses it)."""
+    logit_softcap: float | None = None
+    """cap * tanh(logits / cap) on the output logits (Gemma 2; nanochat uses 15); None: off. No Llama carries
+    it: `lm export` refuses it."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training loss (PaLM: 1e-4);
+    it keeps the softmax normaliser near 1. Training only: val/loss and the export are without it."""
+    zero_init_proj: bool = False
+    """Zero-initialise the residual output projections (attention wo, MLP w2), as nanochat and modded-nanogpt
+    do: every block starts as the identity. Training only: the export is a plain Llama."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -71,6 +91,14 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "max_seq_len", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+        if self.mlp not in MLP_NAMES:
+            raise ValueError(f"model.mlp={self.mlp!r} is unknown; use one of {', '.join(MLP_NAMES)}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(
+                f"model.logit_softcap={self.logit_softcap} must be > 0 (15 to 30 is usual), or null"
+            )
+        if not self.z_loss >= 0:
+            raise ValueError(f"model.z_loss={self.z_loss} must be >= 0 (1e-4 is usual; 0 turns it off)")
 
     @property
     def head_dim(self) -> int:
@@ -88,7 +116,9 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        return math.ceil(int(8 * self.d_model / 3) / self.ffn_multiple) * self.ffn_multiple
+        gated = math.ceil(int(8 * self.d_model / 3) / self.ffn_multiple) * self.ffn_multiple
+        # A non-gated MLP has two matrices, not three: 3/2 the width has the same parameters and FLOPs.
+        return math.ceil(3 * gated / 2) if self.mlp == "relu2" else gated
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +159,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # gains only (ones): no random draw, so the init of every other weight is unchanged
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(
         self,
@@ -138,8 +172,11 @@ class Attention(nn.Module):
         cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BHTE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q_BTHE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim)
+        k_BTKE = self.wk(x_BTD).view(B, T, self.n_kv_head, self.head_dim)
+        if self.qk_norm:  # over each head's E, before RoPE: Qwen3's order, so the export's logits match
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
+        q_BHTE, k_BKTE = q_BTHE.transpose(1, 2), k_BTKE.transpose(1, 2)
         v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = self.rotate(q_BHTE, k_BKTE, cos, sin)
         mask, causal = None, True
@@ -203,19 +240,60 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (Primer; transformers' ACT2FN["relu2"])."""
+    return F.relu(x).square()
+
+
+class GatedReLU2(nn.Module):
+    """SwiGLU's three matrices and keys with ReLU² as the gate's activation (Llama with hidden_act relu2).
+    Not a SwiGLU subclass: Liger's SwiGLU kernel (lm.engine.kernels) must not take it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(relu2(self.w1(x)) * self.w3(x))
+
+
+class ReLU2(nn.Module):
+    """The non-gated ReLU² MLP (nanochat, modded-nanogpt): up (w1) and down (w2), no gate."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(relu2(self.w1(x)))
+
+
+MLPS: dict[str, type[nn.Module]] = {"swiglu": SwiGLU, "relu2_gated": GatedReLU2, "relu2": ReLU2}
+"""`model.mlp` -> its module."""
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MLPS[cfg.mlp](cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[KVCache, int] | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def softcap(logits_BTV: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in fp32 (the loss upcasts anyway): every logit lies in (-cap, cap). The
+    last op is a scalar multiply, which saves nothing for the backward, so `mask_padding` may write in place."""
+    return cap * torch.tanh(logits_BTV.float() / cap)
 
 
 def mask_padding(logits_BTV: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -256,14 +334,19 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # RMSNorm gains stay at 1
-            nn.init.normal_(
-                p, mean=0.0, std=residual_std if name.endswith(("wo.weight", "w2.weight")) else std
-            )
+            residual = name.endswith(("wo.weight", "w2.weight"))
+            # The draw is made either way, so zero_init_proj changes no other weight's initial values.
+            nn.init.normal_(p, mean=0.0, std=residual_std if residual else std)
+            if residual and self.cfg.zero_init_proj:
+                nn.init.zeros_(p)
 
     def forward(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits for every position; with `kv_cache` (generation), idx_BT holds only the new tokens, which
         sit at positions kv_cache.pos onwards, and the cache advances past them."""
-        return mask_padding(self.lm_head(self.hidden(idx_BT, kv_cache)), self.cfg.vocab_size)
+        logits_BTV = self.lm_head(self.hidden(idx_BT, kv_cache))
+        if self.cfg.logit_softcap is not None:
+            logits_BTV = softcap(logits_BTV, self.cfg.logit_softcap)
+        return mask_padding(logits_BTV, self.cfg.vocab_size)
 
     def hidden(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The final normalised hidden states (B, T, D), before the output head: what a fused

@@ -47,6 +47,13 @@ LAYER_KEYS = {
     "mlp.w2.weight": "mlp.down_proj.weight",
 }
 """lm key -> HF key inside block i (`blocks.{i}.` <-> `model.layers.{i}.`)."""
+QK_NORM_KEYS = {
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+}
+"""The per-head query/key norm gains of `model.qk_norm` (Qwen3's names), inside block i."""
+HIDDEN_ACT = {"swiglu": "silu", "relu2_gated": "relu2"}
+"""`model.mlp` -> the `hidden_act` of the Llama/Qwen3 MLP (down(act(gate) * up)) that computes it."""
 VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")
 """lm tensors with one row per token id: padded in lm, cut to the real vocabulary in HF (`to_hf_model`)."""
 VOCAB = ("truncate", "keep")
@@ -59,9 +66,31 @@ EXTRA = "{name} is not installed; install the export extra: pip install -e '.[ex
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     """Every lm state-dict key of a model of `cfg` -> its HF key."""
     keys = dict(KEYS)
+    layer_keys = LAYER_KEYS | QK_NORM_KEYS if cfg.qk_norm else LAYER_KEYS
     for i in range(cfg.n_layer):
-        keys |= {f"blocks.{i}.{lm}": f"model.layers.{i}.{hf}" for lm, hf in LAYER_KEYS.items()}
+        keys |= {f"blocks.{i}.{lm}": f"model.layers.{i}.{hf}" for lm, hf in layer_keys.items()}
     return keys
+
+
+def unportable(cfg: ModelConfig) -> list[str]:
+    """The options of `cfg` that no unmodified transformers architecture computes, each named with why: an
+    export would drop them and give other logits, so `lm export` and `model.init_from` refuse them."""
+    found = []
+    if cfg.mlp not in HIDDEN_ACT:
+        found.append(f"model.mlp={cfg.mlp} (a non-gated MLP: Llama and Qwen3 have a gate projection)")
+    if cfg.logit_softcap is not None:
+        found.append(f"model.logit_softcap={cfg.logit_softcap} (Llama and Qwen3 do not cap their logits)")
+    return found
+
+
+def check_portable(cfg: ModelConfig) -> None:
+    """Refuse (ValueError: exit 78) a model that `unportable` finds options in, naming each of them."""
+    found = unportable(cfg)
+    if found:
+        raise ValueError(
+            f"this model cannot be exported to a transformers architecture: {'; '.join(found)}. "
+            "It trains, samples and evaluates in lm; train with these options off to export"
+        )
 
 
 def to_hf_state_dict(
@@ -109,7 +138,8 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = None) -> LlamaConfig:
-    """The LlamaConfig of an lm model: `vocab_size` None means lm's padded rows.
+    """The LlamaConfig of an lm model, a Qwen3Config with `model.qk_norm` (Llama's with q/k norms): `vocab_size`
+    None means lm's padded rows. `check_portable` has refused what neither computes.
 
     Both rope spellings are kept: `rope_parameters` (transformers >= 4.56) and the older top-level
     `rope_theta`, since a reader that drops the theta silently changes every logit. End of text is both bos
@@ -117,7 +147,10 @@ def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = N
     makes it the embedding's `padding_idx`, a row whose gradient is zero, so fine-tuning the export would
     never update the end-of-text embedding."""
     transformers = require_transformers()
-    config = transformers.LlamaConfig(
+    check_portable(model_cfg)
+    qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model_cfg.n_layer}
+    make = transformers.Qwen3Config if model_cfg.qk_norm else transformers.LlamaConfig
+    config = make(
         vocab_size=model_cfg.padded_vocab_size if vocab_size is None else vocab_size,
         hidden_size=model_cfg.d_model,
         intermediate_size=model_cfg.hidden_dim,
@@ -125,17 +158,17 @@ def hf_config(model_cfg: ModelConfig, *, eos_id: int, vocab_size: int | None = N
         num_attention_heads=model_cfg.n_head,
         num_key_value_heads=model_cfg.kv_heads,
         head_dim=model_cfg.head_dim,
-        hidden_act="silu",
+        hidden_act=HIDDEN_ACT[model_cfg.mlp],
         max_position_embeddings=model_cfg.max_seq_len,
         initializer_range=model_cfg.init_std,
         rms_norm_eps=model_cfg.norm_eps,
         tie_word_embeddings=model_cfg.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rope_theta},
         attention_bias=False,
-        mlp_bias=False,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=None,
+        **(qwen3 if model_cfg.qk_norm else {"mlp_bias": False}),
     )
     config.rope_theta = model_cfg.rope_theta  # set after init: an attribute to_dict() writes out
     return config
@@ -146,6 +179,7 @@ def model_config_from_hf(config: LlamaConfig | dict[str, Any], **rest: Any) -> M
     describe (`vocab_multiple`, `init_std`, ...). A config lm cannot express (`FIELDS`) is refused, naming
     each field with both values."""
     c = config if isinstance(config, dict) else config.to_dict()
+    mlp = {act: mlp for mlp, act in HIDDEN_ACT.items()}.get(c.get("hidden_act"), "swiglu")  # else: refused
     model_cfg = ModelConfig(
         vocab_size=c["vocab_size"],
         n_layer=c["num_hidden_layers"],
@@ -157,6 +191,8 @@ def model_config_from_hf(config: LlamaConfig | dict[str, Any], **rest: Any) -> M
         rope_theta=source_value(c, "rope_theta"),
         norm_eps=c["rms_norm_eps"],
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=c.get("model_type") == "qwen3",
+        mlp=mlp,
         **rest,
     )
     wrong = mismatches(c, model_cfg)
@@ -175,11 +211,17 @@ class Field:
     """What lm's model of this config has there."""
     key: str | None = None
     """The lm config key that sets it; None: lm's decoder has no setting for it (a fixed part of it)."""
+    choices: str | None = None
+    """For a field a recipe lever picks among a few values (not a number a key sets): which, and how."""
+
+
+QK_NORM_CHOICES = "model.qk_norm picks it: false 'llama', true 'qwen3'"
+MLP_CHOICES = "model.mlp picks it: " + ", ".join(f"{mlp} {act!r}" for mlp, act in HIDDEN_ACT.items())
 
 
 FIELDS = (
-    Field("model_type", lambda m: "llama"),
-    Field("hidden_act", lambda m: "silu"),  # the SwiGLU MLP's gate
+    Field("model_type", lambda m: "qwen3" if m.qk_norm else "llama", choices=QK_NORM_CHOICES),
+    Field("hidden_act", lambda m: HIDDEN_ACT.get(m.mlp), choices=MLP_CHOICES),  # the gate's activation
     Field("attention_bias", lambda m: False),
     Field("mlp_bias", lambda m: False),
     Field("attention_dropout", lambda m: 0.0),
@@ -198,8 +240,9 @@ FIELDS = (
     Field("vocab_size", lambda m: m.vocab_size, "data.vocab_size"),  # model.vocab_size follows it
 )
 """Every Hugging Face config field that `model.init_from` must find as lm would build it: the fixed parts of
-lm's decoder first, then the ones a config key sets. A new architecture feature in lm (another activation,
-qk-norm) is one more row here, its `lm` reading the ModelConfig field that expresses it."""
+lm's decoder first, then the ones a config key sets. A new architecture feature in lm is one more row here, its
+`lm` reading the ModelConfig field that expresses it (`model.qk_norm` is Qwen3's model_type, `model.mlp` its
+hidden_act)."""
 
 
 def rope_of(c: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +275,8 @@ def mismatches(c: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
             continue
         if f.key is None:
             wrong.append(
-                f"its {f.hf}={theirs!r} but lm's decoder has {f.hf}={ours!r} (no lm setting changes it)"
+                f"its {f.hf}={theirs!r} but lm's decoder has {f.hf}={ours!r} "
+                f"({f.choices or 'no lm setting changes it'})"
             )
         else:
             wrong.append(f"{f.key}={ours} but its {f.hf}={theirs}")
@@ -247,7 +291,8 @@ def to_hf_model(
     vocab: str = "truncate",
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
-    """An lm model (or its state dict + `model_cfg`) as an HF LlamaForCausalLM in memory, in eval mode.
+    """An lm model (or its state dict + `model_cfg`) as an HF LlamaForCausalLM (Qwen3ForCausalLM with
+    `model.qk_norm`) in memory, in eval mode; a ValueError naming each option neither computes.
 
     `vocab="truncate"` (the default) writes the real vocabulary, `model.vocab_size` rows: the HF model's
     logits, softmax and loss are lm's (whose padding ids have -inf logits). `"keep"` keeps lm's padded rows
@@ -266,7 +311,7 @@ def to_hf_model(
     real = model_cfg.vocab_size
     rows = model_cfg.padded_vocab_size if vocab == "keep" else real
     config = hf_config(model_cfg, eos_id=eos_id, vocab_size=rows)
-    hf = transformers.LlamaForCausalLM(config)
+    hf = (transformers.Qwen3ForCausalLM if model_cfg.qk_norm else transformers.LlamaForCausalLM)(config)
     hf.load_state_dict(to_hf_state_dict(state_dict, model_cfg, vocab_size=rows), strict=True)
     # Batched generation pads with end of text (the tokenizer's pad token), the only special token lm has.
     hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eos_id
@@ -296,6 +341,10 @@ def init_from_findings(model_cfg: ModelConfig, seq_len: int | None = None) -> li
     found = [
         Finding("init_from", "error", f"model.init_from={name}: {wrong}", fix=INIT_FROM_FIX)
         for wrong in mismatches(c, model_cfg)
+    ]
+    found += [
+        Finding("init_from", "error", f"model.init_from={name} cannot carry {option}", fix="turn it off")
+        for option in unportable(model_cfg)
     ]
     context = c.get("max_position_embeddings")
     if seq_len is not None and context is not None and seq_len > context:

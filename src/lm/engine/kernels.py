@@ -1,7 +1,8 @@
 """Kernels: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE in place of the eager ones, and which SDPA backends
 PyTorch may pick.
 
-`check_liger` refuses `kernels.liger=true` where Liger cannot run, before any data is prepared; `apply_liger`
+`check_liger` refuses `kernels.liger=true` where Liger cannot run, before any data is prepared, and
+`check_liger_model` a model its kernels cannot serve (a recipe lever they do not compute); `apply_liger`
 rebinds the model's forwards (same parameters and state-dict keys); `sdpa_backends` is for the run's log.
 `torch.compile` needs no code here: `LMModule.configure_model` compiles in place.
 """
@@ -37,6 +38,23 @@ def check_liger(liger: bool, cuda: bool) -> None:
             f"kernels.liger=true but liger_kernel cannot be imported ({e}); install it with "
             f"pip install -e '.[gpu]' (it brings triton), or {LIGER_FIX}"
         ) from e
+
+
+def check_liger_model(model: ModelConfig) -> None:
+    """Refuse `kernels.liger=true` with a model lever Liger's kernels would silently compute wrongly or drop:
+    its SwiGLU kernel is SiLU-gated, and its fused linear + cross-entropy never makes the logits that
+    `model.logit_softcap` caps and `model.z_loss` reads. A ValueError: exit 78, naming the combination."""
+    refused = []
+    if model.mlp != "swiglu":
+        refused.append(f"model.mlp={model.mlp} (Liger's MLP kernel is SwiGLU)")
+    if model.logit_softcap is not None:
+        refused.append(
+            f"model.logit_softcap={model.logit_softcap} (Liger's fused loss never makes the logits it caps)"
+        )
+    if model.z_loss:
+        refused.append(f"model.z_loss={model.z_loss} (Liger's fused loss never makes the logits it reads)")
+    if refused:
+        raise ValueError(f"kernels.liger=true cannot serve {'; '.join(refused)}; {LIGER_FIX}")
 
 
 def apply_liger(model: Transformer) -> Transformer:

@@ -15,7 +15,7 @@ from lm.config import OptimConfig
 from lm.data.bytes import token_byte_lengths
 from lm.engine import fp8 as float8
 from lm.engine import optim
-from lm.engine.kernels import apply_liger
+from lm.engine.kernels import apply_liger, check_liger_model
 from lm.engine.parallel import grad_norm, shard_model
 from lm.model import ModelConfig, Transformer
 from lm.numbers.lr_schedule import lr_lambda
@@ -33,6 +33,12 @@ def fused_linear_cross_entropy(
 def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
     """The eager loss, in fp32 (a bf16 log-softmax over 32K classes loses the small probabilities)."""
     return F.cross_entropy(logits_NV.float(), targets_N)
+
+
+def z_loss(logits_NV: torch.Tensor, coef: float) -> torch.Tensor:
+    """coef * mean(logsumexp(logits)^2) (PaLM): pulls the softmax normaliser towards 1 so the logits cannot
+    drift up together. In fp32; the padding ids' -inf logits add nothing to the logsumexp."""
+    return coef * torch.logsumexp(logits_NV.float(), dim=-1).square().mean()
 
 
 class LMModule(pl.LightningModule):
@@ -68,6 +74,7 @@ class LMModule(pl.LightningModule):
         self.model.ac_every = ac_every
         self.liger = liger
         if liger:
+            check_liger_model(self.model_cfg)  # the doctor refused it already (exit 78); here for lm bench
             apply_liger(self.model)
         if fp8:  # after Liger, which calls the same linear modules; before compile and FSDP sharding
             float8.convert(self.model, fp8, fp8_emulate)
@@ -102,20 +109,36 @@ class LMModule(pl.LightningModule):
 
     def loss(self, window_BT1: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over a batch of windows of T+1 tokens."""
+        return self.loss_terms(window_BT1, z_coef=0.0)[0]
+
+    def loss_terms(self, window_BT1: torch.Tensor, z_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean next-token cross-entropy, the z-loss term or None when `z_coef` is 0)."""
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
         if self.liger:  # Liger's fused head + loss: the (B, T, V) logits are never materialised
             hidden_BTD = self.model.hidden(inputs)
             # Liger takes no logit mask: the head cut to the real vocabulary is the loss of the masked logits.
             weight_VD = self.model.lm_head.weight[: self.model_cfg.vocab_size]
-            return fused_linear_cross_entropy(hidden_BTD.flatten(0, 1), weight_VD, targets.flatten())
-        return eager_cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
+            ce = fused_linear_cross_entropy(hidden_BTD.flatten(0, 1), weight_VD, targets.flatten())
+            return ce, None  # check_liger_model refuses a z-loss: these logits are never materialised
+        logits_NV = self.model(inputs).flatten(0, 1).float()  # one fp32 copy for both terms
+        ce = eager_cross_entropy(logits_NV, targets.flatten())
+        return ce, (z_loss(logits_NV, z_coef) if z_coef else None)
+
+    def objective(self, window_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(what training back-propagates: the cross-entropy plus `model.z_loss`'s term, the cross-entropy,
+        the z-loss term or None): the training step's, and activation_checkpointing=auto's trial steps'."""
+        ce, z_term = self.loss_terms(window_BT1, self.model_cfg.z_loss)
+        return (ce if z_term is None else ce + z_term), ce, z_term
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        loss, ce, z_term = self.objective(batch)
         # Logger-only: it stays on the device until a logging step. A prog_bar metric would be copied to the
         # host (a device sync) at every batch end; lm's LossProgressBar reads it at logging steps instead.
         # The global batch's loss: the mean over ranks (one scalar all-reduce; a no-op on one device).
-        self.log("train/loss", loss, sync_dist=True)
+        # train/loss stays the cross-entropy, comparable with val/loss and across runs with and without a z-loss.
+        self.log("train/loss", ce, sync_dist=True)
+        if z_term is not None:
+            self.log("train/z_loss", z_term, sync_dist=True)
         return loss
 
     def setup(self, stage: str) -> None:

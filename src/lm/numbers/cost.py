@@ -4,6 +4,10 @@ FLOPs per token (torchtitan's convention, no causal discount):
     6 * N + 12 * n_layer * d_model * seq_len
 where N is the parameter count without the input embedding table (a lookup, not a matmul). MFU is
 tokens/s x FLOPs per token / (peak FLOP/s x GPUs), against the dense tensor-core peak of the run's precision.
+The recipe levers (lm.model) change N where they change the matrices: `model.mlp=relu2` at its default width
+(3/2 SwiGLU's, two matrices instead of three) has SwiGLU's N and so its FLOPs; `model.qk_norm` adds its gains
+(2 x head_dim per block). Their other work is elementwise (the q/k norms, the softcap's tanh over V logits, the
+z-loss's logsumexp), which this count leaves out as it leaves out RMSNorm and the softmax.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ counter and checks this table against it):
     bf16-true   22 D + 4 KE + 8 F bytes: RMSNorm still keeps its fp32 intermediates
 plus the attention kernel's softmax statistics (~5 bytes per head). Flash / memory-efficient SDPA (CUDA,
 and PyTorch's CPU flash kernel) keeps no T x T score matrix; the math path (`attention="math"`) keeps the
-softmax probabilities, 2 x H x T values per token per block.
+softmax probabilities, 2 x H x T values per token per block. The recipe levers (lm.model) change this:
+`model.mlp=relu2` keeps 2 values per F instead of 4 (`RELU2_F_BYTES`), `model.qk_norm` adds its norms'
+tensors over the queries and keys (`QK_NORM_BYTES`), the logit softcap and the z-loss add 4 V each to the head.
 
 Activation checkpointing every k blocks keeps only the input of each checkpointed block (the fp32 or bf16
 residual stream, D values) and recomputes its activations in the backward pass: one block's worth of them
@@ -64,6 +66,12 @@ BLOCK_BYTES = {
     "16-mixed": (30, 4, 8),
     "bf16-true": (22, 4, 8),
 }
+RELU2_F_BYTES = {"32-true": 8, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 4}
+"""Per-F bytes of the non-gated ReLU² MLP (`model.mlp=relu2`): its ReLU output and square, 2 values, where
+SwiGLU keeps 4 (its F is 3/2 SwiGLU's, so the MLP keeps 3/4 of SwiGLU's bytes)."""
+QK_NORM_BYTES = {"32-true": 8, "bf16-mixed": 6, "16-mixed": 6, "bf16-true": 6}
+"""Per query/key value bytes `model.qk_norm` adds: the norm's fp32 input copy and output (fp32 + the cast),
+plus an fp32 rstd per head (4 bytes per head). Measured as the table above (tests/test_recipe.py)."""
 SOFTMAX_STATS_BYTES = 5  # per head: the attention kernel's log-sum-exp (fp32) and bookkeeping
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces: outside PyTorch's allocator
 FRAGMENTATION = 0.10  # the caching allocator reserves this much beyond the peak it hands out
@@ -135,8 +143,13 @@ def parameter_count(model: ModelConfig) -> tuple[int, int]:
 def block_activation_bytes(model: ModelConfig, precision: str, seq_len: int, attention: str = "flash") -> int:
     """Bytes one block keeps per token for its backward pass (no activation checkpointing)."""
     per_d, per_kv, per_f = BLOCK_BYTES[precision]
+    if model.mlp == "relu2":
+        per_f = RELU2_F_BYTES[precision]
     kv = model.kv_heads * model.head_dim
     n = per_d * model.d_model + per_kv * kv + per_f * model.hidden_dim + SOFTMAX_STATS_BYTES * model.n_head
+    if model.qk_norm:
+        heads = model.n_head + model.kv_heads
+        n += QK_NORM_BYTES[precision] * heads * model.head_dim + 4 * heads
     if attention == "math":  # the materialised softmax probabilities, in the activation dtype
         n += 2 * model.n_head * seq_len * (4 if precision == "32-true" else 2)
     return n
@@ -175,6 +188,9 @@ def estimate(
     half_logits = precision != "32-true"
     norm = 8 if precision == "bf16-true" else 12  # the final RMSNorm's fp32 input, output and normalised x
     head_per_token = norm * model.d_model + (12 + (2 if half_logits else 0)) * model.padded_vocab_size
+    # The softcap keeps its fp32 tanh output, the z-loss its fp32 logsumexp input: 4 bytes per V each.
+    levers = (model.logit_softcap is not None) + (model.z_loss > 0)
+    head_per_token += 4 * levers * model.padded_vocab_size
     allocated_states = n_params * (w + g + o) + n_matrix * cast
     activations, head = tokens * per_token, tokens * head_per_token
     overhead = 0

@@ -30,7 +30,7 @@ from lm.engine import runtime
 from lm.engine.fp8 import fp8_findings
 from lm.engine.harness import evals_findings
 from lm.engine.hf import init_from_findings
-from lm.engine.kernels import vocab_findings
+from lm.engine.kernels import check_liger_model, vocab_findings
 from lm.engine.optim import optimizer_findings
 from lm.numbers import cost, memory, run_plan
 from lm.store import rundir
@@ -233,4 +233,6 @@ def resolve_target(cfg: LMConfig) -> Target:
 
 def resolve_runtime(cfg: LMConfig, plan_gpu: GpuConfig | None = None) -> runtime.Runtime:
     """`runtime.resolve` with this config's sections."""
+    if cfg.kernels.liger:  # before any data or model: a recipe lever Liger cannot serve is exit 78
+        check_liger_model(cfg.model)
     return runtime.resolve(cfg.trainer, cfg.gpu, cfg.precision, cfg.kernels, cfg.optim, cfg.cost, plan_gpu)

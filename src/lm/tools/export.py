@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lm.engine.hf import VOCAB, Loaded, hf_tokenizer, load_run, to_hf_model
+from lm.engine.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
 from lm.run.report import headline
 from lm.store import rundir
 from lm.store.atomic import write_atomic
-from lm.tools.export_gguf import GGUF_DTYPES, write_gguf
+from lm.tools.export_gguf import GGUF_DTYPES, check_gguf_portable, write_gguf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = {"hf": DTYPES, "gguf": GGUF_DTYPES}
@@ -64,6 +64,7 @@ def export(
     if out.exists():
         raise ValueError(f"{out} exists; remove it or choose another --out")
     run = load_run(path)
+    (check_gguf_portable if format == "gguf" else check_portable)(run.model_cfg)  # before anything is written
     license = license or run_license(rundir.read_config(run.run_dir))
     if not license:
         log.warning("no license: the export states none; set run.license=<id> or lm export --license <id>")
@@ -137,7 +138,7 @@ def model_card(run: Loaded, dtype: str, vocab: str, license: str | None = None) 
         "---",
         f"# {run.run_dir.name}",
         "",
-        f"A Llama-architecture decoder trained from scratch with `lm`, exported from `{run.ckpt.name}` at step "
+        f"A {'Qwen3' if run.model_cfg.qk_norm else 'Llama'}-architecture decoder trained from scratch with `lm`, exported from `{run.ckpt.name}` at step "
         f"{run.step} ({dtype}, padded vocabulary rows: {vocab}). End of text `{run.eot_token}` (id "
         f"{run.eot_id}) is eos, bos and the tokenizer's pad token (the only special token).",
         "",

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lm.engine.hf import VOCAB_ROWS, Loaded
+from lm.engine.hf import VOCAB_ROWS, Loaded, unportable
+from lm.model import ModelConfig
 
 EXTRA = "the gguf package is not installed; install the export extra: pip install -e '.[export]'"
 GGUF_DTYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
@@ -56,6 +57,7 @@ def require_gguf():
 
 def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str | None) -> None:
     """The whole GGUF file of `run` at `path`: metadata, tokenizer and weights, `vocab` rows kept/truncated."""
+    check_gguf_portable(run.model_cfg)
     gguf = require_gguf()
     tokenizer = gguf_vocabulary(json.loads(run.tokenizer_path.read_text(encoding="utf-8")))
     cfg = run.model_cfg
@@ -74,6 +76,22 @@ def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def check_gguf_portable(cfg: ModelConfig) -> None:
+    """Refuse (exit 78) the recipe levers llama.cpp's `llama` graph does not compute: it would drop them and
+    give other logits. The Hugging Face export (--format hf) carries qk_norm and gated ReLU²."""
+    found = unportable(cfg)
+    if cfg.qk_norm:
+        found.append(
+            "model.qk_norm=true (llama.cpp's llama graph has no q/k norms; --format hf writes Qwen3)"
+        )
+    if cfg.mlp == "relu2_gated":
+        found.append(
+            "model.mlp=relu2_gated (llama.cpp's llama graph gates with SiLU; --format hf carries it)"
+        )
+    if found:
+        raise ValueError(f"--format gguf cannot carry {'; '.join(found)}")
 
 
 def add_metadata(writer, gguf, run: Loaded, dtype: str, rows: int, license: str | None) -> None:
