@@ -287,3 +287,19 @@ def test_fp8_converts_the_levers_linear_layers_and_keeps_the_keys():
     logits = model(torch.randint(0, 100, (2, 16)))[..., :100]
     logits.logsumexp(-1).mean().backward()
     assert torch.isfinite(logits).all() and torch.isfinite(model.blocks[0].mlp.w1.weight.grad).all()
+
+
+@pytest.mark.parametrize(
+    "lever, name",
+    [
+        ("qk_norm", "model.qk_norm=true"),
+        ("relu2_gated", "model.mlp=relu2_gated"),
+        ("relu2", "model.mlp=relu2"),
+    ],
+)
+def test_gguf_refuses_what_llama_cpps_llama_graph_would_drop(lever, name):
+    from lm.tools.export_gguf import check_gguf_portable
+
+    check_gguf_portable(ModelConfig(**TINY, z_loss=1e-4, zero_init_proj=True))  # training-only: a plain Llama
+    with pytest.raises(ValueError, match=rf"--format gguf cannot carry {re.escape(name)}"):
+        check_gguf_portable(ModelConfig(**TINY, **LEVERS[lever]))

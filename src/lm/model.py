@@ -229,13 +229,17 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
+    """Llama's MLP, down(act(gate(x)) * up(x)); the subclasses are its activations."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
 
+
+class SwiGLU(GatedMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -245,15 +249,9 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
-class GatedReLU2(nn.Module):
-    """SwiGLU's three matrices and keys with ReLU² as the gate's activation (Llama with hidden_act relu2).
-    Not a SwiGLU subclass: Liger's SwiGLU kernel (lm.engine.kernels) must not take it."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+class GatedReLU2(GatedMLP):
+    """ReLU² as the gate's activation (Llama with hidden_act relu2). Not a SwiGLU: Liger's SwiGLU kernel
+    (lm.engine.kernels) must not take it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(relu2(self.w1(x)) * self.w3(x))
