@@ -248,10 +248,10 @@ def test_init_from_refuses_a_llama_for_an_unportable_or_different_lever(tiny_cfg
 
 
 def test_every_lever_at_once_trains_resumes_logs_z_loss_and_export_refuses_it(tiny_cfg, tmp_path):
-    """Lightning, Hydra's schema, activation checkpointing and a resume with all the levers on; then
+    """Lightning, Hydra's schema, bf16, activation checkpointing and a resume with all the levers on; then
     `lm export` exits 78 naming the options no architecture carries, and writes nothing."""
     levers = ["model.qk_norm=true", "model.mlp=relu2", "model.logit_softcap=15", "model.z_loss=1e-4",
-              "model.zero_init_proj=true", "activation_checkpointing=on", "kernels=eager",
+              "model.zero_init_proj=true", "activation_checkpointing=on", "kernels=eager", "precision=bf16",
               "trainer.log_every_n_steps=1", "sampling=off"]  # fmt: skip
     main(tiny_cfg(*levers, "trainer.max_steps=2"))
     main(tiny_cfg(*levers, "trainer.max_steps=4"))  # resumes at step 2 (run.resume=true)
