@@ -127,8 +127,11 @@ class LMModule(pl.LightningModule):
     def objective(self, window_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(what training back-propagates: the cross-entropy plus `model.z_loss`'s term, the cross-entropy,
         the z-loss term or None): the training step's, and activation_checkpointing=auto's trial steps'."""
+        if not self.model_cfg.z_loss:  # through `loss`, the one entry point (fault injection wraps it too)
+            ce = self.loss(window_BT1)
+            return ce, ce, None
         ce, z_term = self.loss_terms(window_BT1, self.model_cfg.z_loss)
-        return (ce if z_term is None else ce + z_term), ce, z_term
+        return ce + z_term, ce, z_term
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss, ce, z_term = self.objective(batch)
