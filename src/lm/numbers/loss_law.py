@@ -139,6 +139,16 @@ def design(s1: np.ndarray, s2: np.ndarray, alpha: float, k: float | None) -> np.
     return np.stack([np.ones_like(power), power - k * s2], axis=1)
 
 
+def usable_points(steps, losses, plan_steps: int, min_points: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, losses) a law can be fitted to: finite losses at steps inside the plan; None with fewer than
+    `min_points` (and never fewer than 3) of them."""
+    steps = np.asarray(steps, dtype=np.int64)
+    y = np.asarray(losses, dtype=np.float64)
+    keep = np.isfinite(y) & (steps >= 1) & (steps <= plan_steps)
+    steps, y = steps[keep], y[keep]
+    return (steps, y) if len(y) >= max(3, min_points) else None
+
+
 def fit_schedule_law(
     steps: np.ndarray | list[int],
     losses: np.ndarray | list[float],
@@ -158,12 +168,10 @@ def fit_schedule_law(
     (loss units) beyond which a point's weight falls as 1/|r|; None: lm.numbers.fit.huber_delta (1.5 x the
     median absolute residual, so the scale adapts to how noisy the curve is).
     """
-    steps = np.asarray(steps, dtype=np.int64)
-    y = np.asarray(losses, dtype=np.float64)
-    keep = np.isfinite(y) & (steps >= 1) & (steps <= len(plan_mult))
-    steps, y = steps[keep], y[keep]
-    if len(y) < max(3, min_points):
+    points = usable_points(steps, losses, len(plan_mult), min_points)
+    if points is None:
         return None
+    steps, y = points
     lam = lam_for(len(plan_mult)) if lam is None else lam
     s1_all, s2_all = areas(plan_mult, lam)
     # Scaled by the plan's total forward area, S1^(-alpha) stays near 1 for any alpha: a well-conditioned solve.

@@ -42,6 +42,7 @@ from lm.numbers.loss_law import (
     areas,
     fit_schedule_law,
     lam_for,
+    usable_points,
 )
 
 MODELS = ("schedule", "multi_power")
@@ -234,12 +235,10 @@ def fit_prior_law(
 ) -> PriorLaw | None:
     """Fit `prior.model` to (step, loss) points around `prior` (see the module docstring); None with fewer
     than `min_points` usable points (the level has two constants and one residual to judge them by)."""
-    steps = np.asarray(steps, dtype=np.int64)
-    y = np.asarray(losses, dtype=np.float64)
-    keep = np.isfinite(y) & (steps >= 1) & (steps <= len(plan_mult))
-    steps, y = steps[keep], y[keep]
-    if len(y) < max(3, min_points):
+    points = usable_points(steps, losses, len(plan_mult), min_points)
+    if points is None:
         return None
+    steps, y = points
     lam = lam_for(len(plan_mult)) if lam is None else lam
     scale = float(np.sum(plan_mult))
     fixed = {k: prior.mean[k] for k in ("C", "beta", "gamma") if k in prior.mean}
