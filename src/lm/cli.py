@@ -22,6 +22,9 @@ lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
                             directory; beside an HF folder: <folder>.eval.json, or --into-folder)
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
+lm ablate SPEC.yaml [--out DIR] [--parallel N] [--threads T] [--report-only]
+                            a baseline and variants over seeds at equal tokens: final loss with 95% intervals,
+                            tokens to the baseline's loss, FLOPs and step-time ratios, modelled $/loss point
 lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
 lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
                             rank catalog GPUs by $/token for the config; write the SkyPilot task
@@ -155,6 +158,32 @@ def cmd_sweep_summary(args: argparse.Namespace) -> None:
     path, rows = write_summary(args.sweep_dir)
     print(path.read_text(), end="")
     print(f"wrote {path} and {path.with_suffix('.csv')} ({len(rows)} jobs)")
+
+
+def cmd_ablate(args: argparse.Namespace) -> None:
+    from lm.store.exits import EXIT_CONFIG
+    from lm.tools.ablate import ablate
+
+    try:
+        code = ablate(args.spec, args.out, args.parallel, args.threads, args.timeout, args.report_only)
+    except (ValueError, FileNotFoundError) as e:  # a spec or a variant refused: nothing ran
+        print(f"lm ablate: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    if code:
+        sys.exit(code)
+
+
+def add_ablate(verbs) -> None:
+    verb = verbs.add_parser(
+        "ablate", help="baseline and variants over seeds at equal tokens: which lever paid, with intervals"
+    )
+    verb.add_argument("spec", type=Path, help="the ablation's YAML (see lm.tools.ablate for its keys)")
+    verb.add_argument("--out", type=Path, help="where runs and the summary go (default runs/ablate/<name>)")
+    verb.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
+    verb.add_argument("--threads", type=int, help="CPU threads per run (OMP_NUM_THREADS; default: torch's)")
+    verb.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (default 3600)")
+    verb.add_argument("--report-only", action="store_true", help="rewrite the summary from disk; run nothing")
+    verb.set_defaults(fn=cmd_ablate)
 
 
 def cmd_sky(args: argparse.Namespace) -> None:
@@ -517,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs_in_order = (
-        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_supervise, add_sky, add_plan
+        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_supervise, add_ablate, add_sky,
+        add_plan,
     )  # fmt: skip
     for add in verbs_in_order:
         add(verbs)
