@@ -26,8 +26,9 @@ Per variant, from what the runs left on disk (`ablation.md`, `.csv`, `.json`, `a
 - tokens to reach the baseline's mean final loss, as a ratio with its interval. With `fractions` runs it is
   read off the variant's final losses at each length (every one decayed: a fair comparison); without, off the
   full run's validation curve, whose decay is still ahead mid-run: an upper bound, labelled so;
-- FLOPs per token (the cost model's formula on the variant's shape) and measured seconds per step (the runs'
-  own training time; noisy on a shared machine) as ratios to the baseline;
+- FLOPs per token (the cost model's formula on the variant's shape) and measured seconds per step (every arm's
+  steps interleaved in one process, `step_times.json`: the runs' own times, minutes apart on a shared machine,
+  are kept in the runs table but not compared) as ratios to the baseline;
 - dollars per loss point, modelled: FLOPs / (MFU x the catalog GPU's bf16 peak) at its price, over the drop
   from a uniform guess (ln V) to the final loss.
 """
@@ -307,6 +308,59 @@ class Runner:
                 signal.signal(sig, handler)
 
 
+def step_times(spec: Spec, steps: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one training step (forward, backward, clip, optimizer) of every arm, measured in ONE
+    process with the arms' steps interleaved in rotating order, so a shared machine's load falls on all alike
+    (the runs' own times, taken minutes apart, differ by 2x on a loaded 2-core machine). Eager, on the CPU or
+    the first GPU, the base's full batch of random tokens."""
+    import statistics
+
+    import torch
+
+    from lm.config import compose, to_objects
+    from lm.engine import optim as lm_optim
+    from lm.engine.module import LMModule
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    arms, modules, optimizers, batches = list(spec.arms), {}, {}, {}
+    for arm in arms:
+        cfg = to_objects(compose([*spec.base, *spec.arms[arm]]))
+        torch.manual_seed(0)
+        modules[arm] = LMModule(cfg.model, cfg.optim).to(device)
+        optimizers[arm] = lm_optim.build(modules[arm].model, cfg.optim, fused=False)
+        shape = (cfg.data.batch_size, cfg.data.seq_len + 1)
+        batches[arm] = torch.randint(0, cfg.model.vocab_size, shape, device=device)
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for i in range(steps + warmup):
+        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
+            started = time.perf_counter()
+            loss = modules[arm].objective(batches[arm])[0]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(modules[arm].parameters(), 1.0)
+            optimizers[arm].step()
+            optimizers[arm].zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:  # first steps: the allocator, first touch of the optimizer's state
+                times[arm].append(time.perf_counter() - started)
+    return {arm: statistics.median(t) for arm, t in times.items()}
+
+
+def cached_step_times(spec: Spec, out: Path, threads: int | None) -> dict[str, float]:
+    """`step_times`, kept in `<out>/step_times.json`; measured again (all arms at once) when an arm is new."""
+    path = out / "step_times.json"
+    known = rundir.read_record(path) or {}
+    if all(arm in known for arm in spec.arms):
+        return known
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    measured = step_times(spec)
+    rundir.write_record(path, measured)
+    return measured
+
+
 def prepare_data(spec: Spec, timeout: float) -> None:
     """`lm prepare` of the base config: the tokenizer and shards every run reads (a no-op when present)."""
     from lm.config import compose, to_objects
@@ -453,7 +507,9 @@ def arm_tokens(results: list[RunResult], spec: Spec, arm: str, target: float) ->
     return found, method, reached
 
 
-def summarize(spec: Spec, results: list[RunResult], shapes: dict[str, Shape]) -> list[ArmRow]:
+def summarize(
+    spec: Spec, results: list[RunResult], shapes: dict[str, Shape], times: dict[str, float] | None = None
+) -> list[ArmRow]:
     """One row per arm that has finished runs; the baseline's mean final loss is every row's reference."""
     from lm.config.compose import conf_dir
     from lm.numbers import cost
@@ -464,7 +520,7 @@ def summarize(spec: Spec, results: list[RunResult], shapes: dict[str, Shape]) ->
     base = finals(results, BASELINE)
     target = t_interval(list(base.values()))
     base_shape = shapes[BASELINE]
-    base_time = mean_or_none([r.seconds_per_step for r in results if r.arm == BASELINE and r.final])
+    times = times or {}
     base_tokens = base_shape.steps * base_shape.tokens_per_step
     base_usd = modelled_usd(base_tokens, base_shape.flops_per_token, spec, gpu)
     rows = []
@@ -477,7 +533,6 @@ def summarize(spec: Spec, results: list[RunResult], shapes: dict[str, Shape]) ->
         delta, paired = difference(mine, base) if arm != BASELINE else (None, "-")
         tokens, method, reached = arm_tokens(results, spec, arm, target.mean) if target else ([], "-", "-")
         ratio = t_interval([t / base_tokens for t in tokens])
-        step_time = mean_or_none([r.seconds_per_step for r in results if r.arm == arm and r.final])
         usd = modelled_usd(shape.steps * shape.tokens_per_step, shape.flops_per_token, spec, gpu)
         per_point = usd / (math.log(shape.vocab_size) - final.mean) if usd is not None else None
         base_point = (
@@ -496,7 +551,7 @@ def summarize(spec: Spec, results: list[RunResult], shapes: dict[str, Shape]) ->
                 tokens_method=method,
                 reached=reached,
                 flops_ratio=shape.flops_per_token / base_shape.flops_per_token,
-                step_time_ratio=step_time / base_time if step_time and base_time else None,
+                step_time_ratio=times[arm] / times[BASELINE] if arm in times and BASELINE in times else None,
                 usd=usd,
                 usd_per_point=per_point,
                 usd_per_point_ratio=per_point / base_point if per_point and base_point else None,
@@ -507,11 +562,6 @@ def summarize(spec: Spec, results: list[RunResult], shapes: dict[str, Shape]) ->
             )
         )
     return rows
-
-
-def mean_or_none(values: list[float | None]) -> float | None:
-    xs = [v for v in values if v is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 def fmt_interval(x: Interval | None, digits: int = 4) -> str:
@@ -537,7 +587,8 @@ def markdown(spec: Spec, rows: list[ArmRow], results: list[RunResult], shapes: d
         f"{done}/{len(results)} runs done.",
         f"Intervals are 95% Student t over seeds; Δ is variant - baseline, paired by seed. Dollars are modelled: "
         f"FLOPs / (MFU {spec.mfu:g} x {spec.gpu}'s bf16 peak) at its {spec.pricing} price; a loss point is the "
-        "drop from a uniform guess (ln V) to the final loss.",
+        "drop from a uniform guess (ln V) to the final loss. Step times: medians of all arms' steps interleaved "
+        "in one process on this machine (`step_times.json`).",
         "",
         "| variant | overrides | seeds | final val loss [95% CI] | Δ vs baseline [95% CI] | verdict | "
         "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x | s/step x (measured) | "
@@ -623,11 +674,11 @@ def plot(path: Path, spec: Spec, results: list[RunResult]) -> None:
 
 
 def write_summary(
-    spec: Spec, out: Path, jobs: list[Job], shapes: dict[str, Shape]
+    spec: Spec, out: Path, jobs: list[Job], shapes: dict[str, Shape], times: dict[str, float] | None = None
 ) -> tuple[Path, list[ArmRow]]:
     """Read every run back from disk and (re)write ablation.md / .csv / .json / .png."""
     results = [read_run(job, shapes[job.arm].tokens_per_step) for job in jobs]
-    rows = summarize(spec, results, shapes) if finals(results, BASELINE) else []
+    rows = summarize(spec, results, shapes, times) if finals(results, BASELINE) else []
     md = out / "ablation.md"
     write_atomic(md, markdown(spec, rows, results, shapes))
     write_atomic(out / "ablation.csv", csv_text(rows))
@@ -664,7 +715,8 @@ def ablate(
     if todo:
         prepare_data(spec, timeout)  # once, before parallel runs would each tokenize the same corpus
         runner.run(todo, lambda job: write_summary(spec, out, jobs, shapes))
-    md, _ = write_summary(spec, out, jobs, shapes)
+    times = cached_step_times(spec, out, threads) if not runner.stopping else None
+    md, _ = write_summary(spec, out, jobs, shapes, times)
     print(md.read_text(), end="")
     print(f"wrote {md}, ablation.csv, ablation.json and ablation.png in {out}")
     if runner.stopping:
