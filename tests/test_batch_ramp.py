@@ -3,10 +3,13 @@ and exact resume across the ramp."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.milestones import MilestoneCallback
 from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig
 from lm.data.dataset import StepSampler
 from lm.numbers.batch_ramp import BatchRamp
@@ -252,3 +255,24 @@ def test_a_ramped_run_counts_its_tokens_and_resumes_bitwise_across_the_ramp(tmp_
     assert again.code == 0, again.tail()
     assert_matches_reference(tmp_path, name, reference, steps=STEPS)
     assert json.loads((tmp_path / name / "cost.json").read_text())["tokens"] == ramp.tokens_through(STEPS)
+
+
+def test_a_phase_ending_at_a_token_count_is_one_milestone_with_the_ramp(tmp_path):
+    """The tokens before a step are the ramp's, not a full step's: a phase ending at tokens_through(5) is a
+    milestone at step 5 only (with a full step subtracted, step 6 would look like a boundary again)."""
+    ramp = BatchRamp(8, steps=8)  # 2 tokens a step for steps 0-3, 4 for 4-7, 8 from 8
+    meter = CostMeter(
+        tokens_per_device_step=8,
+        flops_per_token=1.0,
+        peak_flops=None,
+        price_per_hour=None,
+        log_every=1,
+        ramp=ramp,
+    )
+    phases = [PhaseConfig("warm", end_tokens=ramp.tokens_through(5)), PhaseConfig("rest", end_step=100)]
+    cfg = SimpleNamespace(steps=[], at_phase_ends=True, at_last_step=False)
+    milestones = MilestoneCallback(cfg, phases, meter, tmp_path)
+    found = [s for s in range(1, 12) if milestones.is_milestone(s, ramp.tokens_through(s))]
+    assert found == [5]
+    assert milestones.phase_name(5, ramp.tokens_through(5)) == "warm"
+    assert milestones.phase_name(6, ramp.tokens_through(6)) == "rest"

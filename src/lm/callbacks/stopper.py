@@ -183,9 +183,9 @@ class DiminishingReturnsStopper(Callback):
             return None
         cooldown = math.ceil(self.cfg.cooldown_fraction * step)  # what decide() would run
         chinchilla = None
-        ramp = self.meter.ramp
-        if self.chinchilla_tokens and len(ramp.stages) > 1:  # a ramp's first steps train fewer tokens
-            chinchilla = ramp.steps_for_tokens(self.chinchilla_tokens)
+        ramp = self.meter.ramp if self.meter is not None else None
+        if self.chinchilla_tokens and ramp is not None and len(ramp.stages) > 1:
+            chinchilla = ramp.steps_for_tokens(self.chinchilla_tokens)  # a ramp's first steps train fewer
         elif self.chinchilla_tokens and last.tokens > 0:  # tokens per step from the run itself
             chinchilla = math.ceil(self.chinchilla_tokens * step / last.tokens)
         return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps, chinchilla)
