@@ -10,11 +10,13 @@ import pytest
 
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
-from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig
+from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig, conf_dir, to_objects
 from lm.data.dataset import StepSampler
 from lm.numbers.batch_ramp import BatchRamp
+from lm.numbers.cost import load_catalog
 from lm.numbers.run_plan import resolve
 from lm.store.exits import EXIT_PREEMPTED
+from lm.tools import budget
 
 from .conftest import TINY
 from .harness import assert_matches_reference, fault, last, run
@@ -276,3 +278,32 @@ def test_a_phase_ending_at_a_token_count_is_one_milestone_with_the_ramp(tmp_path
     assert found == [5]
     assert milestones.phase_name(5, ramp.tokens_through(5)) == "warm"
     assert milestones.phase_name(6, ramp.tokens_through(6)) == "rest"
+
+
+def test_lm_plan_counts_the_ramps_steps_by_their_tokens(tiny_cfg, tmp_path):
+    """A dollar budget buys the same tokens with the ramp, in more (smaller) steps; the experiment it writes
+    carries the ramp, so the run trains what was priced."""
+    cfg = to_objects(tiny_cfg())
+    presets = {"tiny": budget.load_presets(conf_dir(), cfg.data)["tiny"]}
+    cpu = load_catalog(conf_dir())["cpu"]
+
+    def plan(goal, **ramp):
+        (p,) = budget.make_plans(
+            goal, presets, [cpu], seq_len=64, tokens_per_step=512, corpus=10**6, tokens_per_sec=20_000.0,
+            price_per_hour=100.0, **ramp,
+        )  # fmt: skip
+        return p
+
+    off, on = plan(budget.Goal(usd=1.0)), plan(budget.Goal(usd=1.0), ramp_steps=400)
+    assert off.steps == 1406 and off.tokens == 1406 * 512  # $1 at $100/h = 36 s = 720,000 tokens
+    assert on.tokens == on.ramp.tokens_through(on.steps) <= 720_000 < on.ramp.tokens_through(on.steps + 1)
+    assert on.steps == 1406 + 250  # 200 steps at 1/4 and 200 at 1/2 of the batch: 150 full steps' tokens
+    assert on.usd_on_demand == pytest.approx(on.tokens / 20_000 * 100 / 3600)
+    text = budget.experiment_yaml(on, "ramped", "lm plan")
+    assert "batch ramp:" in text
+    (tmp_path / "extra" / "experiment").mkdir(parents=True)
+    (tmp_path / "extra" / "experiment" / "ramped.yaml").write_text(text)
+    composed = to_objects(tiny_cfg(f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "+experiment=ramped"))
+    assert (composed.data.batch_ramp_steps, composed.trainer.max_steps) == (400, on.steps)
+    target = plan(budget.Goal(target_loss=off.loss), ramp_steps=400)
+    assert target.tokens >= off.tokens - 512  # a target loss buys at least the tokens it needs
