@@ -17,6 +17,7 @@ from lm.numbers.cost import load_catalog
 from lm.numbers.run_plan import resolve
 from lm.store.exits import EXIT_PREEMPTED
 from lm.tools import budget
+from lm.tools.ablate import arm_shape
 
 from .conftest import TINY
 from .harness import assert_matches_reference, fault, last, run
@@ -307,3 +308,13 @@ def test_lm_plan_counts_the_ramps_steps_by_their_tokens(tiny_cfg, tmp_path):
     assert (composed.data.batch_ramp_steps, composed.trainer.max_steps) == (400, on.steps)
     target = plan(budget.Goal(target_loss=off.loss), ramp_steps=400)
     assert target.tokens >= off.tokens - 512  # a target loss buys at least the tokens it needs
+
+
+def test_lm_ablate_counts_a_ramped_arms_tokens():
+    """An ablation arm with the ramp trains fewer tokens in its steps: its curve's tokens, the baseline's
+    tokens and the modelled dollars are the ramp's, not steps x tokens per step."""
+    base = ["model=tiny", "trainer.max_steps=300", "trainer.val_every_steps=30"]
+    plain, ramped_arm = arm_shape(base), arm_shape([*base, "data.batch_ramp_steps=100"])
+    assert plain.tokens_through(300) == 300 * plain.tokens_per_step
+    per_row = ramped_arm.tokens_per_step // ramped_arm.ramp.batch_size
+    assert ramped_arm.tokens_through(300) == (50 * 4 + 50 * 8 + 200 * 16) * per_row
