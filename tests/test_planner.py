@@ -44,7 +44,7 @@ def test_the_plan_prices_a_real_run_as_its_cost_meter_did(tiny_cfg, tmp_path):
     per_step = cfg.data.batch_size * cfg.data.seq_len
     assert meter["tokens"] == meter["step"] * per_step  # tokens = steps x tokens per step
     seconds = meter["seconds"]["train"]
-    hours, usd = budget.run_cost(meter["step"], per_step, meter["tokens"] / seconds, 36.0)
+    hours, usd = budget.run_cost(meter["tokens"], meter["tokens"] / seconds, 36.0)
     assert usd == pytest.approx(hours * 36.0) == pytest.approx(seconds * 36.0 / 3600.0)  # hours x price = $
     # Asked for the hours the run trained, at its throughput, the planner plans the run's steps and dollars.
     (plan,) = tiny_plans(cfg, budget.Goal(hours=seconds / 3600.0 * 1.0001), meter["tokens"] / seconds, 36.0)

@@ -243,6 +243,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         price_per_hour=args.price_per_hour,
         law=law,
         interval=interval,
+        ramp_steps=cfg.data.batch_ramp_steps,
+        ramp_start=cfg.data.batch_ramp_start,
     )
     budget.check_goal(goal, plans, gpus, law)
     print(budget.render(plans, args.top, corpus))

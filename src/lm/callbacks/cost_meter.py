@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lm.callbacks.steps import StepWatch
 from lm.numbers import cost
+from lm.numbers.batch_ramp import BatchRamp
 from lm.store import rundir
 from lm.store.rundir import BUCKETS
 
@@ -58,9 +59,12 @@ class CostMeter(Callback):
         run_dir: Path | None = None,
         started_at: float | None = None,
         about: dict[str, Any] | None = None,
+        ramp: BatchRamp | None = None,
     ) -> None:
         self.tokens_per_device_step = tokens_per_device_step
         self.tokens_per_step = tokens_per_device_step  # x world size, known at setup
+        # The tokens of each step (a batch-size ramp's first steps have fewer); one device's until setup.
+        self.ramp = ramp if ramp is not None else BatchRamp(tokens_per_device_step)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.price = price_per_hour
@@ -97,6 +101,7 @@ class CostMeter(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.n_devices = trainer.world_size
         self.tokens_per_step = self.tokens_per_device_step * trainer.world_size
+        self.ramp = replace(self.ramp, world=trainer.world_size)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
@@ -110,7 +115,9 @@ class CostMeter(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.steps.ended(trainer):
             return
-        self.state.tokens += (trainer.global_step - self.state.step) * self.tokens_per_step
+        self.state.tokens += self.ramp.tokens_through(trainer.global_step) - self.ramp.tokens_through(
+            self.state.step
+        )
         self.state.step = trainer.global_step
         if self.state.step % self.log_every == 0:
             self.switch("train")

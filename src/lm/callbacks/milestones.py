@@ -42,7 +42,7 @@ class MilestoneCallback(Callback):
         if step in self.cfg.steps or (every and step % every == 0):
             return True
         if self.cfg.at_phase_ends and self.phases and step > 0:
-            before = tokens - self.meter.tokens_per_step
+            before = tokens - self.meter.ramp.tokens_of(step - 1)
             return phase_at(step, tokens, self.phases) != phase_at(step - 1, before, self.phases)
         return False
 
@@ -51,7 +51,7 @@ class MilestoneCallback(Callback):
         phases, "after the plan" past the last one."""
         if not self.phases:
             return None
-        index = phase_at(step - 1, tokens - self.meter.tokens_per_step, self.phases)
+        index = phase_at(step - 1, tokens - self.meter.ramp.tokens_of(step - 1), self.phases)
         return self.phases[index].name if index < len(self.phases) else "after the plan"
 
     def claim(self, trainer: pl.Trainer, what: str, instead: str) -> bool:

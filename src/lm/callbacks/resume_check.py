@@ -34,6 +34,7 @@ SETTINGS = "resume_settings"
 stream)."""
 
 GLOBAL_BATCH = "samples per step (data.batch_size x devices x nodes x accumulation)"
+RAMP = "data.batch_ramp_steps, data.batch_ramp_start"
 STREAM_DIFFERS = "the data stream from step {step} on differs from an uninterrupted run's"
 REALLOCATED = (
     "the mixture's allocation is recomputed from step 0 with it, so each source continues where the new "
@@ -42,6 +43,8 @@ REALLOCATED = (
 )
 EFFECT = {
     GLOBAL_BATCH: "the stream position is step x global batch, so windows are re-read or skipped: "
+    + STREAM_DIFFERS,
+    RAMP: "the stream position is the samples of the steps before, so windows are re-read or skipped: "
     + STREAM_DIFFERS,
     "prepared shards": "other tokens from here on (and another validation set): " + STREAM_DIFFERS,
     "data.mixture": REALLOCATED,
@@ -75,7 +78,7 @@ def stream_settings(trainer: pl.Trainer) -> dict[str, Any]:
         return {}
     data = dm.cfg
     batch = data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
-    out = {**stream_keys(data), GLOBAL_BATCH: batch}
+    out = {**stream_keys(data), GLOBAL_BATCH: batch, RAMP: [data.batch_ramp_steps, data.batch_ramp_start]}
     if not data.mixture:
         return {**out, "data (prepared shards)": shards_identity(dm.manifest)}
     total = sum(s.weight for s in data.mixture)
@@ -230,14 +233,17 @@ class ResumeCheck(pl.Callback):
             m is not None
             and trainer.is_global_zero
             and GLOBAL_BATCH not in changed  # said with the change
+            and RAMP not in changed
             and m.state.step
-            and m.state.tokens != m.state.step * m.tokens_per_step
+            and m.state.tokens != m.ramp.tokens_through(m.state.step)
         ):
             log.warning(
-                "resuming at step %d with %d tokens a step, but %d tokens took %d steps so far (%.0f a step): "
-                "the data stream position is step x global batch, so windows are re-read or skipped. Keep "
-                "devices x nodes x data.batch_size x accumulation as before to continue the stream exactly",
+                "resuming at step %d with %d tokens a step, but %d tokens took %d steps so far (%.0f a step, "
+                "%d expected with this batch and ramp): the data stream position is step x global batch, so "
+                "windows are re-read or skipped. Keep devices x nodes x data.batch_size x accumulation as "
+                "before to continue the stream exactly",
                 m.state.step, m.tokens_per_step, m.state.tokens, m.state.step, m.state.tokens / m.state.step,
+                m.ramp.tokens_through(m.state.step),
             )  # fmt: skip
 
     def log_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:

@@ -183,7 +183,10 @@ class DiminishingReturnsStopper(Callback):
             return None
         cooldown = math.ceil(self.cfg.cooldown_fraction * step)  # what decide() would run
         chinchilla = None
-        if self.chinchilla_tokens and last.tokens > 0:  # tokens per step from the run itself
+        ramp = self.meter.ramp if self.meter is not None else None
+        if self.chinchilla_tokens and ramp is not None and len(ramp.stages) > 1:
+            chinchilla = ramp.steps_for_tokens(self.chinchilla_tokens)  # a ramp's first steps train fewer
+        elif self.chinchilla_tokens and last.tokens > 0:  # tokens per step from the run itself
             chinchilla = math.ceil(self.chinchilla_tokens * step / last.tokens)
         return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps, chinchilla)
 
@@ -195,7 +198,7 @@ class DiminishingReturnsStopper(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
         if self.plan_end_steps is None and self.plan_end_tokens is not None:
-            self.plan_end_steps = math.ceil(self.plan_end_tokens / self.meter.tokens_per_step)
+            self.plan_end_steps = self.meter.ramp.steps_for_tokens(self.plan_end_tokens)
         if self.decision is None or not self.decision.get("stopped"):
             return
         # A resumed run that had stopped: stop again if the criterion still holds under today's config,

@@ -82,6 +82,11 @@ class DataConfig:
     """Tokens per training window (the model sees seq_len inputs and predicts seq_len targets)."""
     batch_size: int = 16
     """Windows per micro-batch per device; tokens per optimizer step = batch_size x seq_len x accumulation x devices."""
+    batch_ramp_steps: int = 0
+    """Optimizer steps over which the micro-batch grows to batch_size in doubling stages (lm.numbers.batch_ramp:
+    start 0.25 over 100 steps is batch_size/4 for steps 0-49, /2 for 50-99, full from 100); 0: no ramp."""
+    batch_ramp_start: float = 0.25
+    """The ramp's first share of batch_size (0 < start <= 1); each stage doubles it."""
     val_fraction: float = 0.02
     """Share of documents held out for validation, chosen by a hash of each document's name."""
     max_bytes: int | None = None
@@ -123,6 +128,23 @@ class DataConfig:
         if self.source == "tokens" and not self.dir:
             raise ValueError("data=tokens needs data.dir, the folder `lm prepare` wrote")
 
+    def check_ramp(self) -> None:
+        """The batch-size ramp's keys; a mixture's allocation counts full-batch steps, so it has no ramp."""
+        if self.batch_ramp_steps < 0:
+            raise ValueError(
+                f"data.batch_ramp_steps={self.batch_ramp_steps} must be >= 0 (0 turns the batch-size ramp off)"
+            )
+        if not 0 < self.batch_ramp_start <= 1:
+            raise ValueError(
+                f"data.batch_ramp_start={self.batch_ramp_start} must be in (0, 1]: the share of data.batch_size "
+                f"the ramp starts at, e.g. 0.25"
+            )
+        if self.batch_ramp_steps and self.mixture:
+            raise ValueError(
+                "data.batch_ramp_steps is not supported with data.mixture yet (the mixture's allocation counts "
+                "full-batch steps); set data.batch_ramp_steps=0"
+            )
+
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(
@@ -138,6 +160,7 @@ class DataConfig:
             raise ValueError(
                 f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1"
             )
+        self.check_ramp()
         if self.shard_bytes < 1 or (self.num_proc is not None and self.num_proc < 1):
             raise ValueError(
                 "data.shard_bytes and data.num_proc must be positive (num_proc null = every core)"

@@ -29,6 +29,7 @@ from lm.data.manifest import (
 )
 from lm.data.shards import prepare
 from lm.data.tokenizer import load_tokenizer
+from lm.numbers.batch_ramp import ramp_of
 from lm.store.findings import Finding
 
 log = logging.getLogger("lm.data")
@@ -144,15 +145,18 @@ class LMDataModule(pl.LightningDataModule):
                     "the plan trains on %.3g tokens, %.2f epochs of the %d training tokens in %s: repeated data",
                     self.planned_tokens, epochs, self.manifest["splits"]["train"]["tokens"], self.data_dir,
                 )  # fmt: skip
+        accumulate = trainer.accumulate_grad_batches if trainer else 1
+        world = trainer.world_size if trainer else 1
         sampler = StepSampler(
             len(self.train_set),
             self.cfg.batch_size,
             seed=self.cfg.seed,
             start_step=trainer.global_step if trainer else 0,
-            accumulate=trainer.accumulate_grad_batches if trainer else 1,
-            world_size=trainer.world_size if trainer else 1,
+            accumulate=accumulate,
+            world_size=world,
             rank=trainer.global_rank if trainer else 0,
             skips=self.skip_windows,
+            ramp=ramp_of(self.cfg, accumulate, world),
         )
         return self._loader(self.train_set, batch_sampler=sampler)
 

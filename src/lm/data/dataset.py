@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from lm.numbers.batch_ramp import BatchRamp
+
 
 class TokenWindows(Dataset):
     """Non-overlapping windows of `seq_len + 1` tokens from one or more .bin token shards read as one stream.
@@ -110,6 +112,10 @@ class StepSampler(Sampler[list[int]]):
     `skips` are data windows [first, last] (optimizer steps, inclusive) that a rollback after loss spikes
     skipped: from step `first` on, the stream is `last - first + 1` steps further on, so the batches that
     caused the spikes are never trained on again and the order stays a pure function of (seed, step, skips).
+
+    With a batch-size `ramp`, step s has `ramp.batch_at(s)` rows per micro-batch, and its samples start where
+    the steps before it (and the skipped windows' steps) ended: `stream_offset(s)` x world x accumulate. With
+    the ramp off that is exactly the indexing above.
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class StepSampler(Sampler[list[int]]):
         world_size: int = 1,
         rank: int = 0,
         skips: Sequence[Sequence[int]] = (),
+        ramp: BatchRamp | None = None,
     ):
         if n_windows < 1 or batch_size < 1 or accumulate < 1 or start_step < 0:
             raise ValueError(
@@ -142,6 +149,9 @@ class StepSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.rank = rank
         self.skips = sorted((int(first), int(last)) for first, last in skips)
+        self.ramp = ramp if ramp is not None else BatchRamp(batch_size)
+        if self.ramp.batch_size != batch_size:
+            raise ValueError(f"the ramp's full batch {self.ramp.batch_size} is not batch_size {batch_size}")
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -154,11 +164,14 @@ class StepSampler(Sampler[list[int]]):
         return self._perm
 
     def micro_batch(self, m: int) -> list[int]:
-        """Window indices of global micro-batch `m` on this rank."""
-        first = (m * self.world_size + self.rank) * self.batch_size
-        samples = np.arange(first, first + self.batch_size, dtype=np.int64)
+        """Window indices of global micro-batch `m` on this rank (full-batch indexing)."""
+        return self.samples((m * self.world_size + self.rank) * self.batch_size, self.batch_size)
+
+    def samples(self, first: int, n: int) -> list[int]:
+        """Window indices of stream samples first..first+n-1."""
+        samples = np.arange(first, first + n, dtype=np.int64)
         epochs, slots = np.divmod(samples, self.n_windows)
-        windows = np.empty(self.batch_size, dtype=np.int64)
+        windows = np.empty(n, dtype=np.int64)
         for epoch in np.unique(epochs):  # one epoch, or two where the batch straddles a boundary
             mask = epochs == epoch
             windows[mask] = self.permutation(int(epoch))[slots[mask]]
@@ -168,12 +181,24 @@ class StepSampler(Sampler[list[int]]):
         """The step of the data stream that optimizer step `step` trains on (`step` itself without skips)."""
         return step + sum(last - first + 1 for first, last in self.skips if first <= step)
 
+    def stream_offset(self, step: int) -> int:
+        """Rows one micro-batch slot of one rank took before optimizer step `step`, skipped windows included
+        (`stream_step(step) x batch_size` without a ramp)."""
+        before = self.ramp.samples_before
+        skipped = sum(before(last + 1) - before(first) for first, last in self.skips if first <= step)
+        return before(step) + skipped
+
+    def step_batches(self, step: int) -> Iterator[list[int]]:
+        """This rank's micro-batches of optimizer step `step`."""
+        rows = self.ramp.batch_at(step)
+        base = self.stream_offset(step) * self.world_size * self.accumulate
+        for i in range(self.accumulate):
+            yield self.samples(base + (i * self.world_size + self.rank) * rows, rows)
+
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
-            first = self.stream_step(step) * self.accumulate
-            for m in range(first, first + self.accumulate):
-                yield self.micro_batch(m)
+            yield from self.step_batches(step)
             step += 1
 
 

@@ -172,9 +172,8 @@ class MixtureSampler(StepSampler):
             self._located, lo = (first, source, index), first
         return source[first - lo : first - lo + n], index[first - lo : first - lo + n]
 
-    def micro_batch(self, m: int) -> list[int]:
-        first = (m * self.world_size + self.rank) * self.batch_size
-        source, index = self.located(first, self.batch_size)
+    def samples(self, first: int, n: int) -> list[int]:
+        source, index = self.located(first, n)
         epochs, slots = np.divmod(index, self.allocation.windows[source])
         if (epochs != self._epochs[source]).any():
             return self.new_epochs(source, epochs, slots)

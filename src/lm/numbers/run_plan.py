@@ -3,18 +3,19 @@
 `resolve()` computes them once per entry point (`lm.run.train`, `lm doctor`, `lm prepare`) into a `RunPlan`
 that is passed down to whoever reads one of these numbers (the doctor, the data module's repeated-data warning,
 the early stopper's forecast, the cost meter, `lm prepare`'s epoch count), so they cannot disagree.
-A step's tokens count every device of the job: data.batch_size x data.seq_len x accumulation x world size.
+A step's tokens count every device of the job: data.batch_size x data.seq_len x accumulation x world size;
+with a batch-size ramp the first steps have fewer (`BatchRamp`: the plan's tokens <-> steps go through it).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lm.config import DataConfig, OptimConfig, PhaseConfig, TrainerConfig
+from lm.numbers.batch_ramp import BatchRamp, ramp_of
 from lm.store.findings import Finding
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
@@ -59,6 +60,8 @@ class RunPlan:
     """Where the whole plan ends, counted over the whole job."""
     schedule_steps: int
     """The optimizer steps the LR schedule spans: optim.total_steps, else trainer.max_steps."""
+    ramp: BatchRamp
+    """Rows per step and the tokens steps add up to (the batch-size ramp; exactly steps x tokens_per_step off)."""
     phases: tuple[PhaseConfig, ...] = ()
 
     @property
@@ -71,7 +74,7 @@ class RunPlan:
         """The plan's last optimizer step (a token-count end rounded up to whole steps)."""
         if self.end.steps is not None:
             return self.end.steps
-        return -(-self.end.tokens // self.tokens_per_step)
+        return self.ramp.steps_for_tokens(self.end.tokens)
 
 
 def resolve(
@@ -89,6 +92,7 @@ def resolve(
     world = world_size(trainer) if world is None else world
     per_device = data.batch_size * data.seq_len * trainer.accumulate_grad_batches
     per_step = per_device * world
+    ramp = ramp_of(data, trainer.accumulate_grad_batches, world)
     last = phases[-1] if phases else None
     if last is not None and last.end_tokens:
         end = PlanEnd(last.end_tokens, None, f"phase '{last.name}' end_tokens")
@@ -98,8 +102,11 @@ def resolve(
             steps, source = optim.total_steps, "optim.total_steps"
         if last is not None and last.end_step and last.end_step > steps:
             steps, source = last.end_step, f"phase '{last.name}' end_step"
-        end = PlanEnd(steps * per_step, steps, f"{source}={steps:,} x {per_step:,} tokens/step")
-    return RunPlan(world, per_device, end, optim.total_steps or trainer.max_steps, tuple(phases))
+        ramped = f", {ramp.describe()}" if ramp.describe() else ""
+        end = PlanEnd(
+            ramp.tokens_through(steps), steps, f"{source}={steps:,} x {per_step:,} tokens/step{ramped}"
+        )
+    return RunPlan(world, per_device, end, optim.total_steps or trainer.max_steps, ramp, tuple(phases))
 
 
 def chinchilla_tokens(n_params: int) -> int:
@@ -133,7 +140,7 @@ def plan_findings(plan: RunPlan, n_params: int, cuda: bool) -> list[Finding]:
                 "warn",
                 what,
                 "a lower loss per $: train longer, or a smaller model for this compute (Hoffmann et al. 2022)",
-                f"trainer.max_steps={math.ceil(chinchilla_tokens(n_params) / plan.tokens_per_step)}",
+                f"trainer.max_steps={plan.ramp.steps_for_tokens(chinchilla_tokens(n_params))}",
             )
         ]
     return [Finding("tokens/param", "ok", what)]

@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -279,6 +280,7 @@ def cost_meter(
         run_dir=run_dir,
         started_at=started_at,
         about=run_hparams(cfg, rt, plan, n_params, ac),
+        ramp=replace(plan.ramp, world=1),  # the meter sets the world it finds at setup
     )
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
 from lm.numbers.stats import Interval, difference, t_interval, verdict
 from lm.store import rundir
@@ -185,6 +186,12 @@ class Shape:
     tokens_per_step: int
     flops_per_token: float
     vocab_size: int
+    ramp: BatchRamp | None = None
+    """The arm's batch-size ramp (data.batch_ramp_steps): its first steps train fewer tokens."""
+
+    def tokens_through(self, steps: int) -> int:
+        """Tokens the arm's first `steps` optimizer steps train."""
+        return self.ramp.tokens_through(steps) if self.ramp else steps * self.tokens_per_step
 
 
 def arm_shape(overrides: list[str]) -> Shape:
@@ -206,7 +213,7 @@ def arm_shape(overrides: list[str]) -> Shape:
             "must be evaluated at the last step; pick values that divide"
         )
     return Shape(steps, every, plan.tokens_per_step, cost.flops_per_token(cfg.model, cfg.data.seq_len),
-                 cfg.data.vocab_size)  # fmt: skip
+                 cfg.data.vocab_size, plan.ramp)  # fmt: skip
 
 
 def fraction_steps(shape: Shape, fraction: float) -> int:
@@ -403,7 +410,7 @@ class RunResult:
     seconds_per_step: float | None = None
 
 
-def read_run(job: Job, tokens_per_step: int) -> RunResult:
+def read_run(job: Job, shape: Shape) -> RunResult:
     """A job's curve and final loss from its TensorBoard events, its speed from its cost ledger."""
     result = RunResult(job.name, job.arm, job.seed, job.fraction, "done" if finished(job) else "incomplete")
     if not job.run_dir.is_dir():
@@ -413,7 +420,7 @@ def read_run(job: Job, tokens_per_step: int) -> RunResult:
     if series is not None and len(series):
         # Lightning logs a validation after step k's update under step k-1 (the index of its last batch).
         result.steps = [int(s) + 1 for s in series.steps]
-        result.tokens = [float(s * tokens_per_step) for s in result.steps]
+        result.tokens = [float(shape.tokens_through(s)) for s in result.steps]
         result.val_loss = [float(v) for v in series.values]
         if result.status == "done" and result.steps[-1] >= job.steps and math.isfinite(result.val_loss[-1]):
             result.final = result.val_loss[-1]
@@ -521,7 +528,7 @@ def summarize(
     target = t_interval(list(base.values()))
     base_shape = shapes[BASELINE]
     times = times or {}
-    base_tokens = base_shape.steps * base_shape.tokens_per_step
+    base_tokens = base_shape.tokens_through(base_shape.steps)
     base_usd = modelled_usd(base_tokens, base_shape.flops_per_token, spec, gpu)
     rows = []
     for arm, overrides in spec.arms.items():
@@ -533,7 +540,7 @@ def summarize(
         delta, paired = difference(mine, base) if arm != BASELINE else (None, "-")
         tokens, method, reached = arm_tokens(results, spec, arm, target.mean) if target else ([], "-", "-")
         ratio = t_interval([t / base_tokens for t in tokens])
-        usd = modelled_usd(shape.steps * shape.tokens_per_step, shape.flops_per_token, spec, gpu)
+        usd = modelled_usd(shape.tokens_through(shape.steps), shape.flops_per_token, spec, gpu)
         per_point = usd / (math.log(shape.vocab_size) - final.mean) if usd is not None else None
         base_point = (
             base_usd / (math.log(base_shape.vocab_size) - target.mean) if base_usd and target else None
@@ -583,7 +590,7 @@ def markdown(spec: Spec, rows: list[ArmRow], results: list[RunResult], shapes: d
         f"# Ablation `{spec.name}`",
         "",
         f"Base: `{' '.join(spec.base) or '(defaults)'}`; seeds {spec.seeds}; {base.steps} steps x "
-        f"{base.tokens_per_step:,} tokens ({base.steps * base.tokens_per_step:,} tokens a run); "
+        f"{base.tokens_per_step:,} tokens ({base.tokens_through(base.steps):,} tokens a run); "
         f"{done}/{len(results)} runs done.",
         f"Intervals are 95% Student t over seeds; Δ is variant - baseline, paired by seed. Dollars are modelled: "
         f"FLOPs / (MFU {spec.mfu:g} x {spec.gpu}'s bf16 peak) at its {spec.pricing} price; a loss point is the "
@@ -677,7 +684,7 @@ def write_summary(
     spec: Spec, out: Path, jobs: list[Job], shapes: dict[str, Shape], times: dict[str, float] | None = None
 ) -> tuple[Path, list[ArmRow]]:
     """Read every run back from disk and (re)write ablation.md / .csv / .json / .png."""
-    results = [read_run(job, shapes[job.arm].tokens_per_step) for job in jobs]
+    results = [read_run(job, shapes[job.arm]) for job in jobs]
     rows = summarize(spec, results, shapes, times) if finals(results, BASELINE) else []
     md = out / "ablation.md"
     write_atomic(md, markdown(spec, rows, results, shapes))

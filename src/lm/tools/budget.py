@@ -32,6 +32,7 @@ from lm.data.manifest import TOKENIZER, cache_key, dataset_dir, load_manifest, p
 from lm.data.tokenizer import load_tokenizer, load_tokenizer_spec
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
+from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
 from lm.numbers.loss_law import BESIROGLU, HOFFMANN, ChinchillaLaw
 from lm.store.bench_file import measured_mfu
@@ -93,10 +94,12 @@ class BudgetPlan:
     loss_low: float
     loss_high: float
     law: str
+    ramp: BatchRamp | None = None
+    """The batch-size ramp the steps train with (`data.batch_ramp_steps`); None: the full batch throughout."""
 
     @property
     def tokens(self) -> int:
-        return self.steps * self.tokens_per_step
+        return self.ramp.tokens_through(self.steps) if self.ramp else self.steps * self.tokens_per_step
 
 
 def load_presets(conf: Path, data: DataConfig) -> dict[str, ModelConfig]:
@@ -268,11 +271,9 @@ def spot_overhead(step_seconds: float, checkpoint_every: int, interruptions_per_
     return interruptions_per_hour * (interval_hours / 2.0 + RESTART_HOURS)
 
 
-def run_cost(
-    steps: int, tokens_per_step: int, tokens_per_sec: float, price: float | None
-) -> tuple[float, float | None]:
-    """(hours, dollars) of `steps` optimizer steps: tokens / (tokens/s), priced as the cost meter does."""
-    seconds = steps * tokens_per_step / tokens_per_sec
+def run_cost(tokens: int, tokens_per_sec: float, price: float | None) -> tuple[float, float | None]:
+    """(hours, dollars) of training `tokens`: tokens / (tokens/s), priced as the cost meter does."""
+    seconds = tokens / tokens_per_sec
     return seconds / 3600.0, (cost.usd(seconds, price, 1) if price is not None else None)
 
 
@@ -298,6 +299,15 @@ def steps_for(
     return math.ceil(tokens / tokens_per_step) if math.isfinite(tokens) else 0
 
 
+def ramped_steps(goal: Goal, steps: int, ramp: BatchRamp) -> int:
+    """The steps that train the tokens of `steps` full-batch steps with the batch-size ramp (its first steps
+    train fewer): for a budget the most whose tokens it pays for, for a target loss the fewest reaching them.
+    Without a ramp, `steps`."""
+    tokens = steps * ramp.tokens_per_step
+    n = ramp.steps_for_tokens(tokens)
+    return n - 1 if goal.target_loss is None and ramp.tokens_through(n) > tokens else n
+
+
 def make_plans(
     goal: Goal,
     presets: dict[str, ModelConfig],
@@ -312,10 +322,13 @@ def make_plans(
     price_per_hour: float | None = None,
     law: ChinchillaLaw = BESIROGLU,
     interval: float | None = None,
+    ramp_steps: int = 0,
+    ramp_start: float = 0.25,
 ) -> list[BudgetPlan]:
     """Every (preset, GPU) the goal can be met with, best first: lowest expected loss for a dollar or hour
     budget, cheapest for a target loss. The loss is `law`'s; its interval is +-`interval` (a calibrated law's
-    fit error) or, when None, the span of the two published fits."""
+    fit error) or, when None, the span of the two published fits. `ramp_steps`/`ramp_start`: the batch-size
+    ramp (data.batch_ramp_*), whose steps are counted by their tokens."""
     windows = max(1, tokens_per_step // seq_len)
     plans = []
     for preset, model in presets.items():
@@ -334,9 +347,11 @@ def make_plans(
             fit = fit_micro_batch(model, gpu, seq_len, windows) if steps >= 1 else None  # the slow part
             if fit is None:
                 continue
-            hours, usd_on_demand = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_on_demand)
-            _, usd_spot = run_cost(steps, windows * seq_len, hw.tokens_per_sec, hw.price_spot)
-            d = steps * windows * seq_len
+            ramp = BatchRamp(fit[0], seq_len, windows // fit[0], 1, ramp_steps, ramp_start)
+            steps = ramped_steps(goal, steps, ramp)
+            d = ramp.tokens_through(steps)
+            hours, usd_on_demand = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
+            _, usd_spot = run_cost(d, hw.tokens_per_sec, hw.price_spot)
             loss = law.loss(n, d)
             losses = (
                 [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
@@ -363,6 +378,7 @@ def make_plans(
                     loss_low=min(losses),
                     loss_high=max(losses),
                     law=law.source,
+                    ramp=ramp if ramp_steps else None,
                 )
             )
     if goal.target_loss is not None:
@@ -446,7 +462,8 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
     lines = [
         "# @package _global_",
         f"# Written by `{command}` on {date.today().isoformat()}: {p.preset} ({p.params / 1e6:.1f}M) on {gpu},",
-        f"# {p.steps:,} steps x {p.tokens_per_step:,} tokens, ~{p.hours:.2f} h, {fmt_money(p.usd_on_demand)} on demand, "
+        f"# {p.steps:,} steps x {p.tokens_per_step:,} tokens{' (' + p.ramp.describe() + ')' if p.ramp else ''}, "
+        f"~{p.hours:.2f} h, {fmt_money(p.usd_on_demand)} on demand, "
         f"expected final loss {p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f}, {p.law}).",
         *([f"# {'~' if corpus.estimated else ''}{p.epochs:.2f} epochs of {corpus}."] if corpus else []),
         f"#   python train.py +experiment={name}",
@@ -460,6 +477,7 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         "data:",
         f"  batch_size: {p.micro_batch}",
         f"  seq_len: {p.model.max_seq_len}",
+        *([f"  batch_ramp_steps: {p.ramp.steps}", f"  batch_ramp_start: {p.ramp.start}"] if p.ramp else []),
         "trainer:",
         *(["  accelerator: gpu"] if gpu != "cpu" else []),
         f"  max_steps: {p.steps}",
