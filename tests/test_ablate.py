@@ -223,3 +223,19 @@ def test_a_killed_ablation_continues_and_keeps_finished_runs(tmp_path, data_cach
     assert "6 runs, 2 to run (4 done)" in third.stderr
     assert sorted(p.name for p in (out / "runs" / "baseline-s0" / "tb").iterdir()) == events
     assert "| z |" in (out / "ablation.md").read_text()
+
+
+def test_muon_flops_are_newton_schulz_per_block_matrix():
+    from lm.config import OptimConfig
+    from lm.engine.optim import muon_flops_per_step
+    from lm.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4)
+    assert muon_flops_per_step(cfg, OptimConfig(name="adamw")) == 0.0
+    hidden = cfg.hidden_dim  # SwiGLU's width: three 64 x hidden matrices, four 64 x 64 in attention
+
+    def ns(m: int, n: int) -> float:
+        return 5 * (4.0 * m * m * n + 2.0 * m**3)
+
+    per_block = 4 * ns(64, 64) + 3 * ns(64, hidden)
+    assert muon_flops_per_step(cfg, OptimConfig(name="muon")) == pytest.approx(2 * per_block)

@@ -66,6 +66,21 @@ def group_settings(cfg: OptimConfig, fused: bool) -> list[dict[str, Any]]:
     return [muon, *({**g, "kind": "adamw"} for g in groups)]
 
 
+def muon_flops_per_step(model_cfg: ModelConfig, cfg: OptimConfig) -> float:
+    """FLOPs of Muon's Newton-Schulz orthogonalisation in one optimizer step (0 for AdamW): per m x n matrix
+    (m <= n) and iteration, X X^T (2 m^2 n), the quintic's A @ A (2 m^3) and B @ X (2 m^2 n). A cost per step,
+    not per token: divided by the tokens of a step it is what Muon adds to the model's FLOPs per token."""
+    if cfg.name != "muon":
+        return 0.0
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    total = 0.0
+    for p in split_params(model, cfg)[0]:
+        m, n = sorted(p.shape)
+        total += cfg.ns_steps * (4.0 * m * m * n + 2.0 * m**3)
+    return total
+
+
 def describe(model_cfg: ModelConfig, cfg: OptimConfig) -> str:
     """Which parameters Muon and AdamW get and under which LR scale: the doctor's line for `optim=muon`.
     Counted on the meta device (no memory, no initialisation)."""

@@ -26,7 +26,8 @@ Per variant, from what the runs left on disk (`ablation.md`, `.csv`, `.json`, `a
 - tokens to reach the baseline's mean final loss, as a ratio with its interval. With `fractions` runs it is
   read off the variant's final losses at each length (every one decayed: a fair comparison); without, off the
   full run's validation curve, whose decay is still ahead mid-run: an upper bound, labelled so;
-- FLOPs per token (the cost model's formula on the variant's shape) and measured seconds per step (every arm's
+- FLOPs per token (the cost model's formula on the variant's shape, plus Muon's Newton-Schulz FLOPs per step
+  over the tokens of a step) and measured seconds per step (every arm's
   steps interleaved in one process, `step_times.json`: the runs' own times, minutes apart on a shared machine,
   are kept in the runs table but not compared) as ratios to the baseline;
 - dollars per loss point, modelled: FLOPs / (MFU x the catalog GPU's bf16 peak) at its price, over the drop
@@ -197,6 +198,7 @@ class Shape:
 def arm_shape(overrides: list[str]) -> Shape:
     """Compose an arm's config (refusing a bad override before any run starts) and read its numbers."""
     from lm.config import compose, to_objects
+    from lm.engine import optim
     from lm.numbers import cost, run_plan
 
     cfg = to_objects(compose(overrides))
@@ -212,8 +214,10 @@ def arm_shape(overrides: list[str]) -> Shape:
             f"trainer.max_steps={steps} is not a multiple of trainer.val_every_steps={every}: the final loss "
             "must be evaluated at the last step; pick values that divide"
         )
-    return Shape(steps, every, plan.tokens_per_step, cost.flops_per_token(cfg.model, cfg.data.seq_len),
-                 cfg.data.vocab_size, plan.ramp)  # fmt: skip
+    # Muon's orthogonalisation is a cost per step: per token it is that over the tokens of a full step.
+    optimizer = optim.muon_flops_per_step(cfg.model, cfg.optim) / plan.tokens_per_step
+    flops = cost.flops_per_token(cfg.model, cfg.data.seq_len) + optimizer
+    return Shape(steps, every, plan.tokens_per_step, flops, cfg.data.vocab_size, plan.ramp)
 
 
 def fraction_steps(shape: Shape, fraction: float) -> int:
@@ -598,7 +602,7 @@ def markdown(spec: Spec, rows: list[ArmRow], results: list[RunResult], shapes: d
         "in one process on this machine (`step_times.json`).",
         "",
         "| variant | overrides | seeds | final val loss [95% CI] | Δ vs baseline [95% CI] | verdict | "
-        "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x | s/step x (measured) | "
+        "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x (model + optimizer) | s/step x (measured) | "
         "modelled $ / loss point | x |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
