@@ -107,6 +107,7 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     rows = {r.arm: r for r in summarize(spec, results, shapes)}
     assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.05)
     assert rows["good"].tokens_ratio.mean == pytest.approx(0.5)
+    assert rows["good"].usd_to_target_ratio.mean == pytest.approx(0.5)  # same FLOPs per token
     assert "shorter runs" in rows["good"].tokens_method
     assert rows["same"].verdict == "within noise"
     assert "upper bound" in rows["same"].tokens_method

@@ -30,6 +30,7 @@ Per variant, from what the runs left on disk (`ablation.md`, `.csv`, `.json`, `a
   over the tokens of a step) and measured seconds per step (every arm's
   steps interleaved in one process, `step_times.json`: the runs' own times, minutes apart on a shared machine,
   are kept in the runs table but not compared) as ratios to the baseline;
+- modelled dollars to reach the baseline's final loss, as a ratio (tokens x FLOPs per token, seed by seed);
 - dollars per loss point, modelled: FLOPs / (MFU x the catalog GPU's bf16 peak) at its price, over the drop
   from a uniform guess (ln V) to the final loss.
 """
@@ -473,6 +474,8 @@ class ArmRow:
     usd: float | None
     usd_per_point: float | None
     usd_per_point_ratio: float | None
+    usd_to_target_ratio: Interval | None = None
+    """Modelled dollars to reach the baseline's mean final loss, over the baseline's: tokens x FLOPs ratios."""
     fractions: dict[str, Interval | None] = field(default_factory=dict)
 
 
@@ -566,6 +569,9 @@ def summarize(
                 usd=usd,
                 usd_per_point=per_point,
                 usd_per_point_ratio=per_point / base_point if per_point and base_point else None,
+                usd_to_target_ratio=t_interval(
+                    [t / base_tokens * shape.flops_per_token / base_shape.flops_per_token for t in tokens]
+                ),
                 fractions={
                     f"{f:g}": t_interval(list(finals(results, arm, f).values()))
                     for f in spec.fractions.get(arm, [])
@@ -603,15 +609,15 @@ def markdown(spec: Spec, rows: list[ArmRow], results: list[RunResult], shapes: d
         "",
         "| variant | overrides | seeds | final val loss [95% CI] | Δ vs baseline [95% CI] | verdict | "
         "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x (model + optimizer) | s/step x (measured) | "
-        "modelled $ / loss point | x |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "modelled $ to baseline's final, x [95% CI] | modelled $ / loss point | x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = fmt_interval(r.delta) + (" (Welch)" if r.paired == "welch" else "")
         lines.append(
             f"| {r.arm} | `{r.overrides}` | {r.seeds} | {fmt_interval(r.final)} | {delta} | **{r.verdict}** | "
             f"{fmt_interval(r.tokens_ratio, 3)} | {r.reached} | {fmt_ratio(r.flops_ratio)} | "
-            f"{fmt_ratio(r.step_time_ratio)} | "
+            f"{fmt_ratio(r.step_time_ratio)} | {fmt_interval(r.usd_to_target_ratio, 3)} | "
             f"{'-' if r.usd_per_point is None else f'${r.usd_per_point:.3g}'} | {fmt_ratio(r.usd_per_point_ratio)} |"
         )
     methods = sorted({f"{r.arm}: {r.tokens_method}" for r in rows if r.arm != BASELINE})
@@ -638,11 +644,13 @@ def csv_text(rows: list[ArmRow]) -> str:
         "variant", "overrides", "seeds", "final_mean", "final_low", "final_high", "delta_mean", "delta_low",
         "delta_high", "verdict", "tokens_ratio_mean", "tokens_ratio_low", "tokens_ratio_high", "reached",
         "flops_ratio", "step_time_ratio", "modelled_usd", "modelled_usd_per_loss_point", "usd_per_point_ratio",
+        "usd_to_target_ratio_mean", "usd_to_target_ratio_low", "usd_to_target_ratio_high",
     ])  # fmt: skip
     for r in rows:
         writer.writerow([
             r.arm, r.overrides, r.seeds, *triple(r.final), *triple(r.delta), r.verdict, *triple(r.tokens_ratio),
             r.reached, r.flops_ratio, r.step_time_ratio, r.usd, r.usd_per_point, r.usd_per_point_ratio,
+            *triple(r.usd_to_target_ratio),
         ])  # fmt: skip
     return buf.getvalue()
 
