@@ -303,3 +303,13 @@ def test_gguf_refuses_what_llama_cpps_llama_graph_would_drop(lever, name):
     check_gguf_portable(ModelConfig(**TINY, z_loss=1e-4, zero_init_proj=True))  # training-only: a plain Llama
     with pytest.raises(ValueError, match=rf"--format gguf cannot carry {re.escape(name)}"):
         check_gguf_portable(ModelConfig(**TINY, **LEVERS[lever]))
+
+
+def test_recipe_group_sets_the_levers_and_the_command_line_wins(compose):
+    default = to_objects(compose())
+    assert (default.model.qk_norm, default.optim.name) == (False, "adamw")  # llama2023: nothing changes
+    assert to_objects(compose("recipe=llama2023")) == default
+    modern = to_objects(compose("recipe=modern", "+experiment=plan_1b"))
+    assert (modern.model.qk_norm, modern.optim.name, modern.model.n_layer) == (True, "muon", 18)
+    assert to_objects(compose("recipe=modern", "optim=adamw")).optim.name == "adamw"
+    assert to_objects(compose("recipe=modern", "model.qk_norm=false")).model.qk_norm is False
