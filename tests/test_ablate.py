@@ -15,6 +15,7 @@ import pytest
 from lm.numbers.stats import difference, t_interval, t_quantile, verdict, welch_interval
 from lm.tools.ablate import (
     BASELINE,
+    ArmRow,
     Job,
     RunResult,
     Shape,
@@ -39,7 +40,8 @@ def test_t_quantiles_match_the_tables():
     # Values from any t table (two-sided 95%); fractional df (Welch) between them.
     for df, t in [(1, 12.706), (2, 4.303), (3, 3.182), (9, 2.262), (30, 2.042), (120, 1.980)]:
         assert t_quantile(df) == pytest.approx(t, abs=1e-3)
-    assert t_quantile(4.5) == pytest.approx(2.659, abs=5e-3)
+    assert t_quantile(4.5) == pytest.approx(2.6585, abs=1e-3)
+    assert t_quantile(1.4) == pytest.approx(6.657, abs=1e-3)  # exact where a table's interpolation is 19% off
     assert t_quantile(50) == pytest.approx(2.009, abs=2e-3)
     assert t_quantile(1e6) == pytest.approx(1.960, abs=1e-3)
     with pytest.raises(ValueError, match="degrees of freedom"):
@@ -100,28 +102,33 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     base = {0: 3.0, 1: 3.1, 2: 2.95}
     results = [result(BASELINE, s, v) for s, v in base.items()]
     results += [result("good", s, v - 0.05) for s, v in base.items()]
-    # The good lever's half-length runs land exactly on the baseline's mean final loss: 0.5x the tokens.
+    # The good lever's half-length runs land exactly on each seed's baseline final loss: 0.5x the tokens.
     mean = sum(base.values()) / 3
-    results += [result("good", s, mean, fraction=0.5, steps=50) for s in base]
+    results += [result("good", s, v, fraction=0.5, steps=50) for s, v in base.items()]
     results += [result("same", s, v + (0.01 if s else -0.01)) for s, v in base.items()]
     rows = {r.arm: r for r in summarize(spec, results, shapes)}
     assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.05)
     assert rows["good"].tokens_ratio.mean == pytest.approx(0.5)
     assert rows["good"].usd_to_target_ratio.mean == pytest.approx(0.5)  # same FLOPs per token
-    assert "shorter runs" in rows["good"].tokens_method
+    assert "shorter runs" in rows["good"].tokens.method
     assert rows["same"].verdict == "within noise"
-    assert "upper bound" in rows["same"].tokens_method
+    assert "upper bound" in rows["same"].tokens.method
     assert rows[BASELINE].final.mean == pytest.approx(mean)
     assert rows["good"].flops_ratio == 1.0
     # Modelled dollars per loss point: same tokens and FLOPs, a larger drop from ln(512) -> cheaper.
     assert rows["good"].usd_per_point_ratio < 1.0
     assert rows["good"].fractions["0.5"].mean == pytest.approx(mean)
+    # The baseline against its own seeds: exactly 1x, no seed dropped.
+    assert rows[BASELINE].tokens_ratio.mean == pytest.approx(1.0) and rows[BASELINE].tokens.reached == "3/3"
 
 
 def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
     spec = Spec(name="t", variants={"v": []}, seeds=[0, 1], fractions={"v": [0.6]})
     shape = Shape(steps=300, val_every=30, tokens_per_step=1, flops_per_token=1.0, vocab_size=2)
-    assert fraction_steps(shape, 0.6) == 180 and fraction_steps(shape, 0.01) == 30
+    assert fraction_steps(shape, 0.6) == 180 and fraction_steps(shape, 0.1) == 30
+    # 0.75 of 300 steps is 7.5 validations: refused, not silently trained as 0.8 under a 0.75 label.
+    with pytest.raises(ValueError, match="multiple of 0.1"):
+        fraction_steps(shape, 0.75)
     jobs = plan_jobs(spec, tmp_path, {BASELINE: shape, "v": shape})
     assert [j.name for j in jobs] == ["baseline-s0", "v-s0", "v-f0.6-s0", "baseline-s1", "v-s1", "v-f0.6-s1"]
     short: Job = jobs[2]
@@ -136,7 +143,9 @@ def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
     ("text", "message"),
     [
         ("variants: {}", "variants"),
-        ("variants: {a: [x=1]}\nlr: 3", "unknown key"),
+        ("variants: {a: [x=1]}\nlr: 3", "`lr` is a mapping"),
+        ("variants: {a: [x=1]}\nlr: {grid: {optim.lr: [1e-3]}}", "one key and its values"),
+        ("variants: {a: [x=1]}\nshapes: {s: [model.n_layer=2]}", "tokens_per_param"),
         ("variants: {baseline: [x=1]}", "baseline's name"),
         ("variants: {'a/b': [x=1]}", "letters, digits"),
         ("variants: {a: [x=1]}\nfractions: {b: [0.5]}", "names no variant"),
@@ -240,3 +249,116 @@ def test_muon_flops_are_newton_schulz_per_block_matrix():
 
     per_block = 4 * ns(64, 64) + 3 * ns(64, hidden)
     assert muon_flops_per_step(cfg, OptimConfig(name="muon")) == pytest.approx(2 * per_block)
+
+
+# -- censoring, Holm, the LR search, the ladder (constructed data) ---------------------------------------------
+
+
+def test_a_seed_that_never_reaches_its_target_is_censored_not_dropped():
+    from lm.tools.ablate.analysis import token_ratio
+
+    spec = Spec(name="t", variants={"slow": []}, seeds=[0, 1, 2])
+    base = {0: 3.0, 1: 3.1, 2: 2.95}
+    results = [result(BASELINE, s, v) for s, v in base.items()]
+    # Seeds 0 and 1 reach their baseline's final at 3/4 of the run; seed 2 ends above it.
+    results += [result("slow", 0, 2.9), result("slow", 1, 3.0), result("slow", 2, 3.05)]
+    ratio = token_ratio(results, spec, "slow", base_tokens=1000.0)
+    assert sorted(ratio.per_seed) == [0, 1, 2]  # all three seeds in the interval
+    assert ratio.above == {2: pytest.approx(1.0)}  # never reached within its run: the ratio is above 1.0
+    assert ratio.per_seed[0] == pytest.approx(0.75) and ratio.per_seed[1] == pytest.approx(0.75)
+    assert "censored above: s2 > 1.00" in ratio.reached and ratio.reached.startswith("2/3")
+
+
+def test_holm_corrects_ten_comparisons():
+    from lm.numbers.stats import holm, holm_verdict, p_value
+
+    # One seed-paired difference with p = 0.042 is a win alone and noise among ten arms.
+    diff = t_interval([-0.02, -0.08, -0.05, -0.01, -0.07])
+    p = p_value(diff)
+    assert 0.01 < p < 0.05
+    alone = holm({"qk": p})
+    assert alone["qk"] == pytest.approx(p) and holm_verdict(diff, alone["qk"]) == "wins"
+    many = holm({"qk": p, **{f"a{i}": 0.5 for i in range(9)}})
+    assert many["qk"] == pytest.approx(min(1.0, 10 * p)) and holm_verdict(diff, many["qk"]) == "within noise"
+    # Step-down: the adjusted values keep the order of the raw ones and never exceed 1.
+    adjusted = holm({"a": 0.01, "b": 0.02, "c": 0.03})
+    assert adjusted == {"a": pytest.approx(0.03), "b": pytest.approx(0.04), "c": pytest.approx(0.04)}
+
+
+def test_an_optimum_on_the_grid_edge_is_extended_until_bracketed(tmp_path):
+    from lm.tools.ablate import Campaign
+    from lm.tools.ablate.spec import LRSearch
+
+    spec = Spec(
+        name="t", variants={"muon": ["optim=muon"]}, seeds=[0, 1, 2],
+        lr=LRSearch(grid={"optim.lr": [1e-3, 3e-3]}, arms={"muon": {"optim.muon_lr": [1e-3, 3e-3, 1e-2]}},
+                    seeds=2, max_extensions=3),
+    )  # fmt: skip
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    campaign = Campaign(spec, tmp_path, {"": []}, {"": {BASELINE: shape, "muon": shape}})
+    ran: list[str] = []
+
+    def loss(job) -> float:  # the baseline's optimum at 2.7e-2 (off the grid, high); Muon's at 3e-3
+        import math
+
+        best = 2.7e-2 if job.arm == BASELINE else 3e-3
+        return 3.0 + (math.log10(job.lr[job.arm == BASELINE and "optim.lr" or "optim.muon_lr"] / best)) ** 2
+
+    def read(job, _shape, _out):
+        ran.append(job.name)
+        return RunResult(job.name, job.arm, job.seed, 1.0, "done", [100], [1000.0], [loss(job)], loss(job),
+                         shape=job.shape, lr=dict(job.lr))  # fmt: skip
+
+    campaign.read = read
+    _, states = campaign.tuned("")
+    base = states[BASELINE]
+    # 3e-3 was on the edge: 9e-3 then 2.7e-2 (on the edge again) then 8.1e-2 bracket it.
+    assert sorted(base.scores) == pytest.approx([1e-3, 3e-3, 9e-3, 2.7e-2, 8.1e-2])
+    assert base.best == {"optim.lr": pytest.approx(2.7e-2)} and base.bracketed
+    muon = states["muon"]
+    assert muon.best["optim.muon_lr"] == pytest.approx(3e-3) and muon.bracketed
+    # Muon's AdamW groups (embedding, head, norms) train at the baseline's tuned LR: one change, not two.
+    assert muon.best["optim.lr"] == pytest.approx(2.7e-2)
+    finals = campaign.finals("", states)
+    assert {j.name for j in finals if j.seed == 0} == {"baseline-lr0.027-s0", "muon-lr0.027-muon_lr0.003-s0"}
+    assert "optim.muon_lr=0.003" in finals[1].overrides and "optim.lr=0.027" in finals[1].overrides
+
+
+def test_an_unbracketed_optimum_says_so_when_extensions_run_out(tmp_path):
+    from lm.tools.ablate import Campaign
+    from lm.tools.ablate.spec import LRSearch
+
+    spec = Spec(name="t", variants={}, seeds=[0], lr=LRSearch(grid={"optim.lr": [1e-3, 3e-3]}, seeds=1,
+                                                              max_extensions=1))  # fmt: skip
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    campaign = Campaign(spec, tmp_path, {"": []}, {"": {BASELINE: shape}})
+    campaign.read = lambda job, *_: RunResult(job.name, job.arm, job.seed, 1.0, "done", [100], [1000.0],
+                                              [1 / job.lr["optim.lr"]], 1 / job.lr["optim.lr"], lr=dict(job.lr))  # fmt: skip
+    _, states = campaign.tuned("")
+    assert sorted(states[BASELINE].scores) == pytest.approx([1e-3, 3e-3, 9e-3])
+    assert not states[BASELINE].bracketed
+
+
+def test_the_ladder_trend_is_fitted_in_log_size_and_carried_to_the_target():
+    from lm.tools.ablate.analysis import TokenRatio
+    from lm.tools.ablate.ladder import trend
+
+    def row(params: int, ratios: list[float]):
+        tokens = TokenRatio(t_interval(ratios), per_seed=dict(enumerate(ratios)))
+        return ArmRow("v", "", len(ratios), None, None, "paired", None, None, "-", tokens, 1.0, None, None,
+                      None, None, params=params)  # fmt: skip
+
+    # The ratio rises 0.05 per e-fold of parameters: the gain shrinks with scale.
+    import math
+
+    rows = {
+        f"s{i}": [row(int(1e5 * math.e**i), [0.6 + 0.05 * i + d for d in (-0.01, 0.0, 0.01)])]
+        for i in range(3)
+    }
+    found = trend("v", rows, target_params=int(1e5 * math.e**6), flops_ratio_at_target=1.05)
+    assert found.slope.mean == pytest.approx(0.05, abs=1e-6) and found.direction == "shrinks"
+    assert found.at_target.mean == pytest.approx(0.9, abs=1e-6)
+    assert found.at_target.low < 0.9 < found.at_target.high
+    assert found.usd_at_target.mean == pytest.approx(0.945, abs=1e-6)
+    flat = {f"s{i}": [row(int(1e5 * math.e**i), [0.7, 0.75, 0.8][:: 1 - 2 * (i % 2)])] for i in range(3)}
+    assert trend("v", flat, int(1e8), None).direction == "holds"

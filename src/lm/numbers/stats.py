@@ -1,7 +1,8 @@
 """Intervals over a few seeds: how `lm ablate` tells a lever that pays from one that was lucky.
 
 With three to five seeds the normal approximation is far too narrow (z = 1.96 against t = 4.30 at n = 3), so
-every interval is Student's t (95%, two-sided; the quantiles are tabulated: scipy is no dependency of lm). A lever is compared with its baseline seed by seed where both ran the same
+every interval is Student's t (95%, two-sided, scipy's exact quantiles). A lever is compared with its baseline
+seed by seed where both ran the same
 seed (the same data order, and the same initialisation where the shapes agree): the paired difference removes
 the seed-to-seed spread the two share, which is most of it. Welch's interval serves the unpaired case.
 """
@@ -13,25 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-T975 = {
-    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-    11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-    20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980,
-}  # fmt: skip
-"""Student's t 0.975 quantile by degrees of freedom (standard tables); 1.960 in the limit."""
+from scipy import stats
 
 
-def t_quantile(df: float) -> float:
-    """The two-sided 95% t quantile for `df` degrees of freedom (Welch's are fractional): linear in 1/df
-    between tabulated values, within 0.2% of the exact quantile for every df >= 1."""
+def t_quantile(df: float, level: float = 0.95) -> float:
+    """The two-sided `level` Student t quantile for `df` degrees of freedom (Welch's are fractional): exact,
+    from scipy."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    if df in T975:
-        return T975[int(df)]
-    inverse = [1 / d for d in T975] + [0.0]
-    values = [*T975.values(), 1.960]
-    return float(np.interp(1 / df, inverse[::-1], values[::-1]))
+    return float(stats.t.ppf(0.5 + level / 2, df))
 
 
 @dataclass(frozen=True)
@@ -97,3 +88,41 @@ def verdict(diff: Interval | None, lower_is_better: bool = True) -> str:
     if diff.low > 0:
         return "loses" if lower_is_better else "wins"
     return "within noise"
+
+
+def p_value(diff: Interval | None) -> float | None:
+    """Two-sided p of "no difference" for a difference interval formed by `difference` (t with n - 1 degrees
+    of freedom; a paired difference's n is its seed count). None with fewer than two values."""
+    if diff is None or diff.n < 2:
+        return None
+    if diff.half == 0:
+        return 0.0 if diff.mean != 0 else 1.0
+    se = diff.half / t_quantile(diff.n - 1)
+    return float(2 * stats.t.sf(abs(diff.mean) / se, diff.n - 1))
+
+
+def holm(p_values: dict[str, float | None]) -> dict[str, float | None]:
+    """Holm's step-down adjustment of several comparisons' p values (family-wise error at the chosen level):
+    the k-th smallest of m is multiplied by m - k + 1, kept monotone, capped at 1."""
+    known = sorted((p, name) for name, p in p_values.items() if p is not None)
+    adjusted: dict[str, float | None] = {name: None for name, p in p_values.items() if p is None}
+    running = 0.0
+    for k, (p, name) in enumerate(known):
+        running = max(running, min(1.0, (len(known) - k) * p))
+        adjusted[name] = running
+    return adjusted
+
+
+def holm_verdict(diff: Interval | None, p_adjusted: float | None, alpha: float = 0.05) -> str:
+    """`wins` / `loses` when the Holm-adjusted p is below `alpha` (lower is better), else `within noise`."""
+    if diff is None or diff.n < 2 or p_adjusted is None:
+        return "too few seeds"
+    if p_adjusted >= alpha:
+        return "within noise"
+    return "wins" if diff.mean < 0 else "loses"
+
+
+def percentile_interval(values: Sequence[float], estimate: float, level: float = 0.95) -> Interval:
+    """A bootstrap's percentile interval around `estimate`."""
+    lo, hi = np.quantile(np.asarray(values, dtype=float), [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(estimate), float(lo), float(hi), len(values))

@@ -1,0 +1,294 @@
+"""The ablation's report: `ablation.md` (tables per shape, the LR search, the ladder's trend), `.csv`, `.json`
+and the plots (loss against tokens, loss against LR, the gain against model size)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm.numbers.stats import Interval
+from lm.store.atomic import write_atomic
+from lm.tools.ablate.analysis import ArmRow, RunResult
+from lm.tools.ablate.ladder import Trend
+from lm.tools.ablate.spec import BASELINE, Shape, Spec, lr_tag
+
+
+@dataclass
+class ShapeReport:
+    """Everything the report says about one shape (one rung of the ladder, or the only one)."""
+
+    name: str
+    shapes: dict[str, Shape]
+    results: list[RunResult]
+    """The final runs: each arm at its best LR, every seed."""
+    rows: list[ArmRow] = field(default_factory=list)
+    search: dict[str, dict[float, float | None]] = field(default_factory=dict)
+    """Per arm: mean final loss over the search seeds at each value of its tuned key (inf: diverged)."""
+    keys: dict[str, str] = field(default_factory=dict)
+    best: dict[str, dict[str, float]] = field(default_factory=dict)
+    bracketed: dict[str, bool] = field(default_factory=dict)
+
+
+def fmt_interval(x: Interval | None, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if x.n == 1:
+        return f"{x.mean:.{digits}f} (1 seed)"
+    return f"{x.mean:.{digits}f} [{x.low:.{digits}f}, {x.high:.{digits}f}]"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return f"{x:.3f}x" if x is not None else "-"
+
+
+def fmt_p(p: float | None) -> str:
+    return "-" if p is None else f"{p:.3g}"
+
+
+def header(spec: Spec, report: ShapeReport) -> list[str]:
+    base = report.shapes[BASELINE]
+    done = sum(r.status == "done" for r in report.results)
+    title = f"## Shape `{report.name}`" if report.name else "## Results"
+    return [
+        title,
+        "",
+        f"{base.params:,} non-embedding parameters; {base.steps} steps x {base.tokens_per_step:,} tokens "
+        f"({base.tokens_through(base.steps):,} tokens a run, {base.tokens_through(base.steps) / base.params:.2f} "
+        f"per parameter); {done}/{len(report.results)} final runs done.",
+        "",
+    ]
+
+
+def lr_table(report: ShapeReport) -> list[str]:
+    if not report.search:
+        return []
+    lines = ["### Learning rate: mean final loss over the search seeds", "",
+             "| arm | key | value: loss (inf = diverged, ... = running) | best | bracketed |", "|---|---|---|---|---|"]  # fmt: skip
+    for arm, scores in report.search.items():
+        cells = ", ".join(f"{v:g}: {'...' if s is None else f'{s:.4f}'}" for v, s in sorted(scores.items()))
+        best = report.best.get(arm, {}).get(report.keys[arm])
+        mark = "yes" if report.bracketed.get(arm) else "**no**"
+        lines.append(
+            f"| {arm} | `{report.keys[arm]}` | {cells} | {'-' if best is None else f'{best:g}'} | {mark} |"
+        )
+    return [*lines, ""]
+
+
+def arm_table(spec: Spec, report: ShapeReport) -> list[str]:
+    lines = [
+        "| arm | overrides | LR | seeds | final val loss [95% CI] | Δ vs baseline [95% CI] | p | p (Holm) | verdict | "
+        "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x | s/step x (measured) | "
+        "modelled $ to baseline's final, x [95% CI] | modelled $ / loss point | x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.rows:
+        delta = fmt_interval(r.delta) + (" (Welch)" if r.paired == "welch" else "")
+        lr = " ".join(f"{lr_tag(k)}={v:g}" for k, v in r.lr.items()) or "-"
+        lines.append(
+            f"| {r.arm} | `{r.overrides}` | {lr} | {r.seeds} | {fmt_interval(r.final)} | {delta} | {fmt_p(r.p)} | "
+            f"{fmt_p(r.p_holm)} | **{r.verdict}** | {fmt_interval(r.tokens_ratio, 3)} | {r.tokens.reached} | "
+            f"{fmt_ratio(r.flops_ratio)} | {fmt_ratio(r.step_time_ratio)} | {fmt_interval(r.usd_to_target_ratio, 3)} | "
+            f"{'-' if r.usd_per_point is None else f'${r.usd_per_point:.3g}'} | {fmt_ratio(r.usd_per_point_ratio)} |"
+        )
+    methods = sorted({f"{r.arm}: {r.tokens.method}" for r in report.rows if r.arm != BASELINE})
+    if methods:
+        lines += ["", "Tokens to the baseline's final loss (each seed against the same seed's baseline) were read "
+                  "off: " + "; ".join(methods) + "."]  # fmt: skip
+    shorter = [r for r in report.rows if r.fractions]
+    if shorter:
+        lines += ["", "Shorter runs (each with its own warm-up and decay):", "",
+                  "| arm | fraction of the steps | final val loss [95% CI] |", "|---|---|---|"]  # fmt: skip
+        for r in shorter:
+            lines += [f"| {r.arm} | {f} | {fmt_interval(i)} |" for f, i in r.fractions.items()]
+    return [*lines, ""]
+
+
+def trend_table(trends: list[Trend], spec: Spec) -> list[str]:
+    if not trends:
+        return []
+    target = " ".join(spec.extrapolate_to)
+    lines = [
+        "## The gain across the ladder, carried to the target (an extrapolation)",
+        "",
+        f"Tokens ratio against non-embedding parameters: a line in log(N) through each shape's mean, its 95% "
+        f"interval a bootstrap over each shape's seeds (seed noise only: the line's form is assumed). Target: "
+        f"`{target}` ({trends[0].target_params:,} non-embedding parameters).",
+        "",
+        "| arm | tokens ratio per shape (N: mean) | slope per e-fold of N [95%] | the gain with scale | "
+        "tokens ratio at the target [95%] (extrapolated) | FLOPs/token x at the target | "
+        "modelled $ ratio at the target [95%] (extrapolated) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in trends:
+        rungs = ", ".join(f"{p:,}: {m:.3f}" for p, m in zip(t.params, t.means, strict=True))
+        lines.append(
+            f"| {t.arm} | {rungs} | {fmt_interval(t.slope, 3)} | **{t.direction}** | "
+            f"{fmt_interval(t.at_target, 3)} | {fmt_ratio(t.flops_ratio_at_target)} | {fmt_interval(t.usd_at_target, 3)} |"
+        )
+    return [*lines, ""]
+
+
+def markdown(spec: Spec, reports: list[ShapeReport], trends: list[Trend]) -> str:
+    lines = [
+        f"# Ablation `{spec.name}`",
+        "",
+        f"Base: `{' '.join(spec.base) or '(defaults)'}`; seeds {spec.seeds}"
+        + (f"; LR searched on seeds {spec.search_seeds}, every arm then at its own best" if spec.lr else "")
+        + ".",
+        "Intervals are 95% Student t over seeds; Δ is variant - baseline, paired by seed; p is the paired t test's, "
+        "Holm-adjusted across the variants of a shape (the verdict uses the adjusted p < 0.05). Dollars are "
+        f"modelled: FLOPs / (MFU {spec.mfu:g} x {spec.gpu}'s bf16 peak) at its {spec.pricing} price; a loss point "
+        "is the drop from a uniform guess (ln V) to the final loss. Step times: medians of all arms' steps "
+        "interleaved in one process on this machine (`step_times.json`).",
+        "",
+        *trend_table(trends, spec),
+    ]
+    for report in reports:
+        lines += [*header(spec, report), *lr_table(report), *arm_table(spec, report)]
+    lines += ["## Runs", "", "| run | status | final val loss | s/step |", "|---|---|---|---|"]
+    for report in reports:
+        for r in report.results:
+            final = "-" if r.final is None else f"{r.final:.4f}"
+            speed = "-" if r.seconds_per_step is None else f"{r.seconds_per_step:.3f}"
+            lines.append(
+                f"| {report.name + '/' if report.name else ''}{r.job} | {r.status} | {final} | {speed} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def triple(x: Interval | None) -> tuple[Any, Any, Any]:
+    return (x.mean, x.low, x.high) if x is not None else (None, None, None)
+
+
+def csv_text(reports: list[ShapeReport]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow([
+        "shape", "params", "variant", "overrides", "lr", "seeds", "final_mean", "final_low", "final_high",
+        "delta_mean", "delta_low", "delta_high", "p", "p_holm", "verdict", "tokens_ratio_mean",
+        "tokens_ratio_low", "tokens_ratio_high", "reached", "flops_ratio", "step_time_ratio", "modelled_usd",
+        "modelled_usd_per_loss_point", "usd_per_point_ratio", "usd_to_target_ratio_mean",
+        "usd_to_target_ratio_low", "usd_to_target_ratio_high",
+    ])  # fmt: skip
+    for report in reports:
+        for r in report.rows:
+            writer.writerow([
+                report.name, r.params, r.arm, r.overrides, json.dumps(r.lr), r.seeds, *triple(r.final),
+                *triple(r.delta), r.p, r.p_holm, r.verdict, *triple(r.tokens_ratio), r.tokens.reached,
+                r.flops_ratio, r.step_time_ratio, r.usd, r.usd_per_point, r.usd_per_point_ratio,
+                *triple(r.usd_to_target_ratio),
+            ])  # fmt: skip
+    return buf.getvalue()
+
+
+def figure_bytes(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(path: Path, spec: Spec, reports: list[ShapeReport]) -> None:
+    """Validation loss against tokens per shape: each arm's mean over seeds, the band from its lowest to
+    highest seed."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(reports), figsize=(7 * len(reports), 5), squeeze=False)
+    for ax, report in zip(axes[0], reports, strict=True):
+        lows = []
+        for arm in spec.arms:
+            runs = [r for r in report.results if r.arm == arm and r.fraction == 1.0 and r.final is not None]
+            runs = [r for r in runs if math.isfinite(r.final)]
+            if not runs:
+                continue
+            n = min(len(r.val_loss) for r in runs)
+            losses = np.array([r.val_loss[:n] for r in runs])
+            tokens = np.array(runs[0].tokens[:n])
+            mean = losses.mean(axis=0)
+            (line,) = ax.plot(tokens, mean, label=f"{arm} ({len(runs)} seeds)")
+            ax.fill_between(tokens, losses.min(axis=0), losses.max(axis=0), color=line.get_color(), alpha=0.2)
+            lows.append((mean[-1], mean[max(0, n // 5)]))
+        if lows:  # the end of the runs, where arms differ, not the first steps' drop from ln V
+            ax.set_ylim(min(lo for lo, _ in lows) - 0.05, max(hi for _, hi in lows))
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{spec.name} {report.name}: mean over seeds, band = min..max")
+        ax.legend()
+    write_atomic(path, figure_bytes(fig))
+
+
+def plot_lr(path: Path, spec: Spec, reports: list[ShapeReport]) -> None:
+    """Final loss against the tuned value, one panel per shape: a reader sees each optimum is bracketed."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
+    for ax, report in zip(axes[0], reports, strict=True):
+        for arm, scores in report.search.items():
+            points = sorted((v, s) for v, s in scores.items() if s is not None and math.isfinite(s))
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{arm} ({lr_tag(report.keys[arm])})")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate (the arm's tuned key)")
+        ax.set_ylabel("final val loss (search seeds' mean)")
+        ax.set_title(f"{report.name or spec.name}")
+        ax.legend(fontsize=8)
+    write_atomic(path, figure_bytes(fig))
+
+
+def plot_trend(path: Path, trends: list[Trend]) -> None:
+    """Tokens ratio against non-embedding parameters, with the extrapolated point at the target."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for t in trends:
+        (line,) = ax.plot(t.params, t.means, marker="o", label=t.arm)
+        ax.errorbar([t.target_params], [t.at_target.mean], fmt="s", color=line.get_color(),
+                    yerr=[[t.at_target.mean - t.at_target.low], [t.at_target.high - t.at_target.mean]])  # fmt: skip
+        ax.plot(
+            [t.params[-1], t.target_params], [t.means[-1], t.at_target.mean], ls=":", color=line.get_color()
+        )
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("non-embedding parameters (square: the target, extrapolated)")
+    ax.set_ylabel("tokens to the baseline's final loss, x")
+    ax.legend()
+    write_atomic(path, figure_bytes(fig))
+
+
+def write_report(out: Path, spec: Spec, reports: list[ShapeReport], trends: list[Trend]) -> Path:
+    """(Re)write ablation.md / .csv / .json and the plots."""
+    md = out / "ablation.md"
+    write_atomic(md, markdown(spec, reports, trends))
+    write_atomic(out / "ablation.csv", csv_text(reports))
+    rows = [asdict(r) for rep in reports for r in rep.rows]
+    runs = [asdict(r) for rep in reports for r in rep.results]
+    search = {
+        rep.name: {arm: {f"{v:g}": s for v, s in sc.items()} for arm, sc in rep.search.items()}
+        for rep in reports
+    }
+    record = {"spec": asdict(spec), "rows": rows, "runs": runs, "lr_search": search,
+              "trends": [asdict(t) for t in trends]}  # fmt: skip
+    write_atomic(out / "ablation.json", json.dumps(record, indent=1, default=str))
+    if any(rep.rows for rep in reports):
+        plot_curves(out / "ablation.png", spec, [rep for rep in reports if rep.rows])
+    if any(rep.search for rep in reports):
+        plot_lr(out / "lr.png", spec, [rep for rep in reports if rep.search])
+    if trends:
+        plot_trend(out / "ladder.png", trends)
+    return md

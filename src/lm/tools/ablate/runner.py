@@ -1,0 +1,184 @@
+"""Running an ablation's jobs: `python train.py` children, a few at a time, stoppable and resumable."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lm.store import rundir
+from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.tools.ablate.spec import Job, Spec, compose_objects
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 120.0
+"""How long runs get to save and exit after `lm ablate` itself is told to stop."""
+
+
+def exit_file(out: Path, job: Job) -> Path:
+    return out / "logs" / (job.key.replace("/", "__") + ".exit")
+
+
+def diverged(out: Path, job: Job) -> bool:
+    """The run ended with EXIT_DIVERGED (non-finite again after a rollback): a result, not a failure: at that
+    LR the arm diverges."""
+    path = exit_file(out, job)
+    return path.is_file() and path.read_text().strip() == str(EXIT_DIVERGED)
+
+
+def finished(job: Job, out: Path | None = None) -> bool:
+    """The run reached its last step (its cost ledger says so), its early stopper ended it, or it diverged."""
+    ledger = rundir.read_ledger(job.run_dir) or {}
+    stop = rundir.read_record(job.run_dir / rundir.STOP) or {}
+    done = (ledger.get("step") or 0) >= job.steps or bool(stop.get("stopped"))
+    return done or (out is not None and diverged(out, job))
+
+
+class Runner:
+    """Runs jobs `parallel` at a time, each a `python train.py` with `threads` CPU threads and a time limit.
+
+    SIGTERM or SIGINT to `lm ablate` is passed to the running jobs (each saves its checkpoint and exits 75),
+    then the ablation exits 75 too: rerunning the same command continues. A run that exits 75 on its own (a
+    rollback after non-finite steps) is started again in the next round; one that exits 65 is recorded as
+    diverged."""
+
+    def __init__(self, out: Path, parallel: int, threads: int | None, timeout: float) -> None:
+        self.out, self.parallel, self.threads, self.timeout = out, parallel, threads, timeout
+        self.stopping: list[int] = []
+        self.running: dict[str, tuple[subprocess.Popen, float, Job, io.TextIOBase]] = {}
+        self.failed: dict[str, str] = {}
+
+    def command(self, job: Job) -> list[str]:
+        from lm.config.compose import conf_dir
+
+        return [sys.executable, str(conf_dir().parent / "train.py"), *job.overrides]
+
+    def log_path(self, job: Job) -> Path:
+        return self.out / "logs" / (job.key.replace("/", "__") + ".log")
+
+    def start(self, job: Job) -> None:
+        env = dict(os.environ)
+        if self.threads:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path(job), "a")  # noqa: SIM115 (closed when the job ends)
+        log.info("lm ablate: start %s", job.key)
+        child = subprocess.Popen(self.command(job), env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        self.running[job.key] = (child, time.monotonic(), job, log_file)
+
+    def reap(self) -> list[Job]:
+        """Jobs that ended since the last call (a job past its time limit is stopped and counted failed)."""
+        ended = []
+        for key, (child, started, job, log_file) in list(self.running.items()):
+            code = child.poll()
+            if code is None and time.monotonic() - started > self.timeout and not self.stopping:
+                stop_child(child)
+                code, self.failed[key] = child.returncode, f"over the {self.timeout:.0f} s limit"
+            if code is None:
+                continue
+            log_file.close()
+            del self.running[key]
+            exit_file(self.out, job).write_text(f"{code}\n")
+            expected = code in (0, EXIT_DIVERGED, EXIT_PREEMPTED)
+            if not expected and key not in self.failed and not self.stopping:
+                self.failed[key] = f"exit {code}; see {self.log_path(job)}"
+            ended.append(job)
+        return ended
+
+    def run(self, jobs: list[Job], on_end) -> None:
+        def forward(signum: int, frame) -> None:
+            self.stopping.append(signum)
+            for child, *_ in self.running.values():
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            queue = list(jobs)
+            while (queue and not self.stopping) or self.running:
+                while queue and len(self.running) < self.parallel and not self.stopping:
+                    self.start(queue.pop(0))
+                for job in self.reap():
+                    on_end(job)
+                time.sleep(0.2)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def stop_child(child: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM (the run saves and exits 75), then SIGKILL after `grace` seconds."""
+    child.send_signal(signal.SIGTERM)
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def prepare_data(spec: Spec) -> None:
+    """`lm prepare` of the base config: the tokenizer and shards every run reads (a no-op when present)."""
+    from lm.data import prepare
+
+    cfg = compose_objects(spec.base)
+    if not cfg.data.mixture:
+        prepare(cfg.data)
+
+
+def step_times(arms: dict[str, list[str]], steps: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one training step (forward, backward, clip, optimizer) of every arm (name -> its full
+    overrides), measured in ONE process with the arms' steps interleaved in rotating order, so a shared
+    machine's load falls on all alike (the runs' own times, taken minutes apart, differ by 2x on a loaded
+    2-core machine). Eager, on the CPU or the first GPU, the arm's full batch of random tokens."""
+    import statistics
+
+    import torch
+
+    from lm.engine import optim as lm_optim
+    from lm.engine.module import LMModule
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names, modules, optimizers, batches = list(arms), {}, {}, {}
+    for arm in names:
+        cfg = compose_objects(arms[arm])
+        torch.manual_seed(0)
+        modules[arm] = LMModule(cfg.model, cfg.optim).to(device)
+        optimizers[arm] = lm_optim.build(modules[arm].model, cfg.optim, fused=False)
+        shape = (cfg.data.batch_size, cfg.data.seq_len + 1)
+        batches[arm] = torch.randint(0, cfg.model.vocab_size, shape, device=device)
+    times: dict[str, list[float]] = {arm: [] for arm in names}
+    for i in range(steps + warmup):
+        for arm in names[i % len(names) :] + names[: i % len(names)]:
+            started = time.perf_counter()
+            loss = modules[arm].objective(batches[arm])[0]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(modules[arm].parameters(), 1.0)
+            optimizers[arm].step()
+            optimizers[arm].zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:  # first steps: the allocator, first touch of the optimizer's state
+                times[arm].append(time.perf_counter() - started)
+    return {arm: statistics.median(t) for arm, t in times.items()}
+
+
+def cached_step_times(arms: dict[str, list[str]], out: Path, threads: int | None) -> dict[str, float]:
+    """`step_times`, kept in `<out>/step_times.json`; measured again (all arms at once) when an arm is new."""
+    path = out / "step_times.json"
+    known = rundir.read_record(path) or {}
+    if all(arm in known for arm in arms):
+        return known
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    measured = step_times(arms)
+    rundir.write_record(path, measured)
+    return measured
