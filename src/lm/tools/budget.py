@@ -491,7 +491,6 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         "checkpoint:",
         f"  every_n_steps: {p.checkpoint_every}",
         "phases:",
-        f"  plan: {name}",
         "  phases:",
         *(f"    - {{name: {n}, end_step: {s}}}" for n, s in phases),
     ]
