@@ -21,10 +21,37 @@ GROUP_OPTIONS = sorted(
 )
 
 
+def unapplied(composed, wanted, key: str = "") -> list[str]:
+    """Keys of `wanted` (a file's values, unresolved) whose value the composed tree does not hold; a list item
+    is matched on the keys the file gives (the schema fills in the rest)."""
+    if isinstance(wanted, dict):
+        if not isinstance(composed, dict):
+            return [key]
+        return [m for k, v in wanted.items() for m in unapplied(composed.get(k), v, f"{key}.{k}".lstrip("."))]
+    if isinstance(wanted, list):
+        if not isinstance(composed, list) or len(composed) != len(wanted):
+            return [key]
+        return [m for i, (c, w) in enumerate(zip(composed, wanted)) for m in unapplied(c, w, f"{key}[{i}]")]
+    return [] if composed == wanted else [f"{key}: file {wanted!r}, composed {composed!r}"]
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(compose, name):
-    cfg = to_objects(compose(f"+experiment={name}"))
-    assert cfg.run.name
+    cfg = compose(f"+experiment={name}")
+    to_objects(cfg)
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml"), resolve=False)
+    sets = {k: v for k, v in raw.items() if k not in ("defaults", "hydra")}
+    assert sets, f"experiment {name} sets no key"
+    # Every value the experiment sets reaches the run (no later defaults entry, such as a recipe, undoes it).
+    missing = unapplied(OmegaConf.to_container(cfg, resolve=False), sets)
+    assert not missing, f"experiment/{name}.yaml's values lost in composition: {missing}"
+
+
+def test_a_lost_experiment_value_is_named(compose):
+    """The check above can fail: a value overridden after the experiment (here from the command line) is named."""
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / "smoke.yaml"), resolve=False)
+    cfg = OmegaConf.to_container(compose("+experiment=smoke", "run.name=other"), resolve=False)
+    assert unapplied(cfg, {"run": raw["run"]}) == ["run.name: file 'smoke', composed 'other'"]
 
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)

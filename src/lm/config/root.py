@@ -110,8 +110,6 @@ class PhaseConfig:
 class PhasesConfig:
     """The run as a sequence of phases (`conf/phases/*.yaml`), in order."""
 
-    plan: str = ""
-    """Name of the plan."""
     phases: list[PhaseConfig] = field(default_factory=list)
     """Phases in training order; their ends must increase."""
 
@@ -254,9 +252,10 @@ class DoctorConfig:
     strict: bool = False
     """Treat warnings as errors: the run refuses to start until every finding is fixed."""
     assumed_mfu: float = 0.45
-    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given: the
-    number of `lm.numbers.cost.ASSUMED_MFU` (`lm sky`'s), where the evidence for it is (a schema sits below
-    lm.numbers, so it repeats the number; tests/test_doctor.py holds the two equal)."""
+    """MFU assumed for $/token comparisons across the GPU catalog when no `lm bench` result is given, and the
+    one source of `lm.numbers.cost.ASSUMED_MFU` (`lm sky`, `lm plan`, `lm ablate`): the 1b model measured 50.8%
+    on an H100 with compile (experiments/2026-11-23-gpu) and the seed's A100 run ~60% under lm's FLOPs count;
+    0.45 leaves room for a cloud VM's slower data path and for configurations that are not the default."""
     headroom: float = 0.05
     """Share of device memory kept free when deciding whether a run fits."""
 

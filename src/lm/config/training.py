@@ -80,8 +80,10 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     """`cpu`, `gpu` or `auto`."""
-    devices: Any = "auto"
-    """Devices per node: an int, a list of ids or `auto`."""
+    devices: Any = 1
+    """Devices per node: an int, a list of ids or `auto` (every device of the machine, as trainer=ddp and
+    trainer=fsdp set it). 1: one device, whichever is present, so a plain run on a multi-GPU machine does not
+    turn into data parallelism unasked."""
     num_nodes: int = 1
     """Machines in the job."""
     strategy: str = "auto"

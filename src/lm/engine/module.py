@@ -79,8 +79,8 @@ class LMModule(pl.LightningModule):
         if fp8:  # after Liger, which calls the same linear modules; before compile and FSDP sharding
             float8.convert(self.model, fp8, fp8_emulate)
         self.lr_cooldown: tuple[int, int] | None = None
-        self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
+        self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         self._sharded = False
         self.register_buffer("token_bytes", None, persistent=False)
         """(padded vocab,) UTF-8 bytes per token id, for `val/bpb`; set at setup from the data's tokenizer."""

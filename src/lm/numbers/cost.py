@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from lm.config import CostConfig, GpuConfig
+from lm.config import CostConfig, DoctorConfig, GpuConfig
 from lm.model import ModelConfig, Transformer
 from lm.numbers.memory import Workload
 from lm.store.findings import Finding
@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 
 FLOPS_FORMULA = "6*N_non_embedding + 12*n_layer*d_model*seq_len FLOPs/token (no causal discount)"
 
-ASSUMED_MFU = 0.45
-"""MFU assumed where none was measured on a GPU (the doctor's and `lm sky`'s $/token): the 1b model measured
-50.8% on an H100 with compile (experiments/2026-11-23-gpu) and the seed's A100 run ~60% under this FLOPs count;
-0.45 leaves room for a cloud VM's slower data path and for configurations that are not the default."""
+ASSUMED_MFU: float = DoctorConfig.assumed_mfu
+"""MFU assumed where none was measured on a GPU: the default of `doctor.assumed_mfu`, which holds the number
+and the evidence for it (lm.config.DoctorConfig), read here so `lm sky` and the doctor cannot disagree."""
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:

@@ -340,50 +340,74 @@ def make_plans(
             )
             if hw is None:
                 continue
-            step_seconds = windows * seq_len / hw.tokens_per_sec
-            every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
-            overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
-            steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law)
-            fit = fit_micro_batch(model, gpu, seq_len, windows) if steps >= 1 else None  # the slow part
-            if fit is None:
-                continue
-            ramp = BatchRamp(fit[0], seq_len, windows // fit[0], 1, ramp_steps, ramp_start)
-            steps = ramped_steps(goal, steps, ramp)
-            d = ramp.tokens_through(steps)
-            hours, usd_on_demand = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
-            _, usd_spot = run_cost(d, hw.tokens_per_sec, hw.price_spot)
-            loss = law.loss(n, d)
-            losses = (
-                [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
-            )
-            plans.append(
-                BudgetPlan(
-                    preset=preset,
-                    model=model,
-                    params=n,
-                    hw=hw,
-                    tokens_per_step=windows * seq_len,
-                    micro_batch=fit[0],
-                    accumulate=windows // fit[0],
-                    ac_every=fit[1],
-                    steps=steps,
-                    hours=hours,
-                    usd_on_demand=usd_on_demand,
-                    usd_spot=usd_spot * (1.0 + overhead) if usd_spot is not None else None,
-                    spot_overhead=overhead,
-                    checkpoint_every=min(every, steps),
-                    storage_gb=estimate_checkpoint_bytes(n) * 4 / 1e9,  # keep_last 3 + last.ckpt's target
-                    epochs=d / corpus,
-                    loss=loss,
-                    loss_low=min(losses),
-                    loss_high=max(losses),
-                    law=law.source,
-                    ramp=ramp if ramp_steps else None,
-                )
-            )
+            plan = cost_candidate(
+                goal, preset, model, hw, n=n, seq_len=seq_len, windows=windows, corpus=corpus,
+                interruptions_per_hour=interruptions_per_hour, law=law, interval=interval,
+                ramp_steps=ramp_steps, ramp_start=ramp_start,
+            )  # fmt: skip
+            if plan is not None:
+                plans.append(plan)
     if goal.target_loss is not None:
         return sorted(plans, key=lambda p: p.usd_on_demand if p.usd_on_demand is not None else math.inf)
     return sorted(plans, key=lambda p: p.loss)
+
+
+def cost_candidate(
+    goal: Goal,
+    preset: str,
+    model: ModelConfig,
+    hw: Hardware,
+    *,
+    n: int,
+    seq_len: int,
+    windows: int,
+    corpus: int,
+    interruptions_per_hour: float,
+    law: ChinchillaLaw,
+    interval: float | None,
+    ramp_steps: int,
+    ramp_start: float,
+) -> BudgetPlan | None:
+    """One (preset, GPU) of `make_plans`'s search, costed: the steps the goal needs, the micro-batch and
+    activation checkpointing that fit, hours, dollars (spot with its restart overhead) and the expected loss;
+    None when no micro-batch fits or the goal buys no step. `n`: the model's parameters."""
+    step_seconds = windows * seq_len / hw.tokens_per_sec
+    every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
+    overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
+    steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law)
+    fit = fit_micro_batch(model, hw.gpu, seq_len, windows) if steps >= 1 else None  # the slow part
+    if fit is None:
+        return None
+    ramp = BatchRamp(fit[0], seq_len, windows // fit[0], 1, ramp_steps, ramp_start)
+    steps = ramped_steps(goal, steps, ramp)
+    d = ramp.tokens_through(steps)
+    hours, usd_on_demand = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
+    _, usd_spot = run_cost(d, hw.tokens_per_sec, hw.price_spot)
+    loss = law.loss(n, d)
+    losses = [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
+    return BudgetPlan(
+        preset=preset,
+        model=model,
+        params=n,
+        hw=hw,
+        tokens_per_step=windows * seq_len,
+        micro_batch=fit[0],
+        accumulate=windows // fit[0],
+        ac_every=fit[1],
+        steps=steps,
+        hours=hours,
+        usd_on_demand=usd_on_demand,
+        usd_spot=usd_spot * (1.0 + overhead) if usd_spot is not None else None,
+        spot_overhead=overhead,
+        checkpoint_every=min(every, steps),
+        storage_gb=estimate_checkpoint_bytes(n) * 4 / 1e9,  # keep_last 3 + last.ckpt's target
+        epochs=d / corpus,
+        loss=loss,
+        loss_low=min(losses),
+        loss_high=max(losses),
+        law=law.source,
+        ramp=ramp if ramp_steps else None,
+    )
 
 
 def check_goal(
@@ -491,7 +515,6 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         "checkpoint:",
         f"  every_n_steps: {p.checkpoint_every}",
         "phases:",
-        f"  plan: {name}",
         "  phases:",
         *(f"    - {{name: {n}, end_step: {s}}}" for n, s in phases),
     ]
