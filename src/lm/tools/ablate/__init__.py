@@ -70,8 +70,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SUMMARY_EVERY_S = 60.0
-MAX_ROUNDS = 200
-"""Rounds of (decide the next jobs, run them): a bound, so a run that keeps exiting 75 cannot loop forever."""
 
 
 class Campaign:
@@ -276,7 +274,7 @@ def ablate(
     campaign = Campaign(spec, out, ladder, shapes)
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(out, parallel, threads, timeout)
-    prepared, last = False, [time.monotonic()]
+    last = [time.monotonic()]
 
     def on_end(
         job: Job,
@@ -285,20 +283,13 @@ def ablate(
             write_summary(campaign)
             last[0] = time.monotonic()
 
-    for round_ in range(MAX_ROUNDS):
-        todo = [] if report_only else campaign.pending()
-        if round_ == 0:
-            known = len(campaign.known())
-            log.info("lm ablate: %d runs, %d to run (%d done)", known, len(todo), known - len(todo))
-        if not todo:
-            break
-        if not prepared:
-            prepare_data(spec)  # once, before parallel runs would each tokenize the same corpus
-            prepared = True
-        runner.run(todo, on_end)
+    todo = [] if report_only else campaign.pending()
+    known = len(campaign.known())
+    log.info("lm ablate: %d runs, %d to run (%d done)", known, len(todo), known - len(todo))
+    if todo:
+        prepare_data(spec)  # once, before parallel runs would each tokenize the same corpus
+        runner.run(campaign.pending, on_end)
         write_summary(campaign)
-        if runner.stopping or runner.failed:
-            break
     done = not runner.stopping and not runner.failed and not campaign.pending()
     times = measure_step_times(campaign, threads) if done else None
     md, _ = write_summary(campaign, times)

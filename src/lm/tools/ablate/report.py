@@ -74,7 +74,7 @@ def lr_table(report: ShapeReport) -> list[str]:
     for arm, scores in report.search.items():
         cells = ", ".join(f"{v:g}: {'...' if s is None else f'{s:.4f}'}" for v, s in sorted(scores.items()))
         best = report.best.get(arm, {}).get(report.keys[arm])
-        mark = "yes" if report.bracketed.get(arm) else "**no**"
+        mark = "pending" if best is None else "yes" if report.bracketed.get(arm) else "**no**"
         lines.append(
             f"| {arm} | `{report.keys[arm]}` | {cells} | {'-' if best is None else f'{best:g}'} | {mark} |"
         )

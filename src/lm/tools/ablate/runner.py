@@ -20,17 +20,23 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 120.0
 """How long runs get to save and exit after `lm ablate` itself is told to stop."""
+MAX_RESTARTS = 3
+"""Times a run that exits 75 on its own (a rollback after non-finite steps) is started again."""
 
 
 def exit_file(out: Path, job: Job) -> Path:
     return out / "logs" / (job.key.replace("/", "__") + ".exit")
 
 
+def exit_code(out: Path, job: Job) -> int | None:
+    path = exit_file(out, job)
+    return int(path.read_text().strip()) if path.is_file() else None
+
+
 def diverged(out: Path, job: Job) -> bool:
     """The run ended with EXIT_DIVERGED (non-finite again after a rollback): a result, not a failure: at that
     LR the arm diverges."""
-    path = exit_file(out, job)
-    return path.is_file() and path.read_text().strip() == str(EXIT_DIVERGED)
+    return exit_code(out, job) == EXIT_DIVERGED
 
 
 def finished(job: Job, out: Path | None = None) -> bool:
@@ -92,7 +98,11 @@ class Runner:
             ended.append(job)
         return ended
 
-    def run(self, jobs: list[Job], on_end) -> None:
+    def run(self, next_jobs, on_end) -> None:
+        """Run until nothing is left: `next_jobs()` is asked for the jobs that can start whenever a slot is
+        free (so a search's next stage starts as soon as the runs it depends on end), `on_end(job)` is told
+        of each job that ended."""
+
         def forward(signum: int, frame) -> None:
             self.stopping.append(signum)
             for child, *_ in self.running.values():
@@ -100,13 +110,27 @@ class Runner:
                     child.send_signal(signal.SIGTERM)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        started: set[str] = set()
+        restarts: dict[str, int] = {}
         try:
-            queue = list(jobs)
+            queue = [j for j in next_jobs() if j.key not in started]
             while (queue and not self.stopping) or self.running:
                 while queue and len(self.running) < self.parallel and not self.stopping:
-                    self.start(queue.pop(0))
-                for job in self.reap():
+                    job = queue.pop(0)
+                    started.add(job.key)
+                    self.start(job)
+                ended = self.reap()
+                for job in ended:
                     on_end(job)
+                    rollback = exit_code(self.out, job) == EXIT_PREEMPTED and not self.stopping
+                    if rollback and job.key not in self.failed:
+                        restarts[job.key] = restarts.get(job.key, 0) + 1
+                        if restarts[job.key] <= MAX_RESTARTS:
+                            started.discard(job.key)  # a rollback after non-finite steps: start it again
+                        else:
+                            self.failed[job.key] = f"exited 75 {MAX_RESTARTS + 1} times (rollbacks)"
+                if ended or not queue:
+                    queue = [j for j in next_jobs() if j.key not in started and j.key not in self.running]
                 time.sleep(0.2)
         finally:
             for sig, handler in previous.items():
