@@ -58,17 +58,19 @@ def test_the_written_experiment_composes_and_runs_a_few_steps(tiny_cfg, tmp_path
     assert plan.steps == 1406  # $1 at $100/h = 36 s = 720,000 tokens = 1,406 steps of 512
     experiments = tmp_path / "extra" / "experiment"
     experiments.mkdir(parents=True)
-    (experiments / "planned.yaml").write_text(budget.experiment_yaml(plan, "planned", "lm plan --usd 1"))
-    composed = tiny_cfg(f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "+experiment=planned")
+    # A name no user picks: the checkout's own conf/experiment/planned.yaml (what `lm plan` writes) would win.
+    name = "lm_test_planned"
+    (experiments / f"{name}.yaml").write_text(budget.experiment_yaml(plan, name, "lm plan --usd 1"))
+    composed = tiny_cfg(f"hydra.searchpath=[file://{tmp_path / 'extra'}]", f"+experiment={name}")
     run_cfg = to_objects(composed)
     assert run_cfg.optim.total_steps == plan.steps == run_cfg.phases.phases[-1].end_step
     assert [p.name for p in run_cfg.phases.phases] == ["warm-up", "stable", "decay"]
     main(
         tiny_cfg(
-            f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "+experiment=planned", "trainer.max_steps=3"
+            f"hydra.searchpath=[file://{tmp_path / 'extra'}]", f"+experiment={name}", "trainer.max_steps=3"
         )
     )
-    meter = json.loads((tmp_path / "runs" / "planned" / "cost.json").read_text())
+    meter = json.loads((tmp_path / "runs" / name / "cost.json").read_text())
     assert meter["step"] == 3
 
 
