@@ -302,7 +302,7 @@ def test_an_optimum_on_the_grid_edge_is_extended_until_bracketed(tmp_path):
         import math
 
         best = 2.7e-2 if job.arm == BASELINE else 3e-3
-        return 3.0 + (math.log10(job.lr[job.arm == BASELINE and "optim.lr" or "optim.muon_lr"] / best)) ** 2
+        return 3.0 + (math.log10(job.lr["optim.lr" if job.arm == BASELINE else "optim.muon_lr"] / best)) ** 2
 
     def read(job, _shape, _out):
         ran.append(job.name)
