@@ -83,8 +83,9 @@ class ModelConfig:
     mask, which rules out the flash kernel (memory-efficient or math SDPA instead) and keeps B x T x T bytes
     plus, per block, SDPA's float copy of it (`lm.numbers.memory`). RoPE positions stay absolute in the
     window: rotary attention depends only on the offset between query and key, so a document's outputs do not
-    depend on where it starts (up to rounding). Training only: generation and the export see one document at a
-    time and are a plain Llama."""
+    depend on where it starts (up to rounding). The training and validation windows are masked alike, so
+    `val/loss` is each document's loss with its own context only; generation and the export see one document
+    at a time and are a plain Llama."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
