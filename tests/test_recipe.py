@@ -68,7 +68,13 @@ def test_off_by_default_the_model_is_todays():
     them (a lever whose off state moved the init's random draws would fail here)."""
     cfg = ModelConfig(**TINY)
     off = ModelConfig(
-        **TINY, qk_norm=False, mlp="swiglu", logit_softcap=None, z_loss=0.0, zero_init_proj=False
+        **TINY,
+        qk_norm=False,
+        mlp="swiglu",
+        logit_softcap=None,
+        z_loss=0.0,
+        zero_init_proj=False,
+        doc_mask=False,
     )
     assert keys(cfg) == keys(off)
     assert ".mlp.w3.weight" in " ".join(keys(cfg)) and "q_norm" not in " ".join(keys(cfg))

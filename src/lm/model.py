@@ -2,7 +2,7 @@
 
 RMSNorm pre-normalisation, rotary position embeddings, SwiGLU MLP, causal attention through
 `F.scaled_dot_product_attention` (flash kernel on GPUs), optional grouped-query attention and tied
-embeddings. The recipe levers (`qk_norm`, `mlp`, `logit_softcap`, `z_loss`, `zero_init_proj`) are off by
+embeddings. The recipe levers (`qk_norm`, `mlp`, `logit_softcap`, `z_loss`, `zero_init_proj`, `doc_mask`) are off by
 default: off, the model, its state-dict keys, initialisation and numerics are those of the plain Llama. Shapes: B batch, T time, D model width, H query heads, K key/value heads, E head dim, V vocab.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 MLP_NAMES = ("swiglu", "relu2_gated", "relu2")
@@ -72,6 +73,19 @@ class ModelConfig:
     zero_init_proj: bool = False
     """Zero-initialise the residual output projections (attention wo, MLP w2), as nanochat and modded-nanogpt
     do: every block starts as the identity. Training only: the export is a plain Llama."""
+    doc_mask: bool = False
+    """Document masking: attention does not cross an end-of-text token inside a training window; a token
+    attends only to earlier tokens of its own document (the end-of-text that closes a document is its last
+    token). The end-of-text id comes from the data (`Transformer.eot_id`, set by `LMModule`). Cost: the mask is
+    built once per forward from the input ids; on CUDA with flex_attention it is a block mask (blocks wholly
+    outside a document are skipped, so it is cheaper than causal attention on short documents, but it needs
+    `torch.compile` for speed: lm compiles flex_attention itself), elsewhere a dense (B, T, T) boolean SDPA
+    mask, which rules out the flash kernel (memory-efficient or math SDPA instead) and keeps B x T x T bytes
+    plus, per block, SDPA's float copy of it (`lm.numbers.memory`). RoPE positions stay absolute in the
+    window: rotary attention depends only on the offset between query and key, so a document's outputs do not
+    depend on where it starts (up to rounding). The training and validation windows are masked alike, so
+    `val/loss` is each document's loss with its own context only; generation and the export see one document
+    at a time and are a plain Llama."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -151,6 +165,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).type_as(x)
 
 
+DocMask = torch.Tensor | BlockMask | None
+"""`model.doc_mask`'s attention mask: a dense (B, 1, T, T) boolean one for SDPA, a flex_attention block mask,
+or None (plain causal attention)."""
+
+
+def document_ids(idx_BT: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) index of each token's document in its window: the count of end-of-text tokens before it (an
+    exclusive cumulative sum), so the end-of-text that closes a document stays in it and the next token
+    starts the next one."""
+    eot_BT = (idx_BT == eot_id).int()
+    return eot_BT.cumsum(1) - eot_BT
+
+
+def dense_doc_mask(doc_BT: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean SDPA mask, True where query t may see key s: s <= t within one document. The
+    diagonal is always True, so no row is empty (an empty row would be NaN)."""
+    T = doc_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).tril()
+    return ((doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT).unsqueeze(1)
+
+
+def flex_doc_mask(doc_BT: torch.Tensor) -> BlockMask:
+    """The same mask as `dense_doc_mask` as a flex_attention block mask (128 x 128 blocks, built on the
+    device from the mask function; no (T, T) tensor is kept)."""
+    B, T = doc_BT.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (doc_BT[b, q] == doc_BT[b, kv]) & (kv <= q)
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=doc_BT.device)
+
+
+_flex = None
+
+
+def compiled_flex_attention():
+    """flex_attention compiled once: uncompiled it runs a reference that materialises every score. Inside a
+    compiled model dynamo inlines it."""
+    global _flex
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -170,6 +228,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: tuple[KVCache, int] | None = None,
+        doc: DocMask = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHE = self.wq(x_BTD).view(B, T, self.n_head, self.head_dim)
@@ -188,6 +247,13 @@ class Attention(nn.Module):
                 # Query i (absolute position past + i) sees keys 0..past + i.
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
                 causal = False
+        gqa = self.n_kv_head != self.n_head
+        if isinstance(doc, BlockMask):  # model.doc_mask on CUDA: blocks outside every document are skipped
+            attend = compiled_flex_attention() if q_BHTE.is_cuda else flex_attention  # CPU: tests only
+            y_BHTE = attend(q_BHTE, k_BKTE, v_BKTE, block_mask=doc, enable_gqa=gqa)
+            return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+        if doc is not None:  # model.doc_mask's dense (B, 1, T, T) mask, causal within each document
+            mask, causal = doc, False
         # Training: is_causal and no mask, so SDPA may take the flash kernel. q/k/v are (B, H, T, E) views of
         # (B, T, H, E) memory with unit stride in E: flash reads that layout as is (.contiguous() would copy).
         y_BHTE = F.scaled_dot_product_attention(
@@ -196,7 +262,7 @@ class Attention(nn.Module):
             v_BKTE,
             attn_mask=mask,
             is_causal=causal,
-            enable_gqa=self.n_kv_head != self.n_head,
+            enable_gqa=gqa,
         )
         return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
@@ -282,9 +348,14 @@ class Block(nn.Module):
         self.mlp = MLPS[cfg.mlp](cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[KVCache, int] | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[KVCache, int] | None = None,
+        doc: DocMask = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, doc)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -307,6 +378,10 @@ def mask_padding(logits_BTV: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class Transformer(nn.Module):
     """The decoder: token ids (B, T) -> logits (B, T, padded V), -inf at the padding ids."""
 
+    eot_id: int | None = None
+    """The end-of-text id `model.doc_mask` splits windows at, set from the data by `LMModule` (a runtime
+    setting like `ac_every`, not saved). None: every window is one document (generation, the export's check)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -322,6 +397,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ac_every = 0
         """Activation checkpointing: 0 off, k recomputes every k-th block in the backward pass."""
+        self.flex: bool | None = None
+        """`model.doc_mask`'s kernel: None flex_attention's block mask on CUDA and the dense SDPA mask
+        elsewhere; True or False forces one (tests compare them)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -356,17 +434,27 @@ class Transformer(nn.Module):
                 f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        doc = self.doc_mask(idx_BT) if kv_cache is None else None
         x_BTD = self.tok_emb(idx_BT)
         for i, block in enumerate(self.blocks):
             if kv_cache is not None:
                 x_BTD = block(x_BTD, cos, sin, (kv_cache, i))
             elif self.ac_every and self.training and i % self.ac_every == 0:
-                x_BTD = checkpoint(block, x_BTD, cos, sin, use_reentrant=False)
+                x_BTD = checkpoint(block, x_BTD, cos, sin, None, doc, use_reentrant=False)
             else:
-                x_BTD = block(x_BTD, cos, sin)
+                x_BTD = block(x_BTD, cos, sin, None, doc)
         if kv_cache is not None:
             kv_cache.pos += T
         return self.norm(x_BTD)
+
+    def doc_mask(self, idx_BT: torch.Tensor) -> DocMask:
+        """`model.doc_mask`'s mask of these windows, built once for every block; None when it is off or no
+        `eot_id` is set (then SDPA runs causal with no mask: today's path, flash on a GPU)."""
+        if not self.cfg.doc_mask or self.eot_id is None:
+            return None
+        doc_BT = document_ids(idx_BT, self.eot_id)
+        flex = idx_BT.is_cuda if self.flex is None else self.flex
+        return flex_doc_mask(doc_BT) if flex else dense_doc_mask(doc_BT)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         """Parameter count. `exclude_embedding` drops the input embedding table, a lookup that does no matmul

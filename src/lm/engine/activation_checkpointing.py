@@ -172,7 +172,7 @@ def trial_peak(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         with torch.device(device):
-            module = LMModule(model, {}, ac_every=every, liger=liger)
+            module = LMModule(model, {}, ac_every=every, liger=liger, eot_id=0)  # doc_mask: the mask's cost
         if precision == "bf16-true":
             module.to(torch.bfloat16)
         module.train()

@@ -63,6 +63,7 @@ class LMModule(pl.LightningModule):
         liger: bool = False,
         fp8: str | None = None,
         fp8_emulate: bool = False,
+        eot_id: int | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -72,6 +73,7 @@ class LMModule(pl.LightningModule):
         self.compile_model, self.compile_mode = compile, compile_mode
         self.model = Transformer(self.model_cfg)
         self.model.ac_every = ac_every
+        self.model.eot_id = eot_id  # model.doc_mask's document boundary; setup() takes the data's
         self.liger = liger
         if liger:
             check_liger_model(self.model_cfg)  # the doctor refused it already (exit 78); here for lm bench
@@ -114,6 +116,11 @@ class LMModule(pl.LightningModule):
     def loss_terms(self, window_BT1: torch.Tensor, z_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean next-token cross-entropy, the z-loss term or None when `z_coef` is 0)."""
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
+        if self.model_cfg.doc_mask and self.model.eot_id is None:
+            raise ValueError(
+                "model.doc_mask=true needs the end-of-text id that separates documents: train with a data "
+                "module that has `eot_id` (lm's do), or pass LMModule(eot_id=...); or set model.doc_mask=false"
+            )
         if self.liger:  # Liger's fused head + loss: the (B, T, V) logits are never materialised
             hidden_BTD = self.model.hidden(inputs)
             # Liger takes no logit mask: the head cut to the real vocabulary is the loss of the masked logits.
@@ -145,7 +152,10 @@ class LMModule(pl.LightningModule):
         return loss
 
     def setup(self, stage: str) -> None:
-        tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.model_cfg.doc_mask and hasattr(datamodule, "eot_id"):  # the manifest's, after prepare_data
+            self.model.eot_id = datamodule.eot_id
+        tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None:  # buffers follow the module to its device; not saved in checkpoints
             self.token_bytes = token_byte_lengths(tokenizer, self.model_cfg.padded_vocab_size)
 

@@ -25,6 +25,10 @@ and PyTorch's CPU flash kernel) keeps no T x T score matrix; the math path (`att
 softmax probabilities, 2 x H x T values per token per block. The recipe levers (lm.model) change this:
 `model.mlp=relu2` keeps 2 values per F instead of 4 (`RELU2_F_BYTES`), `model.qk_norm` adds its norms'
 tensors over the queries and keys (`QK_NORM_BYTES`), the logit softcap and the z-loss add 4 V each to the head.
+`model.doc_mask` off a GPU (the dense SDPA mask; on CUDA flex_attention keeps no T x T tensor) adds, per block,
+SDPA's float copy of the (B, T, T) boolean mask, which it saves for the backward (T values per token in the
+activation dtype, `doc_mask_bytes`); the boolean mask itself is freed with the forward unless activation
+checkpointing keeps it for the recompute (T bytes per token).
 
 Activation checkpointing every k blocks keeps only the input of each checkpointed block (the fp32 or bf16
 residual stream, D values) and recomputes its activations in the backward pass: one block's worth of them
@@ -155,6 +159,18 @@ def block_activation_bytes(model: ModelConfig, precision: str, seq_len: int, att
     return n
 
 
+def doc_mask_bytes(model: ModelConfig, precision: str, seq_len: int, cuda: bool, ac_every: int) -> int:
+    """Bytes per token `model.doc_mask`'s dense mask keeps for the backward (0 when off, or on CUDA, where
+    flex_attention's block mask is a few bytes per 128 x 128 block)."""
+    if not model.doc_mask or cuda:
+        return 0
+    copy = seq_len * (4 if precision == "32-true" else 2)  # SDPA's float copy, in the queries' dtype
+    if ac_every <= 0:
+        return model.n_layer * copy
+    checkpointed = math.ceil(model.n_layer / ac_every)
+    return (model.n_layer - checkpointed) * copy + copy + seq_len  # + the recomputed block's, + the bools
+
+
 def estimate(
     model: ModelConfig,
     *,
@@ -185,6 +201,7 @@ def estimate(
         per_token = (layers - checkpointed) * block + checkpointed * residual * model.d_model + block
     else:
         per_token = layers * block
+    per_token += doc_mask_bytes(model, precision, seq_len, cuda, ac_every)
     half_logits = precision != "32-true"
     norm = 8 if precision == "bf16-true" else 12  # the final RMSNorm's fp32 input, output and normalised x
     head_per_token = norm * model.d_model + (12 + (2 if half_logits else 0)) * model.padded_vocab_size

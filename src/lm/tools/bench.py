@@ -149,6 +149,7 @@ def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
         liger=cfg.kernels.liger,
         fp8=rt.fp8,
         fp8_emulate=cfg.precision.fp8_emulate,
+        eot_id=0,  # random tokens: model.doc_mask's mask is built and applied, at about one document a window
     )
     result.params = module.model.num_parameters()
     clock = Clock(rt.cuda)
