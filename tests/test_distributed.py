@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lm.checkpoint.resume import find_resume_point
+from lm.checkpoint.checkpointer import find_resume_point
 from lm.data.dataset import StepSampler, val_batches
 from lm.engine.activation_checkpointing import Decision, resolve
 from lm.engine.parallel import check_strategy, cluster_plugins

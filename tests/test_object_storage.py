@@ -23,8 +23,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lm.checkpoint.checkpointer import archive_run, find_resume_point
 from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
-from lm.checkpoint.resume import archive_run, find_resume_point
 from lm.config import to_objects
 from lm.run.train import main
 from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code

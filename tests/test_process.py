@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.checkpoint.resume import archive_run
+from lm.checkpoint.checkpointer import archive_run
 from lm.store.atomic import append_atomic, write_atomic
 from lm.store.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.store.lock import RunLock, RunLocked

@@ -257,7 +257,7 @@ def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
 
 
 def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
-    from lm.checkpoint.resume import resume_candidates
+    from lm.checkpoint.checkpointer import resume_candidates
 
     for step in (9, 10, 100, 99):
         (tmp_path / f"step-{step}.ckpt").write_bytes(b"")

@@ -2,7 +2,7 @@
 
 Two guarantees, because every crash in the seed's list of eight was infrastructure (when a run saves is
 `lm.checkpoint.callback.RunCheckpoint`; file names and the loader are `lm.checkpoint.files`; the file layout
-is `lm.checkpoint.formats`; finding what to resume is `lm.checkpoint.resume`):
+is `lm.checkpoint.formats`; finding what to resume is `lm.checkpoint.checkpointer`):
 - a checkpoint file is either complete or absent (`AtomicCheckpointIO`, through the format's atomic save);
 - a save that cannot fit is refused before it starts, and a failed save leaves the previous checkpoints
   intact and says what happened (`CheckpointSaveError`).

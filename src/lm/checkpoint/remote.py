@@ -415,7 +415,7 @@ def remote_checkpoints(
     remote = RemoteCheckpoints(url, c.storage_options, c.keep_last, c.retry_window_s)
     if run.resume:
         remote.claim(rundir.read_run_id(run_dir), identity, c.run_id)
-    else:  # starting over: the bucket's pointer is archived by lm.checkpoint.resume.archive_run
+    else:  # starting over: the bucket's pointer is archived by lm.checkpoint.checkpointer.archive_run
         remote.run_id, remote.identity = c.run_id or new_run_id(), identity
     return remote
 

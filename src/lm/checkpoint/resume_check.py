@@ -1,6 +1,6 @@
 """The resume check: a resumed run continues the checkpoint's model on every rank, and says which settings
 changed. `check_resumable` refuses before the run starts; the `ResumeCheck` callback checks the ranks and logs
-the changes at train start. (Beside `lm.checkpoint.resume`, which finds the checkpoint.)
+the changes at train start. (Beside `lm.checkpoint.checkpointer`, which finds the checkpoint.)
 
 Decided per key, because Lightning restores the optimizer and schedule from the checkpoint while config.yaml
 records today's command:
