@@ -30,10 +30,10 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     # Deferred: Lightning and transformers take seconds to import, and a refused config should not wait.
-    from lm.run.train import main as train
+    from lm.run.train import main as train_main
 
     try:
-        return train(cfg)
+        return train_main(cfg)
     except (ValueError, OSError, SystemExit) as e:
         code = exit_code(e)
         if code is None:

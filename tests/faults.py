@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lm.checkpoint.local import TMP_MARK
+from lm.checkpoint.formats import TMP_MARK
 
 STOP_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
 PHASES = ("val", "save", "upload")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from lm.checkpoint.local import checkpoint_step, loadable
+from lm.checkpoint.files import checkpoint_step, loadable
 
 from .conftest import CONF, TINY
 

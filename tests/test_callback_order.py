@@ -11,7 +11,7 @@ from lm.config import to_objects
 from lm.engine.activation_checkpointing import Decision
 from lm.engine.module import LMModule
 from lm.numbers import run_plan
-from lm.run.train import run_callbacks
+from lm.run.build import build_callbacks
 
 GUARDS = [
     "DiminishingReturnsStopper",
@@ -26,7 +26,7 @@ TIMER = "+callbacks.timer._target_=lightning.pytorch.callbacks.Timer"
 
 
 def callback_names(cfg, run_dir, deferred: bool = False) -> list[str]:
-    """The class names of the run's callbacks, in the order `run_callbacks` hands them to the Trainer."""
+    """The class names of the run's callbacks, in the order `build_callbacks` hands them to the Trainer."""
     cfg = to_objects(cfg)
     meter = CostMeter(
         tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=0.0, log_every=1
@@ -34,7 +34,7 @@ def callback_names(cfg, run_dir, deferred: bool = False) -> list[str]:
     decide = (lambda: Decision(0, "test")) if deferred else None
     module = LMModule(cfg.model, cfg.optim)
     plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)
-    callbacks = run_callbacks(cfg, plan, meter, run_dir, module, resumed=False, decide=decide)
+    callbacks = build_callbacks(cfg, plan, meter, run_dir, module, resumed=False, decide=decide)
     return [type(c).__name__ for c in callbacks]
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lm.checkpoint.local import resume_checkpoint
+from lm.checkpoint.checkpointer import find_resume_point
 from lm.data.dataset import StepSampler, val_batches
 from lm.engine.activation_checkpointing import Decision, resolve
 from lm.engine.parallel import check_strategy, cluster_plugins
@@ -324,7 +324,7 @@ def test_a_rank_other_than_0_resumes_while_rank_0_repoints_last(tmp_path, monkey
     (ckpts / "step-3.ckpt").write_bytes(b"whatever rank 0 decides")
     (ckpts / "last.ckpt").symlink_to("step-6.ckpt")  # its target just moved to corrupt/
     monkeypatch.setattr(rank_zero_only, "rank", 1)
-    assert resume_checkpoint(tmp_path / "run", resume=True) == ckpts / "last.ckpt"
+    assert find_resume_point(tmp_path / "run") == ckpts / "last.ckpt"
     assert (ckpts / "step-3.ckpt").is_file()  # only rank 0 repairs
 
 

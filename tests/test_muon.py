@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from lm.callbacks.resume_check import check_resumable
+from lm.checkpoint.resume_check import check_resumable
 from lm.config import OptimConfig, to_objects
 from lm.engine import optim
 from lm.model import ModelConfig, Transformer

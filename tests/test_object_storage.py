@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lm.checkpoint.local import resume_checkpoint
+from lm.checkpoint.checkpointer import archive_run, find_resume_point
 from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.config import to_objects
 from lm.run.train import main
@@ -160,19 +160,19 @@ def test_a_partial_upload_is_never_picked_and_a_corrupt_one_falls_back(s3, tmp_p
     s3.pipe_file(f"{BUCKET}/unit/checkpoints/step-18.0badc0de.ckpt", half[: len(half) // 2])
 
     machine = tmp_path / "machine-a"
-    ckpt = resume_checkpoint(machine, resume=True, remote=store)
+    ckpt = find_resume_point(machine, remote=store)
     assert ckpt is not None and torch.load(ckpt, weights_only=False)["global_step"] == 12
 
     # The newest listed object is damaged in the bucket: its sha256 fails and the older one is used.
     newest = store.read_pointer()[0]
     s3.pipe_file(f"{BUCKET}/unit/checkpoints/{newest.file}", b"x" * newest.size)
     machine = tmp_path / "machine-b"
-    ckpt = resume_checkpoint(machine, resume=True, remote=store)
+    ckpt = find_resume_point(machine, remote=store)
     assert torch.load(ckpt, weights_only=False)["global_step"] == 6
     assert not list((machine / "checkpoints").glob("*tmp*"))  # the refused download left nothing behind
 
     # A local checkpoint newer than the bucket's wins; nothing is downloaded.
-    ckpt = resume_checkpoint(tmp_path / "machine-a", resume=True, remote=store)
+    ckpt = find_resume_point(tmp_path / "machine-a", remote=store)
     assert ckpt.resolve().name == "step-12.ckpt"
 
     # The next upload rotates: only objects some pointer lists survive, the partial one included.
@@ -189,7 +189,7 @@ def test_a_partial_upload_is_never_picked_and_a_corrupt_one_falls_back(s3, tmp_p
     assert [e.step for e in store.read_pointer()] == [18, 12]
 
     # run.resume=false sets the pointer aside; its checkpoints are kept and never rotated away.
-    assert resume_checkpoint(tmp_path / "machine-c", resume=False, remote=store) is None
+    assert archive_run(tmp_path / "machine-c", remote=store) is None
     assert store.read_pointer() == []
     with open(fake_checkpoint(tmp_path / "6b.ckpt", 6), "rb") as f:
         store.upload(f, 6)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.checkpoint.local import resume_checkpoint
+from lm.checkpoint.checkpointer import archive_run
 from lm.store.atomic import append_atomic, write_atomic
 from lm.store.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.store.lock import RunLock, RunLocked
@@ -198,7 +198,7 @@ def test_starting_over_archives_the_run_but_keeps_it_locked(tmp_path):
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "cost.json").write_text("{}")
     lock = RunLock(run_dir).acquire()
-    assert resume_checkpoint(run_dir, resume=False) is None
+    assert archive_run(run_dir) is None
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "archive"]
     with pytest.raises(RunLocked):
         RunLock(run_dir).acquire()

@@ -11,6 +11,7 @@ import pytest
 from lm.callbacks.spike import SpikeDetector
 from lm.config import SpotConfig
 from lm.data.dataset import StepSampler
+from lm.run import build
 from lm.run import train as lm_train
 from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 
@@ -190,10 +191,8 @@ def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_st
     root = Path(tiny_cfg().run.root)
     cfg = tiny_cfg(*sync.HOT_PATH, *SPIKES, *spike_fault(root, "once", step=12))  # 12: not a logging step
     reads = sync.HostReads()
-    factory = lm_train.run_callbacks
-    monkeypatch.setattr(
-        lm_train, "run_callbacks", lambda *a, **k: [sync.StepMarker(reads), *factory(*a, **k)]
-    )
+    factory = build.build_callbacks
+    monkeypatch.setattr(build, "build_callbacks", lambda *a, **k: [sync.StepMarker(reads), *factory(*a, **k)])
     with reads:
         lm_train.main(cfg)
     assert not sync.hot_reads(reads.reads), f"host reads inside training steps: {sync.hot_reads(reads.reads)}"

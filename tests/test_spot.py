@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lm.callbacks.nonfinite import NonFiniteGuard
-from lm.checkpoint.local import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
+from lm.checkpoint.formats import TMP_MARK
+from lm.checkpoint.local import AtomicCheckpointIO, CheckpointSaveError, check_run_fits
 from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.tools.supervise import backoff_s, supervise
 
@@ -256,7 +257,7 @@ def test_config_refusal_exits_78_so_supervise_stops(tmp_path, data_cache):
 
 
 def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
-    from lm.checkpoint.local import resume_candidates
+    from lm.checkpoint.checkpointer import resume_candidates
 
     for step in (9, 10, 100, 99):
         (tmp_path / f"step-{step}.ckpt").write_bytes(b"")

@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from torch.overrides import TorchFunctionMode
 
+from lm.run import build
 from lm.run import train as lm_train
 
 from .conftest import CONF, TINY
@@ -97,8 +98,8 @@ def test_training_steps_between_logging_steps_never_read_the_device(tiny_cfg, mo
     steps, every = STEPS, EVERY
     cfg = tiny_cfg(*HOT_PATH)
     reads = HostReads()
-    factory = lm_train.run_callbacks
-    monkeypatch.setattr(lm_train, "run_callbacks", lambda *a, **k: [StepMarker(reads), *factory(*a, **k)])
+    factory = build.build_callbacks
+    monkeypatch.setattr(build, "build_callbacks", lambda *a, **k: [StepMarker(reads), *factory(*a, **k)])
     with reads:
         lm_train.main(cfg)
 

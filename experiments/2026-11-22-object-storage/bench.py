@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from moto.server import ThreadedMotoServer
 
-from lm.checkpoint.local import loadable
+from lm.checkpoint.files import loadable
 from lm.checkpoint.remote import RemoteCheckpoints
 
 mb = int(sys.argv[1]) if len(sys.argv) > 1 else 256

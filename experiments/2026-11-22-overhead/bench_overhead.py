@@ -27,6 +27,7 @@ from hydra import compose, initialize_config_dir
 from lm.config import conf_dir, register_configs, to_objects
 from lm.data import LMDataModule
 from lm.engine.module import LMModule, lr_lambda
+from lm.run import build
 from lm.run import train as lm_train
 
 # Big enough that one step takes well over 50 ms on 2 CPU cores (the floor), small enough to run often.
@@ -77,12 +78,12 @@ def window_rate(times: list[tuple[float, float]], warmup: int, steps: int) -> tu
 
 def run_lm(dcfg, warmup: int, steps: int) -> tuple[float, float]:
     clock = StepClock()
-    factory = lm_train.run_callbacks
-    lm_train.run_callbacks = lambda *a, **k: [*factory(*a, **k), clock]
+    factory = build.build_callbacks
+    build.build_callbacks = lambda *a, **k: [*factory(*a, **k), clock]
     try:
         lm_train.main(dcfg)
     finally:
-        lm_train.run_callbacks = factory
+        build.build_callbacks = factory
     return window_rate(clock.times, warmup, steps)
 
 

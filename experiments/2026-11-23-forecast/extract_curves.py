@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from lm.checkpoint.local import checkpoint_step
+from lm.checkpoint.files import checkpoint_step
 from lm.config import DataConfig
 from lm.data.datamodule import LMDataModule
 from lm.engine.module import LMModule

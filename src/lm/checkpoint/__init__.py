@@ -1,1 +1,2 @@
-"""Checkpoint files: their names and reading, local saves and resume, the bucket mirror, the save callback."""
+"""Checkpoint files behind one `Checkpointer` (checkpointer.py): names and reading, the format, local writes,
+resume and the resume check, the bucket mirror, the save callback."""

@@ -37,13 +37,16 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.checkpoint.files import is_step_object, remote_name, step_name
-from lm.config import DataConfig, RunConfig
+from lm.checkpoint.files import LAST, checkpoint_step, is_step_object, loadable, remote_name, step_name
+from lm.checkpoint.local import replace_symlink
+from lm.config import CheckpointConfig, DataConfig, RunConfig
 from lm.model import ModelConfig
+from lm.store import rundir
 from lm.store.objects import (
     CHUNK,
     RETRY_WINDOW_S,
     RemoteError,
+    check_writable,
     download_verified,
     hash_stream,
     open_fs,
@@ -396,3 +399,60 @@ class CheckpointUploader:
                 "the last checkpoint upload failed (%s); %s may be behind", self.failed, self.store.url
             )
         return True
+
+
+def remote_checkpoints(
+    c: CheckpointConfig, identity: dict[str, Any], run: RunConfig, run_dir: Path
+) -> RemoteCheckpoints | None:
+    """The run's remote checkpoint folder, `<checkpoint.remote>/<run dir under run.root>/checkpoints`, after a
+    write probe (credentials, bucket, permissions) so that a bad URL fails before training, and claimed for
+    this run (`RemoteCheckpoints.claim`: another run's folder, told by its `identity` (`run_identity`), is
+    refused before anything is downloaded); None if off."""
+    if c.remote is None:
+        return None
+    url = f"{c.remote.rstrip('/')}/{run_dir.relative_to(Path(run.root)).as_posix()}/checkpoints"
+    check_writable(url, c.storage_options, c.retry_window_s)
+    remote = RemoteCheckpoints(url, c.storage_options, c.keep_last, c.retry_window_s)
+    if run.resume:
+        remote.claim(rundir.read_run_id(run_dir), identity, c.run_id)
+    else:  # starting over: the bucket's pointer is archived by lm.checkpoint.checkpointer.archive_run
+        remote.run_id, remote.identity = c.run_id or new_run_id(), identity
+    return remote
+
+
+def remote_behind(remote: RemoteCheckpoints, run_dir: Path) -> str | None:
+    """At the end of a run: None when the bucket holds the run's latest checkpoint, else a message naming the
+    step, the bucket and what is missing. The verdict goes to remote.json, for the report."""
+    last = run_dir / rundir.CHECKPOINTS / LAST
+    if not last.exists():
+        return None
+    step, size = checkpoint_step(last.resolve()), last.stat().st_size
+    why = remote.holds(step, size)
+    rundir.write_record(
+        run_dir / rundir.REMOTE, {"url": remote.url, "step": step, "holds": why is None, "why": why}
+    )
+    if why is None:
+        return None
+    return (
+        f"{remote.url} does not hold this run's latest checkpoint, step {step}: {why}. The local checkpoint "
+        f"{last.resolve()} is intact and continues the run on this machine; a new machine would start from an "
+        f"older step, or from scratch, until a later save is uploaded. Check the bucket (the upload errors "
+        f"above say why)"
+    )
+
+
+def fetch_newer(ckpt_dir: Path, remote: RemoteCheckpoints, local_step: int, have_local: bool) -> Path | None:
+    """Download the newest remote checkpoint beyond `local_step` (the newest local one that loads; -1 when
+    there is none) and point `last.ckpt` at it; returns it, or None. `have_local`: a local checkpoint loads
+    (when not, and the bucket lists some that do not verify, say so)."""
+    fetched = remote.download_newest(ckpt_dir, newer_than=local_step, loads=loadable)
+    if fetched is not None:
+        replace_symlink(fetched, ckpt_dir / LAST)
+        log.info(
+            "resuming from %s (step %s), newer than any local checkpoint",
+            remote.url,
+            checkpoint_step(fetched),
+        )
+    elif not have_local and remote.read_pointer():
+        log.warning("no checkpoint in %s verifies; starting without one", remote.url)
+    return fetched

@@ -21,7 +21,8 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm.callbacks.run_tokenizer import tokenizer_findings
-from lm.checkpoint.local import disk_findings, resume_candidates
+from lm.checkpoint.checkpointer import resume_candidates
+from lm.checkpoint.local import disk_findings
 from lm.config import GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
 from lm.data.mixture import mixture_findings

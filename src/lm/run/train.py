@@ -1,7 +1,7 @@
-"""main(cfg): compose the objects of one run, train, and leave the run directory behind.
+"""main(cfg): one run, from its config to the run directory it leaves behind.
 
-config -> runtime (device, precision, price) -> run directory -> doctor -> resume point
-       -> data + model + callbacks + Trainer -> fit -> report
+config -> runtime (device, precision, price) -> run directory -> doctor -> the Checkpointer's resume point
+       -> data + (lm.run.build) module + callbacks + Trainer -> fit -> report
 """
 
 from __future__ import annotations
@@ -10,44 +10,24 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
-import hydra
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from lm.callbacks.activation_stride import ActivationCheckpointingStride
-from lm.callbacks.consensus import Consensus
-from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.milestone_evals import BenchmarkEvaluator
-from lm.callbacks.milestone_samples import MilestoneSampler
-from lm.callbacks.nonfinite import NonFiniteGuard
-from lm.callbacks.order import by_priority
-from lm.callbacks.phase_tracker import PhaseTracker
-from lm.callbacks.progress import LossProgressBar
-from lm.callbacks.resume_check import ResumeCheck, check_resumable
-from lm.callbacks.run_tokenizer import KeepTokenizer
-from lm.callbacks.spike import SpikeGuard
-from lm.callbacks.spot import SpotGuard
-from lm.callbacks.stopper import DiminishingReturnsStopper
-from lm.callbacks.throughput_alarm import ThroughputAlarm
-from lm.checkpoint.callback import RunCheckpoint
-from lm.checkpoint.local import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
-from lm.checkpoint.remote import RemoteCheckpoints, run_identity
+from lm.checkpoint.checkpointer import Checkpointer
+from lm.checkpoint.remote import run_identity
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data import data_module
 from lm.engine import activation_checkpointing, hf, runtime
 from lm.engine.kernels import sdpa_backends
 from lm.engine.module import LMModule
-from lm.engine.parallel import build_strategy, check_strategy, cluster_plugins
+from lm.engine.parallel import check_strategy
 from lm.numbers import cost, run_plan
-from lm.numbers.memory import Workload
+from lm.run import build
 from lm.run.doctor import Target, preflight, resolve_runtime
 from lm.run.report import write_report
 from lm.store import atomic, rundir
@@ -66,7 +46,7 @@ def main(dcfg: DictConfig) -> float | None:
     error: BaseException | None = None
     try:
         with contextlib.ExitStack() as on_exit:
-            return train(dcfg, on_exit)
+            return run_training(dcfg, on_exit)
     except BaseException as e:
         error = e
         raise
@@ -75,7 +55,7 @@ def main(dcfg: DictConfig) -> float | None:
         exit_within(1 if rundir.in_multirun() else intended_code(error))
 
 
-def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
+def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
     started_at = time.monotonic()
     cfg = to_objects(dcfg)
@@ -83,23 +63,31 @@ def train(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
     datamodule.check_prepared()  # prepared data that is corrupt is refused before the run directory changes
     # The bucket is probed and claimed (another run's folder refused) before the run directory changes.
-    remote = remote_checkpoints(cfg.checkpoint, run_identity(cfg.run, cfg.model, cfg.data), cfg.run, run_dir)
-    ckpt_path = open_run(cfg, dcfg, run_dir, remote, on_exit)
+    identity = run_identity(cfg.run, cfg.model, cfg.data)
+    checkpointer = Checkpointer.open(cfg.checkpoint, cfg.run, run_dir, identity)
+    ckpt_path = open_run(cfg, dcfg, checkpointer, on_exit)
     runtime.set_matmul_precision(cfg.precision.tf32)
-    ac, decide = checkpointing_decision(cfg, rt)
+    ac, decide = build.checkpointing_decision(cfg, rt)
     log_runtime(cfg, rt, ac, run_dir)
-    module = build_module(cfg, rt, ac, resumed=ckpt_path is not None)
-    meter = cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
-    callbacks = run_callbacks(
-        cfg, plan, meter, run_dir, module, resumed=ckpt_path is not None, remote=remote, decide=decide
+    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None)
+    meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
+    callbacks = build.build_callbacks(
+        cfg,
+        plan,
+        meter,
+        run_dir,
+        module,
+        resumed=ckpt_path is not None,
+        checkpointer=checkpointer,
+        decide=decide,
     )
-    trainer = build_trainer(cfg, run_dir, rt.precision, callbacks)
+    trainer = build.build_trainer(cfg, run_dir, rt.precision, callbacks, checkpointer=checkpointer)
     on_exit.callback(stop_data_workers, trainer)
     if decide is None:  # a deferred decision logs the hparams once it is made
         for logger in trainer.loggers:
             logger.log_hyperparams(meter.about)
     fit(trainer, module, datamodule, ckpt_path)
-    return finish(trainer, run_dir, remote)
+    return finish(trainer, run_dir, checkpointer)
 
 
 def check_run(cfg: LMConfig) -> tuple[runtime.Runtime, run_plan.RunPlan, Path]:
@@ -114,43 +102,6 @@ def check_run(cfg: LMConfig) -> tuple[runtime.Runtime, run_plan.RunPlan, Path]:
     return rt, plan, run_dir
 
 
-def checkpointing_decision(
-    cfg: LMConfig, rt: runtime.Runtime
-) -> tuple[activation_checkpointing.Decision, Callable[[], activation_checkpointing.Decision] | None]:
-    """The activation checkpointing stride, and the function that decides it at setup when it is deferred.
-
-    `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
-    every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
-    """
-    workload = Workload(cfg.model, cfg.data.batch_size, cfg.data.seq_len, rt.precision, rt.cuda)
-    decide = functools.partial(
-        activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
-    )
-    if cfg.activation_checkpointing.auto and rt.cuda:
-        return activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True), decide
-    return decide(), None
-
-
-def build_module(
-    cfg: LMConfig, rt: runtime.Runtime, ac: activation_checkpointing.Decision, *, resumed: bool
-) -> LMModule:
-    """The seeded LightningModule, its weights from `model.init_from` on a fresh start."""
-    pl.seed_everything(cfg.run.seed, workers=True)
-    module = LMModule(
-        cfg.model,
-        cfg.optim,
-        ac_every=ac.every,
-        compile=rt.compile,
-        compile_mode=cfg.kernels.compile_mode,
-        liger=cfg.kernels.liger,
-        fp8=rt.fp8,
-        fp8_emulate=cfg.precision.fp8_emulate,
-    )
-    if cfg.model.init_from is not None and not resumed:  # a resume continues from its checkpoint
-        hf.load_init_from(module.model)
-    return module
-
-
 def fit(
     trainer: pl.Trainer, module: LMModule, datamodule: pl.LightningDataModule, ckpt_path: Path | None
 ) -> None:
@@ -161,10 +112,10 @@ def fit(
         raise Preempted("SIGTERM") from e
 
 
-def finish(trainer: pl.Trainer, run_dir: Path, remote: RemoteCheckpoints | None) -> float | None:
+def finish(trainer: pl.Trainer, run_dir: Path, checkpointer: Checkpointer) -> float | None:
     """Rank 0 writes the report and checks the mirror; every rank returns the last validation loss."""
     if trainer.is_global_zero:
-        behind = remote_behind(remote, run_dir) if remote is not None else None  # after the last upload
+        behind = checkpointer.mirror_behind()  # after the last upload
         finish_report(trainer, run_dir)
         if behind:
             raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
@@ -173,11 +124,7 @@ def finish(trainer: pl.Trainer, run_dir: Path, remote: RemoteCheckpoints | None)
 
 
 def open_run(
-    cfg: LMConfig,
-    dcfg: DictConfig,
-    run_dir: Path,
-    remote: RemoteCheckpoints | None,
-    on_exit: contextlib.ExitStack,
+    cfg: LMConfig, dcfg: DictConfig, checkpointer: Checkpointer, on_exit: contextlib.ExitStack
 ) -> Path | None:
     """Take the run directory and say where the run resumes from (None: a fresh start).
 
@@ -185,20 +132,25 @@ def open_run(
     changes (a fetched or set-aside checkpoint, an archived run, config.yaml), and another architecture or
     optimizer is refused before the run directory is written.
     """
+    run_dir = checkpointer.run_dir
     if rank_zero_only.rank == 0:
         lock = RunLock(run_dir).acquire()
         on_exit.callback(lock.release)
         on_exit.push(functools.partial(explain_removal, lock))  # before the release: it reads the lock
-        atomic.remove_stale_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
-    ckpt_path = resume_checkpoint(run_dir, cfg.run.resume, remote)
-    check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
+        atomic.remove_orphaned_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
+    ckpt_path = None
+    if cfg.run.resume:
+        ckpt_path = checkpointer.resume_point()
+    else:
+        checkpointer.archive_run()
+    checkpointer.check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
         hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_config(run_dir, dcfg)
-        if remote is not None:
-            rundir.write_run_id(run_dir, remote.run_id)
+        if checkpointer.remote is not None:
+            rundir.write_run_id(run_dir, checkpointer.remote.run_id)
     return ckpt_path
 
 
@@ -244,179 +196,6 @@ def log_runtime(
         ac.reason,
         f", SDPA backends {sdpa_backends()}" if rt.cuda else "",
     )
-
-
-def cost_meter(
-    cfg: LMConfig,
-    rt: runtime.Runtime,
-    plan: run_plan.RunPlan,
-    module: LMModule,
-    run_dir: Path,
-    started_at: float,
-    ac: activation_checkpointing.Decision,
-) -> CostMeter:
-    """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once)."""
-    n_params = module.model.num_parameters()
-    fpt = cost.flops_per_token(
-        cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
-    )
-    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
-    log.info(
-        "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
-        f"{n_params:,}",
-        fpt,
-        cost.FLOPS_FORMULA,
-        f"{peak / 1e12:g} TFLOP/s peak" if peak else "no catalogued peak: MFU not reported",
-        rt.price,
-        cfg.cost.pricing if cfg.cost.price_per_hour is None else "cost.price_per_hour",
-        rt.gpu.price_source or "no source",
-    )
-    return CostMeter(
-        tokens_per_device_step=plan.tokens_per_device_step,
-        flops_per_token=fpt,
-        peak_flops=peak,
-        price_per_hour=rt.price,
-        log_every=cfg.trainer.log_every_n_steps,
-        run_dir=run_dir,
-        started_at=started_at,
-        about=run_hparams(cfg, rt, plan, n_params, ac),
-        ramp=replace(plan.ramp, world=1),  # the meter sets the world it finds at setup
-    )
-
-
-def run_callbacks(
-    cfg: LMConfig,
-    plan: run_plan.RunPlan,
-    meter: CostMeter,
-    run_dir: Path,
-    module: LMModule,
-    *,
-    resumed: bool,
-    remote: RemoteCheckpoints | None = None,
-    decide: Callable[[], activation_checkpointing.Decision] | None = None,
-) -> list[pl.Callback]:
-    """Every callback of the run, lm's and `cfg.callbacks`, in the order their hooks must run: sorted once by
-    each class's `priority` (lm.callbacks.order), where the reason for its place is written.
-
-    `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
-    """
-    consensus = Consensus()
-    callbacks: list[pl.Callback] = [ResumeCheck(meter), meter]
-    if cfg.phases.phases:
-        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
-    if cfg.sampling.prompts:
-        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
-    if cfg.evals.tasks:
-        callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
-    callbacks.append(stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus))
-    s = cfg.spot
-    callbacks += [
-        SpotGuard(s.signals, consensus),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
-        NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
-        SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
-        consensus,
-        KeepTokenizer(run_dir, resumed=resumed),  # what sample/export/eval read
-    ]
-    if decide is not None:  # it logs the hparams once it has decided
-        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
-    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
-    callbacks.append(RunCheckpoint(run_dir / rundir.CHECKPOINTS, cfg.checkpoint, remote))
-    if cfg.trainer.enable_progress_bar:
-        callbacks.append(LossProgressBar())
-    return by_priority(callbacks)
-
-
-def stopper(
-    cfg: LMConfig,
-    plan: run_plan.RunPlan,
-    meter: CostMeter,
-    run_dir: Path,
-    n_params: int,
-    consensus: Consensus | None = None,
-) -> DiminishingReturnsStopper:
-    """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
-    into tokens once it knows the world size)."""
-    end = plan.end
-    return DiminishingReturnsStopper(
-        cfg.early_stopping,
-        meter,
-        run_dir,
-        flat_lr=cfg.optim.schedule in ("wsd", "constant"),
-        plan_end_tokens=end.tokens if end.steps is None else None,
-        plan_end_steps=end.steps,
-        chinchilla_tokens=run_plan.chinchilla_tokens(n_params),
-        consensus=consensus,
-        optim=cfg.optim,
-        schedule_steps=plan.schedule_steps,
-    )
-
-
-def build_trainer(
-    cfg: LMConfig,
-    run_dir: Path,
-    precision: str,
-    callbacks: list[pl.Callback],
-) -> pl.Trainer:
-    """The Lightning Trainer with the run's callbacks (`run_callbacks`: checkpointing included) and logging."""
-    t = cfg.trainer
-    runtime.quiet_lightning()
-    logger = (
-        TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
-        if cfg.logger.tensorboard
-        else False
-    )
-    return pl.Trainer(
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
-        strategy=build_strategy(
-            t.strategy
-        ),  # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
-        precision=precision,
-        max_steps=t.max_steps,
-        max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=t.gradient_clip_val,
-        # Lightning counts validation intervals in micro-batches; ours is in optimizer steps.
-        val_check_interval=t.val_every_steps * t.accumulate_grad_batches,
-        check_val_every_n_epoch=None,
-        limit_val_batches=t.limit_val_batches,
-        log_every_n_steps=t.log_every_n_steps,
-        enable_progress_bar=t.enable_progress_bar,
-        use_distributed_sampler=False,  # the step-indexed sampler shards by rank itself
-        default_root_dir=run_dir,
-        logger=logger,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO(), *cluster_plugins()],
-        **t.extra,
-    )
-
-
-def run_hparams(
-    cfg: LMConfig,
-    rt: runtime.Runtime,
-    plan: run_plan.RunPlan,
-    n_params: int,
-    ac: activation_checkpointing.Decision,
-) -> dict:
-    """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
-    return {
-        "params": n_params,
-        "gpu": rt.gpu.name,
-        "device": rt.device_name,
-        "precision": rt.precision,
-        "compile": rt.compile,
-        "activation_checkpointing": "auto" if ac.pending else ac.every,  # set at setup when pending
-        "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
-        "tf32": cfg.precision.tf32,
-        "liger": cfg.kernels.liger,
-        "fused_adamw": rt.fused_adamw,
-        "padded_vocab": cfg.model.padded_vocab_size,
-        "tokens_per_device_step": plan.tokens_per_device_step,
-        "price_per_hour": rt.price if rt.price is not None else "unknown",
-        "pricing": cfg.cost.pricing,
-    }
 
 
 def finish_report(trainer: pl.Trainer, run_dir: Path) -> None:

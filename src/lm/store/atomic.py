@@ -3,7 +3,7 @@
 Every writer of a run file (`lm.store.rundir`, the report) goes through here, so a full disk (ENOSPC, or EDQUOT
 for a quota) or a read-only filesystem (EROFS) is met in one place: the temporary is removed where the filesystem
 allows it and `DiskFull` (exit 74: a restart would only fail again) names the file and the fix. Temporaries are
-`.<name>.tmp-<pid>`; `remove_stale_temporaries` clears those whose process is gone.
+`.<name>.tmp-<pid>`; `remove_orphaned_temporaries` clears those whose process is gone.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def nearest_folder(path: Path) -> Path:
 
 def discard(tmp: Path) -> None:
     """Remove a temporary that will never be renamed; where that fails too (a read-only filesystem refuses the
-    unlink as it refused the write) it is left for `remove_stale_temporaries`, never raised over the error
+    unlink as it refused the write) it is left for `remove_orphaned_temporaries`, never raised over the error
     that matters."""
     try:
         tmp.unlink(missing_ok=True)
@@ -121,7 +121,7 @@ def discard(tmp: Path) -> None:
         log.warning("could not remove %s (%s); a later start removes it", tmp, e.strerror or e)
 
 
-def remove_stale_temporaries(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:
+def remove_orphaned_temporaries(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:
     """Delete `*.tmp-<pid>` files under `root` whose process is no longer alive (a kill or a full disk
     interrupted their write: they were never renamed, so never read); top-level folders in `skip` are left
     alone. Returns what was removed."""

@@ -4,12 +4,12 @@
 
 Comma lists are expanded like a Hydra multirun (Hydra's own override parser). Each combination runs in a
 fresh Python process (so an out-of-memory, a compile cache or a peak-memory counter never leaks into the
-next) that trains LMModule for `bench.warmup_steps + bench.steps` optimizer steps with a real Lightning
-Trainer: the same precision plugin, optimizer (fused AdamW on CUDA; `optim=adamw,muon` adds a line with
-Muon's step-time overhead), gradient clipping, accumulation, activation checkpointing and torch.compile as
-`train.py`, so the numbers are what training gets. Batches are random token ids of the configured shape,
-already in memory: the bench measures the model and its knobs, not the data pipeline (the doctor checks the
-workers).
+next) that trains the run's module for `bench.warmup_steps + bench.steps` optimizer steps with the run's
+Trainer, both built by `lm.run.build` as `train.py` builds them: the same precision plugin, optimizer (fused
+AdamW on CUDA; `optim=adamw,muon` adds a line with Muon's step-time overhead), gradient clipping,
+accumulation, activation checkpointing and torch.compile, so the numbers are what training gets. Batches
+are random token ids of the configured shape, already in memory: the bench measures the model and its knobs,
+not the data pipeline (the doctor checks the workers).
 
 Each row: tokens/s over the timed steps, MFU (lm.numbers.cost's formula), peak memory (CUDA: max_memory_allocated;
 CPU: the process's peak RSS, which includes ~0.5 GB of libraries), the analytic estimate (lm.numbers.memory), status
@@ -42,8 +42,8 @@ from omegaconf import OmegaConf
 from lm.callbacks.steps import StepWatch
 from lm.config import LMConfig, compose, conf_dir, to_objects
 from lm.engine import activation_checkpointing, runtime
-from lm.engine.module import LMModule
 from lm.numbers import cost, memory, run_plan
+from lm.run import build
 from lm.store.atomic import write_atomic
 from lm.store.bench_file import Result, load_bench, write_bench
 
@@ -128,47 +128,39 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
 
 
 def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
-    """Train warmup_steps + steps optimizer steps on random tokens with a real Trainer, as training would."""
+    """Train warmup_steps + steps optimizer steps on random tokens with the module and Trainer a run builds
+    (`lm.run.build`), on one device, without the run's callbacks, logger or saves (their overhead is measured
+    in experiments/2026-11-22-overhead)."""
     b, t = cfg.data.batch_size, cfg.data.seq_len
-    work = memory.Workload(cfg.model, b, t, rt.precision, rt.cuda)
-    # `auto` measured as training would
-    decision = activation_checkpointing.decide(cfg.activation_checkpointing, work, cfg.kernels.liger)
+    decision = build.decide_now(cfg, rt)  # `auto` measured as training would
     result.ac_every = decision.every
     if cfg.activation_checkpointing.auto:
         result.note = "auto: " + activation_checkpointing.describe(decision.every)
     est = memory.estimate(cfg.model, batch_size=b, seq_len=t, precision=rt.precision, ac_every=decision.every)
     result.estimate_gb = round(est.allocated / 1e9, 3)
     total = cfg.bench.warmup_steps + cfg.bench.steps
-    module = LMModule(
-        cfg.model,
-        cfg.optim,
-        total_steps=max(total, cfg.optim.warmup_steps + 1),
-        ac_every=decision.every,
-        compile=rt.compile,
-        compile_mode=cfg.kernels.compile_mode,
-        liger=cfg.kernels.liger,
-        fp8=rt.fp8,
-        fp8_emulate=cfg.precision.fp8_emulate,
-        eot_id=0,  # random tokens: model.doc_mask's mask is built and applied, at about one document a window
+    # Random tokens: model.doc_mask's mask is built and applied, at about one document a window.
+    module = build.build_module(
+        cfg, rt, decision, init_from=False, total_steps=max(total, cfg.optim.warmup_steps + 1), eot_id=0
     )
     result.params = module.model.num_parameters()
     clock = Clock(rt.cuda)
-    runtime.quiet_lightning()
-    trainer = pl.Trainer(
-        accelerator=cfg.trainer.accelerator,
+    trainer = build.build_trainer(
+        cfg,
+        Path(tempfile.mkdtemp(prefix="lm-bench-")),
+        rt.precision,
+        [clock],
         devices=1,
-        precision=rt.precision,
+        num_nodes=1,
+        strategy="auto",  # one device: there is no data parallelism to measure
+        plugins=[],  # no saves, and one process of its own rather than a rank of the cluster's job
         max_steps=total,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
-        default_root_dir=tempfile.mkdtemp(prefix="lm-bench-"),
     )
     torch.manual_seed(cfg.run.seed)
     batches = [torch.randint(0, cfg.model.vocab_size, (b, t + 1)) for _ in range(4)]

@@ -28,7 +28,7 @@ from lm.numbers.fit import robust_nnls
 from lm.numbers.loss_law import BESIROGLU, ChinchillaLaw, block_means
 from lm.numbers.loss_prior import priors_from_curves, priors_record
 from lm.numbers.lr_schedule import multipliers
-from lm.run.train import main as train
+from lm.run.train import main as train_main
 from lm.store import rundir
 from lm.store.atomic import write_atomic
 
@@ -149,7 +149,7 @@ def calibration_run(
     tokens_per_step = run_plan.resolve(
         objects.data, objects.trainer, objects.optim, world=1
     ).tokens_per_device_step
-    loss = train(cfg)
+    loss = train_main(cfg)
     point = CalibrationPoint(
         name, memory.parameter_count(model)[0], steps * tokens_per_step, float(loss or math.nan)
     )
@@ -159,8 +159,8 @@ def calibration_run(
 def run_curve(run_dir: Path, optim, steps: int) -> tuple | None:
     """(steps, block-mean training losses, LR multipliers of the run) for the forecast prior; None when the
     run logged no training loss."""
-    train = rundir.read_scalars(run_dir).get("train/loss")
-    points = None if train is None else train_points(train.steps, train.values, optim.warmup_steps)
+    logged = rundir.read_scalars(run_dir).get("train/loss")
+    points = None if logged is None else train_points(logged.steps, logged.values, optim.warmup_steps)
     return None if points is None else (*points, multipliers(optim, steps))
 
 

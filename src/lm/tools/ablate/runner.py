@@ -160,20 +160,20 @@ def step_times(arms: dict[str, list[str]], steps: int = 20, warmup: int = 3) -> 
     """Median seconds of one training step (forward, backward, clip, optimizer) of every arm (name -> its full
     overrides), measured in ONE process with the arms' steps interleaved in rotating order, so a shared
     machine's load falls on all alike (the runs' own times, taken minutes apart, differ by 2x on a loaded
-    2-core machine). Eager, on the CPU or the first GPU, the arm's full batch of random tokens."""
+    2-core machine). The module the run builder builds (its kernels, compile), on the CPU or the first GPU, the
+    arm's full batch of random tokens."""
     import statistics
 
     import torch
 
     from lm.engine import optim as lm_optim
-    from lm.engine.module import LMModule
+    from lm.run import build
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names, modules, optimizers, batches = list(arms), {}, {}, {}
     for arm in names:
         cfg = compose_objects(arms[arm])
-        torch.manual_seed(0)
-        modules[arm] = LMModule(cfg.model, cfg.optim).to(device)
+        modules[arm] = build.build_module(cfg, init_from=False, eot_id=0).to(device)  # what the run trains
         optimizers[arm] = lm_optim.build(modules[arm].model, cfg.optim, fused=False)
         shape = (cfg.data.batch_size, cfg.data.seq_len + 1)
         batches[arm] = torch.randint(0, cfg.model.vocab_size, shape, device=device)

@@ -1,4 +1,6 @@
-"""ResumeCheck: a resumed run continues the checkpoint's model on every rank, and says which settings changed.
+"""The resume check: a resumed run continues the checkpoint's model on every rank, and says which settings
+changed. `check_resumable` refuses before the run starts; the `ResumeCheck` callback checks the ranks and logs
+the changes at train start. (Beside `lm.checkpoint.checkpointer`, which finds the checkpoint.)
 
 Decided per key, because Lightning restores the optimizer and schedule from the checkpoint while config.yaml
 records today's command:
@@ -24,7 +26,6 @@ import lightning.pytorch as pl
 from lm.checkpoint import files
 from lm.config import DataConfig
 from lm.data.datamodule import LMDataModule
-from lm.engine.module import LMModule
 from lm.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class ResumeCheck(pl.Callback):
         """The resumed checkpoint's settings (flattened hyper-parameters + `SETTINGS`); None on a fresh run."""
 
     @staticmethod
-    def run_settings(trainer: pl.Trainer, pl_module: LMModule) -> dict[str, Any]:
+    def run_settings(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The settings a checkpoint's hyper-parameters do not hold, named as in the config."""
         return {
             "optim.total_steps (resolved)": pl_module.schedule_steps,  # trainer.max_steps when unset

@@ -1,0 +1,305 @@
+"""The one builder: the composed config -> the LightningModule, the callbacks and the Trainer of a run.
+
+Every verb that builds a run calls these (`lm.run.train.main`, `lm bench`, and through them `lm selftest` and
+`lm plan --calibrate`), so a new module argument or callback is added once, and a benchmark measures the module
+and Trainer a run trains.
+
+    build_module(cfg)                                  the seeded LMModule (a script with a composed cfg: this)
+    build_callbacks(cfg, plan, meter, run_dir, module)  every callback of the run, ordered by `priority`
+    build_trainer(cfg, run_dir, precision, callbacks)   the Trainer: strategy, precision, logging, checkpoint IO
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig
+
+from lm.callbacks.activation_stride import ActivationCheckpointingStride
+from lm.callbacks.consensus import Consensus
+from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.milestone_evals import BenchmarkEvaluator
+from lm.callbacks.milestone_samples import MilestoneSampler
+from lm.callbacks.nonfinite import NonFiniteGuard
+from lm.callbacks.order import by_priority
+from lm.callbacks.phase_tracker import PhaseTracker
+from lm.callbacks.progress import LossProgressBar
+from lm.callbacks.run_tokenizer import KeepTokenizer
+from lm.callbacks.spike import SpikeGuard
+from lm.callbacks.spot import SpotGuard
+from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.throughput_alarm import ThroughputAlarm
+from lm.checkpoint.checkpointer import Checkpointer
+from lm.config import LMConfig, to_objects
+from lm.engine import activation_checkpointing, hf, runtime
+from lm.engine.module import LMModule
+from lm.engine.parallel import build_strategy, cluster_plugins
+from lm.numbers import cost, run_plan
+from lm.numbers.memory import Workload
+from lm.run.doctor import resolve_runtime
+from lm.store import rundir
+
+log = logging.getLogger(__name__)
+
+
+def objects(cfg: LMConfig | DictConfig) -> LMConfig:
+    """The typed config of a composed one (`lm.config.compose`, Hydra's), every check run; typed as given."""
+    return to_objects(cfg) if isinstance(cfg, DictConfig) else cfg
+
+
+def decide_now(cfg: LMConfig, rt: runtime.Runtime) -> activation_checkpointing.Decision:
+    """The activation checkpointing stride, decided in this process (`auto` on a GPU measured here)."""
+    ac, decide = checkpointing_decision(cfg, rt)
+    return decide() if decide is not None else ac
+
+
+def checkpointing_decision(
+    cfg: LMConfig, rt: runtime.Runtime
+) -> tuple[activation_checkpointing.Decision, Callable[[], activation_checkpointing.Decision] | None]:
+    """The activation checkpointing stride, and the function that decides it at setup when it is deferred.
+
+    `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
+    every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    """
+    workload = Workload(cfg.model, cfg.data.batch_size, cfg.data.seq_len, rt.precision, rt.cuda)
+    decide = functools.partial(
+        activation_checkpointing.decide, cfg.activation_checkpointing, workload, cfg.kernels.liger
+    )
+    if cfg.activation_checkpointing.auto and rt.cuda:
+        return activation_checkpointing.Decision(0, "measured by rank 0 at setup", pending=True), decide
+    return decide(), None
+
+
+def build_module(
+    cfg: LMConfig | DictConfig,
+    rt: runtime.Runtime | None = None,
+    ac: activation_checkpointing.Decision | None = None,
+    *,
+    init_from: bool = True,
+    total_steps: int | None = None,
+    eot_id: int | None = None,
+) -> LMModule:
+    """The seeded LightningModule a run of `cfg` trains.
+
+    `rt`: the resolved runtime (default: resolved from `cfg`); `ac`: the activation checkpointing decision
+    (default: `decide_now`). `init_from`: load `model.init_from`'s weights when it is set (a fresh start; a
+    resume continues from its checkpoint, a bench measures speed). `total_steps`: the LR schedule's span where
+    neither `optim.total_steps` nor the Trainer's `max_steps` is the one wanted. `eot_id`: the end-of-text id
+    `model.doc_mask` splits documents at, where no data module will set it (a run's comes from its manifest).
+    """
+    cfg = objects(cfg)
+    rt = rt if rt is not None else resolve_runtime(cfg)
+    ac = ac if ac is not None else decide_now(cfg, rt)
+    pl.seed_everything(cfg.run.seed, workers=True)
+    module = LMModule(
+        cfg.model,
+        cfg.optim,
+        total_steps=total_steps,
+        ac_every=ac.every,
+        compile=rt.compile,
+        compile_mode=cfg.kernels.compile_mode,
+        liger=cfg.kernels.liger,
+        fp8=rt.fp8,
+        fp8_emulate=cfg.precision.fp8_emulate,
+        eot_id=eot_id,
+    )
+    if cfg.model.init_from is not None and init_from:
+        hf.load_init_from(module.model)
+    return module
+
+
+def cost_meter(
+    cfg: LMConfig,
+    rt: runtime.Runtime,
+    plan: run_plan.RunPlan,
+    module: LMModule,
+    run_dir: Path,
+    started_at: float,
+    ac: activation_checkpointing.Decision,
+) -> CostMeter:
+    """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once)."""
+    n_params = module.model.num_parameters()
+    fpt = cost.flops_per_token(
+        cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
+    )
+    peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
+    log.info(
+        "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
+        f"{n_params:,}",
+        fpt,
+        cost.FLOPS_FORMULA,
+        f"{peak / 1e12:g} TFLOP/s peak" if peak else "no catalogued peak: MFU not reported",
+        rt.price,
+        cfg.cost.pricing if cfg.cost.price_per_hour is None else "cost.price_per_hour",
+        rt.gpu.price_source or "no source",
+    )
+    return CostMeter(
+        tokens_per_device_step=plan.tokens_per_device_step,
+        flops_per_token=fpt,
+        peak_flops=peak,
+        price_per_hour=rt.price,
+        log_every=cfg.trainer.log_every_n_steps,
+        run_dir=run_dir,
+        started_at=started_at,
+        about=run_hparams(cfg, rt, plan, n_params, ac),
+        ramp=replace(plan.ramp, world=1),  # the meter sets the world it finds at setup
+    )
+
+
+def build_callbacks(
+    cfg: LMConfig,
+    plan: run_plan.RunPlan,
+    meter: CostMeter,
+    run_dir: Path,
+    module: LMModule,
+    *,
+    resumed: bool,
+    checkpointer: Checkpointer | None = None,
+    decide: Callable[[], activation_checkpointing.Decision] | None = None,
+) -> list[pl.Callback]:
+    """Every callback of the run, lm's and `cfg.callbacks`, in the order their hooks must run: sorted once by
+    each class's `priority` (lm.callbacks.order), where the reason for its place is written.
+
+    `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
+    `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
+    """
+    checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
+    resume_check, saver = checkpointer.callbacks(meter)
+    consensus = Consensus()
+    callbacks: list[pl.Callback] = [resume_check, meter]
+    if cfg.phases.phases:
+        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+    if cfg.sampling.prompts:
+        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
+    if cfg.evals.tasks:
+        callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
+    callbacks.append(stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus))
+    s = cfg.spot
+    callbacks += [
+        SpotGuard(s.signals, consensus),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
+        NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
+        SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
+        consensus,
+        KeepTokenizer(run_dir, resumed=resumed),  # what sample/export/eval read
+    ]
+    if decide is not None:  # it logs the hparams once it has decided
+        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
+    callbacks.append(saver)
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(LossProgressBar())
+    return by_priority(callbacks)
+
+
+def stopper(
+    cfg: LMConfig,
+    plan: run_plan.RunPlan,
+    meter: CostMeter,
+    run_dir: Path,
+    n_params: int,
+    consensus: Consensus | None = None,
+) -> DiminishingReturnsStopper:
+    """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
+    into tokens once it knows the world size)."""
+    end = plan.end
+    return DiminishingReturnsStopper(
+        cfg.early_stopping,
+        meter,
+        run_dir,
+        flat_lr=cfg.optim.schedule in ("wsd", "constant"),
+        plan_end_tokens=end.tokens if end.steps is None else None,
+        plan_end_steps=end.steps,
+        chinchilla_tokens=run_plan.chinchilla_tokens(n_params),
+        consensus=consensus,
+        optim=cfg.optim,
+        schedule_steps=plan.schedule_steps,
+    )
+
+
+def build_trainer(
+    cfg: LMConfig,
+    run_dir: Path,
+    precision: str,
+    callbacks: list[pl.Callback],
+    *,
+    checkpointer: Checkpointer | None = None,
+    **overrides: Any,
+) -> pl.Trainer:
+    """The Lightning Trainer with the run's callbacks (`build_callbacks`: checkpointing included) and logging.
+
+    `checkpointer`: the run's, whose format the checkpoint plugin writes (default: the full file).
+    `overrides`: Trainer arguments that replace the run's (`lm bench`: one device, no logger, no saves); they
+    also win over `trainer.extra`.
+    """
+    t = cfg.trainer
+    runtime.quiet_lightning()
+    checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
+    if "logger" in overrides:
+        logger = overrides.pop("logger")
+    else:
+        logger = (
+            TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
+            if cfg.logger.tensorboard
+            else False
+        )
+    args = dict(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(
+            t.strategy
+        ),  # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
+        precision=precision,
+        max_steps=t.max_steps,
+        max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        # Lightning counts validation intervals in micro-batches; ours is in optimizer steps.
+        val_check_interval=t.val_every_steps * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        use_distributed_sampler=False,  # the step-indexed sampler shards by rank itself
+        default_root_dir=run_dir,
+        logger=logger,
+        callbacks=callbacks,
+        plugins=[checkpointer.io(), *cluster_plugins()],
+    )
+    extra = {k: v for k, v in t.extra.items() if k not in overrides}
+    return pl.Trainer(**{**args, **overrides}, **extra)
+
+
+def run_hparams(
+    cfg: LMConfig,
+    rt: runtime.Runtime,
+    plan: run_plan.RunPlan,
+    n_params: int,
+    ac: activation_checkpointing.Decision,
+) -> dict:
+    """What TensorBoard's hparams tab shows for the run (the module adds the model and optimizer configs)."""
+    return {
+        "params": n_params,
+        "gpu": rt.gpu.name,
+        "device": rt.device_name,
+        "precision": rt.precision,
+        "compile": rt.compile,
+        "activation_checkpointing": "auto" if ac.pending else ac.every,  # set at setup when pending
+        "activation_checkpointing_auto": cfg.activation_checkpointing.auto,
+        "tf32": cfg.precision.tf32,
+        "liger": cfg.kernels.liger,
+        "fused_adamw": rt.fused_adamw,
+        "padded_vocab": cfg.model.padded_vocab_size,
+        "tokens_per_device_step": plan.tokens_per_device_step,
+        "price_per_hour": rt.price if rt.price is not None else "unknown",
+        "pricing": cfg.cost.pricing,
+    }
