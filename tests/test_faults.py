@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 from .conftest import train_in_process
 from .faults import fill

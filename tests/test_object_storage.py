@@ -23,11 +23,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
 from lm.checkpoint.local import resume_checkpoint
 from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.config import to_objects
 from lm.run.train import main
-from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
 from lm.store.objects import check_writable, retrying, transient
 
 from .conftest import TINY

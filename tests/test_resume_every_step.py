@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.store.exits import EXIT_PREEMPTED
+from lm.base.exits import EXIT_PREEMPTED
 
 from .conftest import TINY
 from .harness import assert_matches_reference, assert_same, fault, last, run

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 from lm.callbacks.spike import SpikeDetector
 from lm.config import SpotConfig
 from lm.data.dataset import StepSampler
 from lm.run import train as lm_train
-from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 
 from . import test_distributed as distributed
 from . import test_sync as sync

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.checkpoint.local import TMP_MARK, AtomicCheckpointIO, CheckpointSaveError, check_run_fits
-from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.tools.supervise import backoff_s, supervise
 
 from .conftest import TINY

@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.tables import fmt_money
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
@@ -29,7 +30,6 @@ from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_for
 from lm.numbers.loss_prior import fit_forecast, read_priors
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
-from lm.store.tables import fmt_money
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
+from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
+from lm.base.findings import Finding
 from lm.checkpoint.files import LAST, STEP_GLOB, checkpoint_step, loadable, read, step_files
 from lm.checkpoint.remote import RemoteCheckpoints, new_run_id
 from lm.config import CheckpointConfig, RunConfig
 from lm.store import rundir
 from lm.store.atomic import discard, nearest_folder, unwritable_cause, unwritable_fix
-from lm.store.exits import UNWRITABLE, CheckpointSaveError, report_progress
-from lm.store.findings import Finding
 from lm.store.lock import LOCK
 from lm.store.objects import check_writable
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lm.base.findings import Finding
 from lm.checkpoint.local import gib
 from lm.config import ActivationCheckpointingConfig, GpuConfig
 from lm.engine.module import LMModule
 from lm.model import ModelConfig
 from lm.numbers.memory import MemoryEstimate, Workload
-from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 

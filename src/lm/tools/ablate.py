@@ -57,12 +57,12 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from lm.base.exits import EXIT_PREEMPTED, one_line
 from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
 from lm.numbers.stats import Interval, difference, t_interval, verdict
 from lm.store import rundir
 from lm.store.atomic import write_atomic
-from lm.store.exits import EXIT_PREEMPTED, one_line
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class Runner:
         self.failed: dict[str, str] = {}
 
     def command(self, job: Job) -> list[str]:
-        from lm.config.compose import conf_dir
+        from lm.config.loading import conf_dir
 
         return [sys.executable, str(conf_dir().parent / "train.py"), *job.overrides]
 
@@ -525,7 +525,7 @@ def summarize(
     spec: Spec, results: list[RunResult], shapes: dict[str, Shape], times: dict[str, float] | None = None
 ) -> list[ArmRow]:
     """One row per arm that has finished runs; the baseline's mean final loss is every row's reference."""
-    from lm.config.compose import conf_dir
+    from lm.config.loading import conf_dir
     from lm.numbers import cost
 
     gpu = cost.load_catalog(conf_dir()).get(spec.gpu)
