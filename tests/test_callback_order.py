@@ -14,7 +14,7 @@ from lm.numbers import run_plan
 from lm.run.train import run_callbacks
 
 GUARDS = [
-    "DiminishingReturnsStopper",
+    "EarlyStopper",
     "SpotGuard",
     "ThroughputAlarm",
     "NonFiniteGuard",

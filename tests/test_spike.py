@@ -10,7 +10,7 @@ import pytest
 
 from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 from lm.callbacks.spike import SpikeDetector
-from lm.config import SpotConfig
+from lm.config import GuardConfig
 from lm.data.dataset import StepSampler
 from lm.run import train as lm_train
 
@@ -91,9 +91,9 @@ def test_detector_state_round_trips_and_null_factor_never_fires():
 
 def test_spot_config_refuses_a_factor_that_flags_ordinary_losses():
     with pytest.raises(ValueError, match=r"spot.spike_factor=0.9 .* above 1 .* spot.spike_factor=null"):
-        SpotConfig(spike_factor=0.9)
+        GuardConfig(spike_factor=0.9)
     with pytest.raises(ValueError, match="window of at least 3"):
-        SpotConfig(spike_window=2)
+        GuardConfig(spike_window=2)
 
 
 def batches(sampler: StepSampler, n: int) -> list[list[int]]:

@@ -33,19 +33,19 @@ from lm.config.training import (
     SCHEDULES,
     ActivationCheckpointingConfig,
     CheckpointConfig,
+    GuardConfig,
     KernelsConfig,
     LoggerConfig,
     OptimConfig,
     PrecisionConfig,
-    SpotConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "FP8_RECIPES", "MUON_LR_SCALES", "ON_EXHAUSTED", "OPTIMIZERS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
     "ActivationCheckpointingConfig", "BenchConfig", "CheckpointConfig", "CostConfig", "DataConfig",
-    "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "KernelsConfig", "LMConfig",
+    "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "GuardConfig", "KernelsConfig", "LMConfig",
     "LoggerConfig", "MixtureSource", "OptimConfig", "PhaseConfig", "PhasesConfig", "PrecisionConfig",
-    "RunConfig", "SamplingConfig", "SpotConfig", "TrainerConfig",
+    "RunConfig", "SamplingConfig", "TrainerConfig",
     "compose", "conf_dir", "init_tokenizer", "register_configs", "to_objects",
 ]  # fmt: skip

@@ -36,7 +36,9 @@ from lm.callbacks.resume_check import ResumeCheck, check_resumable
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
-from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.stopper import (
+    EarlyStopper as DiminishingReturnsStopper,  # old name until the one builder lands
+)
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.local import AtomicCheckpointIO, remote_behind, remote_checkpoints, resume_checkpoint
