@@ -107,11 +107,6 @@ def assert_close_weights(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("distributed")
-
-
-@pytest.fixture(scope="module")
 def reference(root, data_cache) -> Path:
     """One process with the global batch W·B, 9 steps straight (the 6-step runs are its prefix)."""
     assert (

@@ -49,11 +49,6 @@ validation, the spike and the start of the decay)."""
 SIGKILL_FAST = (13,)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("every-step")
-
-
 def args(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
     """The micro run `name`, its batch at SPIKE_STEP spiking in every process (bad data, as a replay sees it)."""
     spike = "+callbacks.spike"

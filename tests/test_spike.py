@@ -38,11 +38,6 @@ def guard_state(ckpt: dict) -> dict:
     return next(v for k, v in ckpt["callbacks"].items() if k.startswith("SpikeGuard"))
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("spike-runs")
-
-
 # -- the detector and the sampler, on synthetic numbers --------------------------------------------------
 
 

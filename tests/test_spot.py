@@ -4,7 +4,6 @@ subprocess runner with its hang bound) from `tests/harness.py`; the full matrix 
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +23,6 @@ from .harness import (
     overrides,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("spot-runs")
 
 
 @pytest.fixture(scope="module")
