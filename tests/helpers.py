@@ -34,7 +34,7 @@ def sha256(data: bytes | Path) -> str:
 def moto_server(port: int = 0):
     """moto's S3 server on loopback, not yet started (port 0: a free one). Its buckets live in moto's
     in-process backend, so they outlive a server stopped and started again on the same port."""
-    from moto.server import ThreadedMotoServer
+    from moto.server import ThreadedMotoServer  # optional: the fixtures skip without moto
 
     return ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
 
