@@ -15,10 +15,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from lm.base.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, unwritable
 from lm.config import register_configs
 from lm.run.hydra_checks import INVOCATION
 from lm.store.atomic import unwritable_cause, unwritable_fix
-from lm.store.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, unwritable
 from lm.store.rundir import in_multirun
 
 # Hydra prints a compose error (`model.n_layr=3`, `trainer.max_steps=abc`) and exits 1, which `lm supervise`
@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def fail(error: BaseException, code: int, cfg: DictConfig) -> None:
-    """Exit with `code`; in a multirun, fail only this job so the sweep goes on (lm.tools.sweep.SweepSummary)."""
+    """Exit with `code`; in a multirun, fail only this job so the sweep goes on (lm.run.sweep.SweepSummary)."""
     if in_multirun():
         raise JobFailed(one_line(error), code) from error
     if code == EXIT_CONFIG:

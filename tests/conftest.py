@@ -1,4 +1,5 @@
-"""Fixtures: the real Hydra config, composed for a CPU, a tiny model and temporary folders."""
+"""Fixtures: the real Hydra config, composed for a CPU, a tiny model and temporary folders; a module's runs folder;
+an S3 server."""
 
 from pathlib import Path
 
@@ -9,6 +10,8 @@ from omegaconf import DictConfig
 
 from lm.config import register_configs
 from lm.run.train import main
+
+from .helpers import BUCKET, S3Server
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -35,6 +38,24 @@ TINY = [
 def data_cache(tmp_path_factory) -> Path:
     """One prepared-data cache for the whole session: the tokenizer is trained once."""
     return tmp_path_factory.mktemp("lm-cache")
+
+
+@pytest.fixture(scope="module")
+def root(request, tmp_path_factory) -> Path:
+    """The runs folder a test module's tests share (its reference run, and the cases compared with it)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """An S3-compatible server (moto) on loopback with the bucket `BUCKET`, which a test may stop and start
+    again; one per test module."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    server = S3Server()
+    server.fs().mkdir(BUCKET)
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -19,14 +19,12 @@ Faults come from `tests/faults.py`, added to a run as a `_target_` callback (`fa
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ import torch
 from lm.checkpoint.files import checkpoint_step, loadable
 
 from .conftest import CONF, TINY
+from .helpers import sha256
 
 ROOT = CONF.parent
 STEPS = 20
@@ -252,60 +251,6 @@ def read(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
-# -- object storage ---------------------------------------------------------------------------------------
-
-
-class S3Server:
-    """moto's S3 on a fixed loopback port that can be stopped and started again mid-run.
-
-    The buckets live in moto's in-process backend, so they survive a restart (as a real store's data does).
-    """
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._make = lambda port: ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        self.server = self._make(0)
-        self.server.start()
-        self.host, self.port = self.server.get_host_and_port()
-        self.lock = threading.Lock()
-        self.up = True
-
-    @property
-    def env(self) -> dict[str, str]:
-        """What a training process needs to reach this server with fake credentials."""
-        return {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": f"http://{self.host}:{self.port}",
-            "AWS_EC2_METADATA_DISABLED": "true",  # never wait for an instance-metadata service
-        }
-
-    def stop(self) -> None:
-        with self.lock:
-            if self.up:
-                self.server.stop()
-                self.up = False
-
-    def start(self) -> None:
-        with self.lock:
-            if not self.up:
-                self.server = self._make(self.port)
-                self.server.start()
-                self.up = True
-
-    def fs(self):
-        import s3fs
-
-        return s3fs.S3FileSystem(
-            skip_instance_cache=True,
-            key="testing",
-            secret="testing",
-            endpoint_url=f"http://{self.host}:{self.port}",
-        )
-
-
 # -- checks ---------------------------------------------------------------------------------------------
 
 
@@ -338,14 +283,6 @@ def assert_matches_reference(root: Path, name: str, reference: dict, steps: int 
     assert_same(ckpt["optimizer_states"], reference["optimizer_states"], "optimizer")
     assert_same(ckpt["lr_schedulers"], reference["lr_schedulers"], "scheduler")
     return ckpt
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoints(ckpt_dir: Path) -> dict[int, str]:

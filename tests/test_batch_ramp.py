@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 
+from lm.base.exits import EXIT_PREEMPTED
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig, conf_dir, to_objects
@@ -15,7 +16,6 @@ from lm.data.dataset import StepSampler
 from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import load_catalog
 from lm.numbers.run_plan import resolve
-from lm.store.exits import EXIT_PREEMPTED
 from lm.tools import budget
 from lm.tools.ablate import arm_shape
 

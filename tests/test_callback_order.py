@@ -14,7 +14,7 @@ from lm.numbers import run_plan
 from lm.run.build import build_callbacks
 
 GUARDS = [
-    "DiminishingReturnsStopper",
+    "EarlyStopper",
     "SpotGuard",
     "ThroughputAlarm",
     "NonFiniteGuard",

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.data import (
     EOT,
     DataConfig,
@@ -34,7 +35,6 @@ from lm.data import (
 from lm.data.manifest import VERIFIED, NotPrepared, verify_shards
 from lm.data.stdlib import list_files, select_files
 from lm.data.tokenizer import file_sha256
-from lm.store.exits import EXIT_CONFIG, exit_code
 
 SMALL = dict(max_bytes=1_500_000, vocab_size=512, seq_len=64, tokenizer_sample_bytes=500_000, batch_size=8)
 TINY = dict(max_bytes=200_000, vocab_size=300, seq_len=32, tokenizer_sample_bytes=100_000)

@@ -107,11 +107,6 @@ def assert_close_weights(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("distributed")
-
-
-@pytest.fixture(scope="module")
 def reference(root, data_cache) -> Path:
     """One process with the global batch W·B, 9 steps straight (the 6-step runs are its prefix)."""
     assert (
@@ -414,7 +409,7 @@ def stand_in_decision(out: str, n_layer: int = 2) -> Decision:
     the CUDA trial probe); records that this rank probed."""
     rank = int(os.environ.get("RANK", "0"))
     (Path(out) / f"probed-{rank}").write_text("")
-    return resolve(0, True, n_layer, probe=PEAKS.get, budget_bytes=FREE[rank], headroom=0.0)
+    return resolve(0, True, n_layer, probe=PEAKS.get, budget_bytes=FREE[rank], free_memory_reserve=0.0)
 
 
 class RecordStride(pl.Callback):
@@ -441,7 +436,9 @@ def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, dat
     ]
     args = overrides(root, data_cache, "ac-auto", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}", "trainer.max_steps=2", "activation_checkpointing=auto", *callbacks)  # fmt: skip
     launch([*torchrun(W), *args])
-    assert resolve(0, True, 2, probe=PEAKS.get, budget_bytes=FREE[1], headroom=0.0).every == 0  # rank 1's own
+    assert (
+        resolve(0, True, 2, probe=PEAKS.get, budget_bytes=FREE[1], free_memory_reserve=0.0).every == 0
+    )  # rank 1's own
     assert [json.loads((tmp_path / f"stride-{r}.json").read_text()) for r in range(W)] == [2, 2]
     assert sorted(p.name for p in tmp_path.glob("probed-*")) == ["probed-0"]  # only rank 0 measured
     ledger = json.loads((root / "ac-auto" / "cost.json").read_text())

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 import lm.model
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.cli import main as lm_cli
-from lm.engine.hf import load_run, to_hf_model
 from lm.engine.kernels import check_liger_model
 from lm.engine.module import LMModule
+from lm.interop.hf import load_run, to_hf_model
 from lm.model import ModelConfig, Transformer, dense_doc_mask, document_ids
 from lm.numbers import memory
 from lm.run.train import main
-from lm.store.exits import EXIT_CONFIG, exit_code
 
 from .test_export import max_logit_diff, tiny_lm
 from .test_memory import saved_bytes

@@ -18,12 +18,14 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.cli import main as lm
 from lm.config import register_configs, to_objects
 from lm.data import LMDataModule
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import EOT, EOT_ID, train_tokenizer
-from lm.engine.hf import (
+from lm.engine.module import eager_cross_entropy
+from lm.interop.hf import (
     Loaded,
     from_hf_state_dict,
     hf_config,
@@ -32,11 +34,9 @@ from lm.engine.hf import (
     model_config_from_hf,
     to_hf_model,
 )
-from lm.engine.module import eager_cross_entropy
 from lm.model import ModelConfig, Transformer
 from lm.run.train import main
 from lm.store import rundir
-from lm.store.exits import EXIT_CONFIG, exit_code
 from lm.tools.export import LOCAL, MAX_SHARD_SIZE, export, model_card, run_license, write_folder
 
 from .conftest import CONF, TINY

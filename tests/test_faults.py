@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 
 from .conftest import train_in_process
 from .faults import fill
@@ -32,7 +32,6 @@ from .harness import (
     ROOT,
     STEPS,
     Record,
-    S3Server,
     Trigger,
     assert_kept,
     assert_matches_reference,
@@ -45,11 +44,10 @@ from .harness import (
     marker,
     overrides,
     run,
-    sha256,
     tree_digest,
 )
+from .helpers import BUCKET, pointer_steps, sha256
 
-BUCKET = "lm-faults"
 CRASH = 1
 
 
@@ -90,11 +88,6 @@ CASES = [
     Case("callback_raises", "raise", code=CRASH, saved_at=6, exit_within_s=30.0, fast=True),
     Case("callback_raises_in_val", "raise_in_val", code=CRASH, saved_at=12, exit_within_s=30.0),
 ]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults")
 
 
 @pytest.fixture(scope="module")
@@ -154,30 +147,14 @@ def test_fault_exits_with_its_code_and_a_rerun_resumes_exactly(root, data_cache,
 # -- a signal while a checkpoint is uploaded -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """An S3-compatible server (moto) on loopback that a test may stop and start again."""
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    server = S3Server()
-    server.fs().mkdir(BUCKET)
-    yield server
-    server.stop()
-
-
-def pointer_steps(s3: S3Server, name: str) -> list[int]:
-    """Steps listed by the run's latest.json in the bucket, newest first."""
-    fs = s3.fs()
-    try:
-        doc = json.loads(fs.cat_file(f"{BUCKET}/runs/{name}/checkpoints/latest.json"))
-    except FileNotFoundError:
-        return []
-    return sorted((e["step"] for e in doc["checkpoints"]), reverse=True)
+def bucketed(name: str) -> str:
+    """Where run `name` keeps its checkpoints in the bucket (`checkpoint.remote=s3://BUCKET/runs`)."""
+    return f"{BUCKET}/runs/{name}/checkpoints"
 
 
 @pytest.mark.faults_slow
 @pytest.mark.parametrize("sig", ["sigterm", "sigusr1", "sigint"])
-def test_signal_during_an_upload_saves_uploads_and_resumes(root, data_cache, reference, s3, row, sig):
+def test_signal_during_an_upload_saves_uploads_and_resumes(root, data_cache, reference, s3_server, row, sig):
     name = f"{sig}_upload"
     row.case = name
     (root / name).mkdir(parents=True)
@@ -185,14 +162,16 @@ def test_signal_during_an_upload_saves_uploads_and_resumes(root, data_cache, ref
     args = overrides(
         root, data_cache, name, f"checkpoint.remote=s3://{BUCKET}/runs", *fault(root / name, action, step=9)
     )
-    first = run(args, env=s3.env)
+    first = run(args, env=s3_server.env)
     row.outcome(first, marker(root / name, action, 9), EXIT_PREEMPTED)
     assert first.code == EXIT_PREEMPTED, first.tail()
     assert row.exit_s <= 60
     saved = last(root, name)["global_step"]
-    assert pointer_steps(s3, name)[:1] == [saved]  # the signal's checkpoint is in the bucket before exit
-    rerun_resumes(args, root, name, reference, row, env=s3.env)
-    assert pointer_steps(s3, name)[:1] == [STEPS]
+    assert pointer_steps(s3_server.fs(), bucketed(name))[:1] == [
+        saved
+    ]  # the signal's checkpoint is in the bucket before exit
+    rerun_resumes(args, root, name, reference, row, env=s3_server.env)
+    assert pointer_steps(s3_server.fs(), bucketed(name))[:1] == [STEPS]
 
 
 # -- kills ---------------------------------------------------------------------------------------------
@@ -295,7 +274,7 @@ def test_checkpoint_dir_removed_under_a_running_process_is_recreated(root, data_
 
 @pytest.mark.faults_slow
 def test_s3_stopped_mid_run_and_restarted_finishes_with_the_latest_in_the_bucket(
-    root, data_cache, reference, s3, row
+    root, data_cache, reference, s3_server, row
 ):
     name = row.case = "s3_down_mid_run"
     (root / name).mkdir(parents=True)
@@ -308,33 +287,37 @@ def test_s3_stopped_mid_run_and_restarted_finishes_with_the_latest_in_the_bucket
         *fault(root / name, "pause", step=14, key="up"),  # step 12's upload met a dead server
     )
     triggers = (
-        Trigger.at_pause(marker(root / name, "pause", 8, "down"), s3.stop),
-        Trigger.at_pause(marker(root / name, "pause", 14, "up"), s3.start),
+        Trigger.at_pause(marker(root / name, "pause", 8, "down"), s3_server.stop),
+        Trigger.at_pause(marker(root / name, "pause", 14, "up"), s3_server.start),
     )
     try:
-        result = run(args, env=s3.env, triggers=triggers)
+        result = run(args, env=s3_server.env, triggers=triggers)
     finally:
-        s3.start()
+        s3_server.start()
     row.outcome(result)
     assert result.code == 0, result.tail()
-    assert pointer_steps(s3, name)[:1] == [STEPS]
+    assert pointer_steps(s3_server.fs(), bucketed(name))[:1] == [STEPS]
     assert_matches_reference(root, name, reference)
     row.equal = True
 
 
 @pytest.mark.faults_slow
-def test_s3_down_at_start_for_less_than_the_retry_window_is_waited_for(root, data_cache, reference, s3, row):
+def test_s3_down_at_start_for_less_than_the_retry_window_is_waited_for(
+    root, data_cache, reference, s3_server, row
+):
     name = row.case = "s3_down_at_start"
     (root / name).mkdir(parents=True)
     args = overrides(root, data_cache, name, f"checkpoint.remote=s3://{BUCKET}/runs")
-    s3.stop()
+    s3_server.stop()
     try:  # down from before the start until 3 s after the doctor's table, which comes just before the probe
-        result = run(args, env=s3.env, triggers=(Trigger.after_output("doctor:", 3.0, s3.start),))
+        result = run(
+            args, env=s3_server.env, triggers=(Trigger.after_output("doctor:", 3.0, s3_server.start),)
+        )
     finally:
-        s3.start()
+        s3_server.start()
     row.outcome(result)
     assert result.code == 0, result.tail()
-    assert pointer_steps(s3, name)[:1] == [STEPS]
+    assert pointer_steps(s3_server.fs(), bucketed(name))[:1] == [STEPS]
     assert_matches_reference(root, name, reference)
     row.equal = True
 

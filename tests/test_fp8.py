@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.config import DataConfig, GpuConfig
 from lm.engine import fp8
-from lm.engine.hf import load_run, to_hf_model
 from lm.engine.module import LMModule
+from lm.interop.hf import load_run, to_hf_model
 from lm.model import ModelConfig
 from lm.numbers import cost
 from lm.run.train import main
 from lm.store.bench_file import measured_mfu, write_bench
-from lm.store.exits import EXIT_CONFIG, exit_code
 from lm.tools.sky import ASSUMED_MFU, rank_gpus
 
 from .conftest import CONF

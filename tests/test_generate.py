@@ -7,8 +7,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from lm.cli import main as lm
-from lm.engine.generate import complete, generate
-from lm.engine.hf import load_run
+from lm.interop.generate import complete, generate
+from lm.interop.hf import load_run
 from lm.model import KVCache, ModelConfig, Transformer
 from lm.run.train import main
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm.cli import main as lm
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import EOT, EOT_ID
-from lm.engine.hf import load_run
+from lm.interop.hf import load_run
 from lm.run.train import main
 from lm.tools.export import export
 from lm.tools.export_gguf import gguf_vocabulary, interleave_rope, write_gguf

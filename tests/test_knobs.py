@@ -208,15 +208,15 @@ def test_auto_tries_least_checkpointing_first_and_takes_the_first_that_fits():
     calls.clear()
     # Room for 1 block in 3 but not for 1 in 4: the search stops at the first candidate that fits.
     budget = (peaks[3] + peaks[4]) // 2
-    decision = resolve(0, True, 4, probe=probe, budget_bytes=budget, headroom=0.0)
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=budget, free_memory_reserve=0.0)
     assert decision.every == 3 and calls == [0, 4, 3]
     assert [(t.every, t.fits) for t in decision.trials] == [(0, False), (4, False), (3, True)]
     assert [t.peak_bytes for t in decision.trials] == [peaks[0], peaks[4], peaks[3]]
     assert "1 block in 3" in decision.reason
 
-    # The headroom is kept free: a peak that fits the budget but not the budget minus 10% does not fit.
+    # The reserve is kept free: a peak that fits the budget but not the budget minus 10% does not fit.
     calls.clear()
-    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0], headroom=0.1)
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0], free_memory_reserve=0.1)
     assert decision.every == 4 and calls == [0, 4]
 
     # Plenty of memory: off, after one trial. `every` is ignored under auto.
@@ -253,9 +253,11 @@ def test_auto_without_a_device_limit_is_off_and_configured_values_stand():
     assert resolve(2, False, 4).every == 2
 
 
-def test_headroom_is_validated(compose):
-    with pytest.raises(ValueError, match="activation_checkpointing.headroom"):
-        to_objects(compose("activation_checkpointing=auto", "activation_checkpointing.headroom=1.5"))
+def test_free_memory_reserve_is_validated(compose):
+    with pytest.raises(ValueError, match="activation_checkpointing.free_memory_reserve"):
+        to_objects(
+            compose("activation_checkpointing=auto", "activation_checkpointing.free_memory_reserve=1.5")
+        )
 
 
 # ---------------------------------------------------------------------------------------------- compile

@@ -126,7 +126,7 @@ def test_auto_measures_real_trial_steps():
     assert all(p is not None and p > 0 for p in peaks.values())
     assert peaks[1] < peaks[0]  # checkpointing every block saves real memory
     # A budget just below "off" makes auto pick some checkpointing, measured, not guessed.
-    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0] - 1, headroom=0.0)
+    decision = resolve(0, True, 4, probe=probe, budget_bytes=peaks[0] - 1, free_memory_reserve=0.0)
     assert decision.every > 0 and decision.trials[0].every == 0 and not decision.trials[0].fits
     # The trials leave no model, gradients or optimizer state behind on the device. cuBLAS keeps its
     # workspaces in the caching allocator (64 MiB on an H100), so the bound is half the fp32 weights.

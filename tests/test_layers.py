@@ -3,16 +3,18 @@ chain of imports (inside functions included) closes a cycle.
 
 The wings of `src/lm`, bottom to top (docs/architecture.md draws the tree, one line per file):
 
+  lm.base         exit codes and their exceptions, the doctor's `Finding`, Markdown tables (imports nothing of lm)
   lm.model        the architecture (imports nothing of lm)
-  lm.store        atomic writes, run-directory files, the run lock, exit codes, object storage, tables
+  lm.store        atomic writes, run-directory files, the run lock, bench.json, object storage
   lm.config       the typed config schemas and their composition
   lm.numbers      cost, the run's plan in numbers, memory, the LR schedule, the fitter and the loss laws
   lm.data         sources, tokenizer, shards, the mixture, the data modules
   lm.checkpoint   checkpoint files: names and reading, local saves and resume, the bucket, the save callback
-  lm.engine       the LightningModule, optimizers, kernels, parallelism, runtime, generation, HF, evaluation
+  lm.engine       the LightningModule, optimizers, kernels, parallelism, runtime, activation checkpointing
+  lm.interop      the model's interfaces to other tools: Hugging Face (export, import), lm-eval, generation
   lm.callbacks    the run's Lightning callbacks
-  lm.run          one run: preflight (doctor), composition (train), the report
-  lm.tools        the verbs around runs: bench, plan, calibrate, sky, sweep, supervise, export
+  lm.run          one run: preflight (doctor), composition (train), a sweep's summary, the report
+  lm.tools        the verbs around runs: bench, plan, calibrate, sky, supervise, export, ablate
   lm.cli          the entry point (train.py at the repository root calls lm.run.train)
 """
 
@@ -24,8 +26,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 WINGS = [
-    "lm", "lm.model", "lm.store", "lm.config", "lm.numbers", "lm.data", "lm.checkpoint", "lm.engine",
-    "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
+    "lm", "lm.base", "lm.model", "lm.store", "lm.config", "lm.numbers", "lm.data", "lm.checkpoint", "lm.engine",
+    "lm.interop", "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
 ]  # fmt: skip
 LAYERS = {i: [wing] for i, wing in enumerate(WINGS)}
 ROOT_FILES_AT_MOST = 6

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.stopper import EarlyStopper
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleLaw, fit_schedule_law, lam_for
 from lm.numbers.loss_prior import (
@@ -101,9 +101,7 @@ def test_the_stopper_forecasts_from_a_calibration_file_and_says_which_prior(tmp_
         json.dumps({"law": {}, "forecast_prior": priors_record(priors_from_curves(curves, "cal"))})
     )
     cfg = EarlyStoppingConfig(forecast_prior=str(path), forecast_min_points=3)
-    stopper = DiminishingReturnsStopper(
-        cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=WSD, schedule_steps=PLAN
-    )
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=WSD, schedule_steps=PLAN)
     _, y = schedule_curve(0.5, 6.0, 0.005, seed=3)
     for step, loss in zip(STEPS[:6], y[:6], strict=True):
         stopper.observe(int(step), int(step) * 512, None, float(loss))
@@ -111,7 +109,7 @@ def test_the_stopper_forecasts_from_a_calibration_file_and_says_which_prior(tmp_
     assert law["model"] == "schedule" and law["prior"]["source"] == "cal (2 curve(s))"
     assert "shape prior: cal (2 curve(s))" in law_sentence(law)
     # Without a prior the record says so, and the law is the one of before.
-    plain = DiminishingReturnsStopper(
+    plain = EarlyStopper(
         EarlyStoppingConfig(forecast_min_points=3),
         None,
         tmp_path,

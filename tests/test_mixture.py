@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.cli import main as lm
 from lm.config import DataConfig, MixtureSource, PhaseConfig, compose, to_objects
 from lm.data import load_manifest, prepare
@@ -17,7 +18,6 @@ from lm.data.mixture import MixtureDataModule, MixtureSampler, mixed_val_batches
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import file_sha256, train_tokenizer
 from lm.run.doctor import check_mixture, resolve_target
-from lm.store.exits import EXIT_CONFIG, exit_code
 from lm.store.rundir import read_phases
 
 from .conftest import TINY, train_in_process

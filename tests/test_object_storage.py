@@ -4,7 +4,6 @@ The run that matters: killed, its machine gone (the local run directory deleted)
 the bucket, and still bitwise equal to a run that was never interrupted.
 """
 
-import hashlib
 import http.server
 import importlib.util
 import json
@@ -23,45 +22,29 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
 from lm.checkpoint.checkpointer import archive_run, find_resume_point
 from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.config import to_objects
 from lm.run.train import main
-from lm.store.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
 from lm.store.objects import check_writable, retrying, transient
 
 from .conftest import TINY
 from .conftest import train_in_process as train
 from .harness import ROOT, assert_matches_reference, command, fault, last, overrides
+from .helpers import BUCKET, moto_server, pointer_steps, sha256
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-BUCKET = "lm-test"
+pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
-def s3():
-    """An S3-compatible server on 127.0.0.1 with fake credentials in the environment; yields its fs."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_EC2_METADATA_DISABLED": "true",  # never wait for an instance-metadata service
-    }
+def s3(s3_server):
+    """The bucket's filesystem, with the server's fake credentials in the environment (for in-process runs)."""
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
+        for k, v in s3_server.env.items():
             mp.setenv(k, v)
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield fs
-    server.stop()
+        yield s3_server.fs()
 
 
 def run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,21 +58,6 @@ def run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess
         start_new_session=True,
         env=env,
     )
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def pointer_steps(fs, prefix: str) -> list[int]:
-    fs.invalidate_cache()
-    store = RemoteCheckpoints(f"s3://{prefix}")
-    return [e.step for e in store.read_pointer()]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("object-storage")
 
 
 @pytest.mark.slow
@@ -506,7 +474,7 @@ def test_a_store_down_at_start_up_is_waited_for_and_past_the_window_supervise_re
     server = None
     try:
         wait_for_text(out, "retrying for up to 120 s", child)
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server = moto_server(port)
         server.start()
         assert child.wait(timeout=240) == 0, out.read_text()[-3000:]
     finally:
@@ -525,7 +493,7 @@ def test_a_store_down_at_start_up_is_waited_for_and_past_the_window_supervise_re
         wait_for_text(out, "child left with exit 69", child)
         text = out.read_text()
         assert "failed for 1 s" in text and "exit 69" in text and "Traceback" not in text, text[-3000:]
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server = moto_server(port)
         server.start()
         assert child.wait(timeout=240) == 0, out.read_text()[-3000:]
     finally:
@@ -585,7 +553,7 @@ def test_an_upload_during_an_outage_is_retried_until_the_store_is_back(s3, tmp_p
         retry_window_s=120,
     )
     uploader = CheckpointUploader(store)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = moto_server(port)
     with caplog.at_level(logging.INFO):
         uploader.submit(fake_checkpoint(tmp_path / "6.ckpt", 6), 6)  # the server is down
         deadline = time.monotonic() + 60

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.base.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.checkpoint.checkpointer import archive_run
 from lm.store.atomic import append_atomic, write_atomic
-from lm.store.exits import EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, DiskFull
 from lm.store.lock import RunLock, RunLocked
 
 from .conftest import CONF, TINY
@@ -127,7 +127,7 @@ def test_a_process_stuck_on_the_way_out_is_ended_with_its_code_and_its_stacks(tm
     script = textwrap.dedent(f"""
         import multiprocessing, os, threading, time
         from lm.data.datamodule import ignore_stop_signals
-        from lm.store.exits import exit_within
+        from lm.base.exits import exit_within
 
         def child():
             ignore_stop_signals(0)

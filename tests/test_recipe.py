@@ -10,16 +10,16 @@ import sys
 import pytest
 import torch
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.config import to_objects
-from lm.engine.hf import load_init_from, model_config_from_hf, to_hf_model
 from lm.engine.kernels import check_liger_model
 from lm.engine.module import LMModule
+from lm.interop.hf import load_init_from, model_config_from_hf, to_hf_model
 from lm.model import ModelConfig, Transformer
 from lm.numbers import memory
 from lm.numbers.cost import flops_per_token
 from lm.run.train import main
 from lm.store import rundir
-from lm.store.exits import EXIT_CONFIG, exit_code
 
 from .test_export import max_logit_diff, source_folder, tiny_lm
 from .test_memory import saved_bytes

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lm.base.exits import EXIT_CONFIG
 from lm.config import compose, to_objects
 from lm.data.manifest import dataset_dir
-from lm.store.exits import EXIT_CONFIG
 
 from .conftest import CONF, TINY
 from .conftest import train_in_process as train

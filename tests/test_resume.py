@@ -11,13 +11,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.base.exits import EXIT_CONFIG, exit_code
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.local import rotate
 from lm.config import DataConfig, OptimConfig
 from lm.engine.module import lr_lambda
 from lm.run.train import main
 from lm.store import rundir
-from lm.store.exits import EXIT_CONFIG, exit_code
 
 from .conftest import CONF, TINY, train_in_process
 from .harness import flip_bytes

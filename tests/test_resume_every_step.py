@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.store.exits import EXIT_PREEMPTED
+from lm.base.exits import EXIT_PREEMPTED
 
 from .conftest import TINY
 from .harness import assert_matches_reference, assert_same, fault, last, run
@@ -47,11 +47,6 @@ SIGKILL_STEPS = (3, 9, 13)
 """Before the first checkpoint (the rerun starts over), and after it (steps 8.. are trained again, across the
 validation, the spike and the start of the decay)."""
 SIGKILL_FAST = (13,)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("every-step")
 
 
 def args(root: Path, cache: Path, name: str, *extra: str) -> list[str]:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 from lm.callbacks.spike import SpikeDetector
-from lm.config import SpotConfig
+from lm.config import GuardConfig
 from lm.data.dataset import StepSampler
 from lm.run import build
 from lm.run import train as lm_train
-from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 
 from . import test_distributed as distributed
 from . import test_sync as sync
@@ -37,11 +37,6 @@ def spike_fault(root: Path, action: str, step: int, count: int = 1, rank: int | 
 
 def guard_state(ckpt: dict) -> dict:
     return next(v for k, v in ckpt["callbacks"].items() if k.startswith("SpikeGuard"))
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("spike-runs")
 
 
 # -- the detector and the sampler, on synthetic numbers --------------------------------------------------
@@ -92,9 +87,9 @@ def test_detector_state_round_trips_and_null_factor_never_fires():
 
 def test_spot_config_refuses_a_factor_that_flags_ordinary_losses():
     with pytest.raises(ValueError, match=r"spot.spike_factor=0.9 .* above 1 .* spot.spike_factor=null"):
-        SpotConfig(spike_factor=0.9)
+        GuardConfig(spike_factor=0.9)
     with pytest.raises(ValueError, match="window of at least 3"):
-        SpotConfig(spike_window=2)
+        GuardConfig(spike_window=2)
 
 
 def batches(sampler: StepSampler, n: int) -> list[list[int]]:

@@ -4,15 +4,14 @@ subprocess runner with its hang bound) from `tests/harness.py`; the full matrix 
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
+from lm.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.checkpoint.formats import TMP_MARK
 from lm.checkpoint.local import AtomicCheckpointIO, CheckpointSaveError, check_run_fits
-from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from lm.tools.supervise import backoff_s, supervise
 
 from .conftest import TINY
@@ -25,11 +24,6 @@ from .harness import (
     overrides,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("spot-runs")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The diminishing-returns stopper: its criteria on recorded metrics, and real tiny runs that it stops."""
+"""The early stopper: its criteria on recorded metrics, and real tiny runs that it stops."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.stopper import EarlyStopper
 from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
 from lm.numbers.loss_law import ANNEAL_GAIN, ScheduleLaw, lam_for, schedule_forecast
@@ -25,7 +25,7 @@ TOKENS_PER_STEP = 131_072
 
 def replay(cfg: EarlyStoppingConfig, points, tmp_path) -> int | None:
     """Feed (step, loss, usd) points to the stopper; the index of the point at which it says stop."""
-    stopper = DiminishingReturnsStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True)
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True)
     for i, (step, loss, usd) in enumerate(points):
         if stopper.observe(step, step * TOKENS_PER_STEP, usd, loss):
             return i
@@ -97,9 +97,7 @@ def test_the_forecast_can_replace_the_trailing_window(tmp_path):
     )
     threshold = math.sqrt(price[20] * price[21])  # crossed between points 20 and 21 (7% apart)
     cfg = EarlyStoppingConfig(max_usd_per_loss_point=threshold, use_forecast=True)
-    stopper = DiminishingReturnsStopper(
-        cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=optim, schedule_steps=plan
-    )
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=optim, schedule_steps=plan)
     for i, (step, loss, usd) in enumerate(points):  # noqa: B007 (i is read after the loop)
         said = stopper.observe(step, step * TOKENS_PER_STEP, usd, loss)
         if said:

@@ -11,14 +11,14 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
+from lm.base.exits import EXIT_CONFIG
 from lm.cli import main as lm
 from lm.config import conf_dir, register_configs, to_objects
 from lm.numbers.cost import flops_per_token, load_catalog, non_embedding_params
+from lm.run.sweep import read_job, write_summary
 from lm.run.train import main as train_main
-from lm.store.exits import EXIT_CONFIG
 from lm.store.rundir import read_scalars
 from lm.tools.sky import ASSUMED_MFU, memory_needed_gb, rank_gpus, render_task
-from lm.tools.sweep import read_job, write_summary
 
 from .conftest import CONF, TINY
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from lm.engine.generate import generate
+from lm.interop.generate import generate
 from lm.model import ModelConfig, Transformer
 
 parser = argparse.ArgumentParser()

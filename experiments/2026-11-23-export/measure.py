@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lm.config import compose, to_objects
-from lm.engine.hf import to_hf_model
+from lm.interop.hf import to_hf_model
 from lm.model import ModelConfig, Transformer
 from lm.store import rundir
 from lm.tools.export import export

@@ -153,7 +153,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep_summary(args: argparse.Namespace) -> None:
-    from lm.tools.sweep import write_summary
+    from lm.run.sweep import write_summary
 
     path, rows = write_summary(args.sweep_dir)
     print(path.read_text(), end="")
@@ -161,7 +161,7 @@ def cmd_sweep_summary(args: argparse.Namespace) -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> None:
-    from lm.store.exits import EXIT_CONFIG
+    from lm.base.exits import EXIT_CONFIG
     from lm.tools.ablate import ablate
 
     try:
@@ -325,8 +325,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from lm.engine.generate import complete
-    from lm.engine.hf import load_run
+    from lm.interop.generate import complete
+    from lm.interop.hf import load_run
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     run = load_run(args.ckpt, device)
@@ -349,7 +349,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from lm.store.exits import EXIT_CONFIG
+    from lm.base.exits import EXIT_CONFIG
     from lm.tools.export import export
 
     given = {"dtype": args.dtype, "vocab": args.vocab}
@@ -374,7 +374,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from lm.engine.harness import evaluate_path
+    from lm.interop.evaluation import evaluate_path
 
     tasks = [t for t in args.tasks.split(",") if t]
     written, record = evaluate_path(

@@ -15,14 +15,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from lm.base.tables import evals_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
-from lm.engine import hf
-from lm.engine.harness import generators_kept, score, task_manager
+from lm.interop import hf
+from lm.interop.evaluation import generators_kept, score, task_manager
 from lm.store import rundir
-from lm.store.tables import evals_markdown
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lm.base.tables import samples_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import PhaseConfig, SamplingConfig
-from lm.engine.generate import complete
+from lm.interop.generate import complete
 from lm.store import rundir
-from lm.store.tables import samples_markdown
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import Any, NoReturn
 import lightning.pytorch as pl
 import torch
 
+from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 from lm.callbacks.host_copy import HostCopy
 from lm.engine.parallel import grad_norm
 from lm.store import rundir
-from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.tables import phases_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
 from lm.numbers.run_plan import phase_at
 from lm.store import rundir
-from lm.store.tables import phases_markdown
 
 log = logging.getLogger(__name__)
 

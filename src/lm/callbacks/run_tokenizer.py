@@ -10,12 +10,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.findings import Finding
 from lm.checkpoint.files import step_files
 from lm.config import DataConfig
 from lm.data.manifest import TOKENIZER, prepared_folder
 from lm.data.mixture import mixture_sources
 from lm.store import rundir
-from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 

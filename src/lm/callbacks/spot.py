@@ -19,9 +19,9 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lm.base.exits import EXIT_PREEMPTED, Preempted
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
-from lm.store.exits import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""DiminishingReturnsStopper: stop when another loss point costs more than it is worth, or the money runs out.
+"""EarlyStopper: stop when another loss point costs more than it is worth, the money runs out, the target loss
+is reached or the loss stops improving.
 
 At every validation it records (step, tokens, dollars, loss), fits the loss forecast (the schedule-aware law
 of lm.numbers.loss_law), and checks the criteria of `early_stopping`: the marginal dollars per loss point
@@ -21,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.tables import fmt_money
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
@@ -29,7 +31,6 @@ from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_for
 from lm.numbers.loss_prior import fit_forecast, read_priors
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
-from lm.store.tables import fmt_money
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def usd_per_token(points: list[ValPoint], window: int) -> float | None:
     return (new.usd - (old.usd or 0.0)) / (new.tokens - old.tokens)
 
 
-class DiminishingReturnsStopper(Callback):
+class EarlyStopper(Callback):
     """See the module docstring. The plan's end (`plan_end_steps`, or `plan_end_tokens` turned into steps
     once the meter knows the tokens per step) and `chinchilla_tokens` are where the forecast is read."""
 

@@ -18,12 +18,12 @@ from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
+from lm.base.findings import Finding
 from lm.checkpoint.files import LAST, checkpoint_step, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
 from lm.store import rundir
 from lm.store.atomic import nearest_folder, unwritable_cause, unwritable_fix
-from lm.store.exits import UNWRITABLE, CheckpointSaveError, report_progress
-from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 

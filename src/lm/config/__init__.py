@@ -5,12 +5,12 @@ these dataclasses at compose time: `model.n_layr=3` or `trainer.max_steps=abc` f
 Third-party objects (extra Lightning callbacks) stay plain `_target_` YAML.
 
 One module per concern: `data` (the corpus or mixture), `training` (how steps are taken), `root` (the run
-around its steps, and the root `LMConfig`), `compose` (the config folder, Hydra, `to_objects`). Every public
+around its steps, and the root `LMConfig`), `loading` (the config folder, Hydra, `compose`, `to_objects`). Every public
 name is re-exported here: `from lm.config import X` is the one spelling the rest of lm uses.
 """
 
-from lm.config.compose import compose, conf_dir, init_tokenizer, register_configs, to_objects
 from lm.config.data import ON_EXHAUSTED, SOURCES, VERIFY, DataConfig, MixtureSource
+from lm.config.loading import compose, conf_dir, init_tokenizer, register_configs, to_objects
 from lm.config.root import (
     PRICINGS,
     BenchConfig,
@@ -33,19 +33,19 @@ from lm.config.training import (
     SCHEDULES,
     ActivationCheckpointingConfig,
     CheckpointConfig,
+    GuardConfig,
     KernelsConfig,
     LoggerConfig,
     OptimConfig,
     PrecisionConfig,
-    SpotConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "FP8_RECIPES", "MUON_LR_SCALES", "ON_EXHAUSTED", "OPTIMIZERS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
     "ActivationCheckpointingConfig", "BenchConfig", "CheckpointConfig", "CostConfig", "DataConfig",
-    "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "KernelsConfig", "LMConfig",
+    "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "GuardConfig", "KernelsConfig", "LMConfig",
     "LoggerConfig", "MixtureSource", "OptimConfig", "PhaseConfig", "PhasesConfig", "PrecisionConfig",
-    "RunConfig", "SamplingConfig", "SpotConfig", "TrainerConfig",
+    "RunConfig", "SamplingConfig", "TrainerConfig",
     "compose", "conf_dir", "init_tokenizer", "register_configs", "to_objects",
 ]  # fmt: skip

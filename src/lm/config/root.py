@@ -10,11 +10,11 @@ from lm.config.data import DataConfig
 from lm.config.training import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
+    GuardConfig,
     KernelsConfig,
     LoggerConfig,
     OptimConfig,
     PrecisionConfig,
-    SpotConfig,
     TrainerConfig,
 )
 from lm.model import ModelConfig
@@ -306,7 +306,7 @@ class LMConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     phases: PhasesConfig = field(default_factory=PhasesConfig)
-    spot: SpotConfig = field(default_factory=SpotConfig)
+    spot: GuardConfig = field(default_factory=GuardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     evals: EvalsConfig = field(default_factory=EvalsConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)

@@ -157,16 +157,17 @@ class ActivationCheckpointingConfig:
     """0 off; 1 checkpoints every block; k checkpoints every k-th block. Ignored when `auto` is set."""
     auto: bool = False
     """Choose `every` at start: the least checkpointing whose measured trial step (the real micro-batch,
-    precision and kernels on the real GPU) fits in the free device memory minus `headroom`. Off on a CPU."""
-    headroom: float = 0.1
-    """Fraction of the free device memory `auto` leaves unused (compilation, evaluation, fragmentation)."""
+    precision and kernels on the real GPU) fits in the free device memory minus `free_memory_reserve`. Off on a CPU."""
+    free_memory_reserve: float = 0.1
+    """Fraction of the free device memory `auto` leaves unused (compilation, evaluation, fragmentation); not
+    `doctor.headroom`, a fraction of the whole device's memory."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError("activation_checkpointing.every must be 0 (off) or a positive block stride")
-        if not 0.0 <= self.headroom < 1.0:
+        if not 0.0 <= self.free_memory_reserve < 1.0:
             raise ValueError(
-                "activation_checkpointing.headroom must lie in [0, 1): a fraction of free memory"
+                "activation_checkpointing.free_memory_reserve must lie in [0, 1): a fraction of free memory"
             )
 
 
@@ -234,8 +235,8 @@ class CheckpointConfig:
 
 
 @dataclass
-class SpotConfig:
-    """Surviving preemption and sick hosts: stop signals, the throughput alarm, NaN/inf and spiking losses."""
+class GuardConfig:
+    """The run's guards (the `spot` group): stop signals, the throughput alarm, NaN/inf and spiking losses."""
 
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me). Ctrl-C

@@ -16,6 +16,7 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
+from lm.base.findings import Finding
 from lm.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
 from lm.data.manifest import (
@@ -30,7 +31,6 @@ from lm.data.manifest import (
 from lm.data.shards import prepare
 from lm.data.tokenizer import load_tokenizer
 from lm.numbers.batch_ramp import ramp_of
-from lm.store.findings import Finding
 
 log = logging.getLogger("lm.data")
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lm.base.findings import Finding
 from lm.config import DataConfig, MixtureSource, PhaseConfig
 from lm.data import shards, sources
 from lm.data.allocation import Allocation, Interleave
@@ -42,7 +43,6 @@ from lm.data.shards import prepare
 from lm.data.tokenizer import sample_texts, train_tokenizer
 from lm.numbers.run_plan import RunPlan
 from lm.store.atomic import write_atomic
-from lm.store.findings import Finding
 from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from lm.base.exits import Interrupted
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.manifest import (
@@ -57,7 +58,6 @@ from lm.data.tokenizer import (
     train_tokenizer,
 )
 from lm.store.atomic import write_atomic
-from lm.store.exits import Interrupted
 from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")

@@ -1,1 +1,1 @@
-"""What trains and runs the model: the LightningModule, optimizers, kernels, parallelism, runtime, generation, HF, evaluation."""
+"""What trains the model: the LightningModule, optimizers, kernels, parallelism, runtime, activation checkpointing."""

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lm.base.findings import Finding
 from lm.checkpoint.local import gib
 from lm.config import ActivationCheckpointingConfig, GpuConfig
 from lm.engine.module import LMModule
 from lm.model import ModelConfig
 from lm.numbers.memory import MemoryEstimate, Workload
-from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,14 @@ def resolve(
     *,
     probe: Callable[[int], int | None] | None = None,
     budget_bytes: int | None = None,
-    headroom: float = 0.1,
+    free_memory_reserve: float = 0.1,
 ) -> Decision:
     """The stride to train with.
 
     Without `auto` the configured `every` stands. With `auto`, `probe(every)` runs one measured trial (the
     real training step at the real micro-batch, on the device) and returns its peak memory in bytes, or
     None when it ran out of memory; candidates go from the least checkpointing to the most
-    (`checkpoint_candidates`) and the first whose peak stays within `budget_bytes x (1 - headroom)` wins:
+    (`checkpoint_candidates`) and the first whose peak stays within `budget_bytes x (1 - free_memory_reserve)` wins:
     the fastest setting that fits. Without a probe or a budget (a CPU: no device memory limit) it is off.
     Raises ValueError, naming the fixes, when not even checkpointing every block fits.
     """
@@ -91,7 +91,7 @@ def resolve(
         return Decision(
             0, "auto: no device memory limit to fit (not training on a CUDA GPU), so checkpointing is off"
         )
-    limit = int(budget_bytes * (1.0 - headroom))
+    limit = int(budget_bytes * (1.0 - free_memory_reserve))
     trials: list[Trial] = []
     for k in candidates(n_layer):
         peak = probe(k)
@@ -108,7 +108,7 @@ def resolve(
             return Decision(
                 k,
                 f"auto: {describe(k)} is the least checkpointing whose trial step peaks within "
-                f"{limit / 1e9:.2f} GB ({1 - headroom:.0%} of {budget_bytes / 1e9:.2f} GB free)",
+                f"{limit / 1e9:.2f} GB ({1 - free_memory_reserve:.0%} of {budget_bytes / 1e9:.2f} GB free)",
                 trials,
             )
     raise ValueError(
@@ -139,7 +139,7 @@ def cuda_trial_probe(
 
     Two steps, because AdamW allocates its moments in the first: the second step's forward holds weights,
     moments and activations at once, the steady-state peak. The copy runs eagerly (a compile per candidate
-    would take minutes); the headroom covers what compilation and evaluation change. The run's own weights
+    would take minutes); the reserve covers what compilation and evaluation change. The run's own weights
     are never touched, and everything the trial allocated is released before the next one.
     """
     warmed = False
@@ -227,7 +227,12 @@ def decide(ac: ActivationCheckpointingConfig, work: Workload, liger: bool) -> De
             device=gpu,
         )
     return resolve(
-        ac.every, ac.auto, work.model.n_layer, probe=probe, budget_bytes=budget, headroom=ac.headroom
+        ac.every,
+        ac.auto,
+        work.model.n_layer,
+        probe=probe,
+        budget_bytes=budget,
+        free_memory_reserve=ac.free_memory_reserve,
     )
 
 

@@ -20,8 +20,8 @@ import importlib
 import torch
 from torch import nn
 
+from lm.base.findings import Finding
 from lm.config import FP8_RECIPES, GpuConfig
-from lm.store.findings import Finding
 
 MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer."""

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from lm.base.findings import Finding
 from lm.model import Attention, ModelConfig, RMSNorm, SwiGLU, Transformer
-from lm.store.findings import Finding
 
 LIGER_FIX = "use kernels=eager or kernels=compile"
 

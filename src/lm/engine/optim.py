@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from lm.base.findings import Finding
 from lm.config import OptimConfig
 from lm.model import ModelConfig, Transformer
-from lm.store.findings import Finding
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:

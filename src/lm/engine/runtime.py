@@ -14,19 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
+from lm.base.findings import Finding
 from lm.config import (
     CostConfig,
     GpuConfig,
     KernelsConfig,
+    LMConfig,
     OptimConfig,
     PrecisionConfig,
     TrainerConfig,
     conf_dir,
 )
 from lm.engine.fp8 import check_fp8
-from lm.engine.kernels import check_liger
+from lm.engine.kernels import check_liger, check_liger_model
 from lm.numbers import cost
-from lm.store.findings import Finding
 
 
 @dataclass
@@ -126,6 +127,13 @@ def resolve(
 
 LIGHTNING_RANK_ZERO_LOG = "lightning.pytorch.utilities.rank_zero"
 """The logger Lightning's `rank_zero_info` writes through (lightning_utilities' `rank_zero_module.log`)."""
+
+
+def resolve_runtime(cfg: LMConfig, plan_gpu: GpuConfig | None = None) -> Runtime:
+    """`resolve` with this config's sections."""
+    if cfg.kernels.liger:  # before any data or model: a recipe lever Liger cannot serve is exit 78
+        check_liger_model(cfg.model)
+    return resolve(cfg.trainer, cfg.gpu, cfg.precision, cfg.kernels, cfg.optim, cfg.cost, plan_gpu)
 
 
 def hide_litlogger_tip(record: logging.LogRecord) -> bool:

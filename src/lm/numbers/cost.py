@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from lm.base.findings import Finding
 from lm.config import CostConfig, DoctorConfig, GpuConfig
 from lm.model import ModelConfig, Transformer
 from lm.numbers.memory import Workload
-from lm.store.findings import Finding
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lm.base.findings import Finding
 from lm.config import DataConfig, OptimConfig, PhaseConfig, TrainerConfig
 from lm.numbers.batch_ramp import BatchRamp, ramp_of
-from lm.store.findings import Finding
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 

@@ -1,1 +1,1 @@
-"""One run: its composition (train), its preflight (doctor) and its last word (report)."""
+"""One run: its composition (train), its preflight (doctor), a sweep's records and summary (sweep), its last word (report)."""

@@ -35,16 +35,17 @@ from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
-from lm.callbacks.stopper import DiminishingReturnsStopper
+from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.config import LMConfig, to_objects
-from lm.engine import activation_checkpointing, hf, runtime
+from lm.engine import activation_checkpointing, runtime
 from lm.engine.module import LMModule
 from lm.engine.parallel import build_strategy, cluster_plugins
+from lm.engine.runtime import resolve_runtime
+from lm.interop import hf
 from lm.numbers import cost, run_plan
 from lm.numbers.memory import Workload
-from lm.run.doctor import resolve_runtime
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -207,11 +208,11 @@ def stopper(
     run_dir: Path,
     n_params: int,
     consensus: Consensus | None = None,
-) -> DiminishingReturnsStopper:
+) -> EarlyStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
     end = plan.end
-    return DiminishingReturnsStopper(
+    return EarlyStopper(
         cfg.early_stopping,
         meter,
         run_dir,

@@ -1,7 +1,7 @@
 """The preflight doctor: forgotten free optimizations and plan problems, found before a cent is spent.
 
 Each component states its own checks beside its code, as a function of its own config sections that returns
-findings (`lm.store.findings.Finding`: a level (ok / warn / error), what it saw, the expected gain of fixing
+findings (`lm.base.findings.Finding`: a level (ok / warn / error), what it saw, the expected gain of fixing
 it and the fix as a Hydra override). The doctor keeps the registry (`CHECKS`: one line per check, handing
 each its sections of the `Target`), runs them and draws the table. `lm doctor` prints it; `lm.run.train.main`
 runs them first and refuses the run on an error (or on a warning with `doctor.strict=true`).
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lm.base.findings import LEVELS, Finding
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.checkpointer import resume_candidates
 from lm.checkpoint.local import disk_findings
@@ -29,14 +30,13 @@ from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
 from lm.engine.fp8 import fp8_findings
-from lm.engine.harness import evals_findings
-from lm.engine.hf import init_from_findings
-from lm.engine.kernels import check_liger_model, vocab_findings
+from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
+from lm.interop.evaluation import evals_findings
+from lm.interop.hf import init_from_findings
 from lm.numbers import cost, memory, run_plan
 from lm.store import rundir
 from lm.store.bench_file import measured_mfu
-from lm.store.findings import LEVELS, Finding
 
 __all__ = ["CHECKS", "LEVELS", "Finding", "Target", "diagnose", "preflight", "resolve_target", "table"]
 
@@ -227,13 +227,6 @@ def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
 def resolve_target(cfg: LMConfig) -> Target:
     """The target `lm doctor` checks: this machine's GPU if it has one; else the catalog GPU named by `gpu=`
     (planning a GPU run from a laptop, `runtime.planning_gpu`); else this CPU."""
-    rt = resolve_runtime(cfg, runtime.planning_gpu(cfg.trainer, cfg.gpu))
+    rt = runtime.resolve_runtime(cfg, runtime.planning_gpu(cfg.trainer, cfg.gpu))
     run_dir = rundir.run_directory(cfg.run.root, cfg.run.name)
     return Target(cfg, rt.gpu, rt.cuda, rt.precision, run_dir, cost.load_catalog(conf_dir()))
-
-
-def resolve_runtime(cfg: LMConfig, plan_gpu: GpuConfig | None = None) -> runtime.Runtime:
-    """`runtime.resolve` with this config's sections."""
-    if cfg.kernels.liger:  # before any data or model: a recipe lever Liger cannot serve is exit 78
-        check_liger_model(cfg.model)
-    return runtime.resolve(cfg.trainer, cfg.gpu, cfg.precision, cfg.kernels, cfg.optim, cfg.cost, plan_gpu)

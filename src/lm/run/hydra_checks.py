@@ -12,8 +12,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from lm.base.exits import EXIT_CONFIG
 from lm.config import to_objects
-from lm.store.exits import EXIT_CONFIG
 
 INVOCATION: dict[str, Path] = {}
 """This invocation's folder (`output_dir`, `hydra/<time>/`) and run directory (`run_dir`), known before Hydra

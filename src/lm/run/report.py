@@ -15,11 +15,11 @@ matplotlib.use("Agg")  # files only: no display on a training box
 import matplotlib.pyplot as plt
 import numpy as np
 
+from lm.base.tables import cell, evals_markdown, fmt_money, main_metric, phases_markdown
 from lm.numbers.cost import FLOPS_FORMULA
 from lm.store import rundir
 from lm.store.atomic import open_atomic, write_atomic
 from lm.store.rundir import BUCKETS, Series
-from lm.store.tables import cell, evals_markdown, fmt_money, main_metric, phases_markdown
 
 log = logging.getLogger(__name__)
 

@@ -18,20 +18,22 @@ from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_re
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from lm.base.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.checkpoint.remote import run_identity
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data import data_module
-from lm.engine import activation_checkpointing, hf, runtime
+from lm.engine import activation_checkpointing, runtime
 from lm.engine.kernels import sdpa_backends
 from lm.engine.module import LMModule
 from lm.engine.parallel import check_strategy
+from lm.engine.runtime import resolve_runtime
+from lm.interop import hf
 from lm.numbers import cost, run_plan
 from lm.run import build
-from lm.run.doctor import Target, preflight, resolve_runtime
+from lm.run.doctor import Target, preflight
 from lm.run.report import write_report
 from lm.store import atomic, rundir
-from lm.store.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.store.lock import RunLock
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,1 @@
-"""The bottom wing: atomic writes, the run directory's files, the run lock, exit codes, object storage, tables, findings."""
+"""The storage wing: atomic writes, the run directory's files, the run lock, bench.json, object storage."""

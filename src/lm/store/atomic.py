@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from lm.store.exits import DISK_FULL, UNWRITABLE, DiskFull
+from lm.base.exits import DISK_FULL, UNWRITABLE, DiskFull
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from lm.store.exits import Unavailable
+from lm.base.exits import Unavailable
 
 LOCK = ".lock"
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.store.exits import Unavailable
+from lm.base.exits import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
+from lm.base.tables import fmt_money
 from lm.checkpoint.local import estimate_checkpoint_bytes
 from lm.config import DataConfig, GpuConfig
 from lm.data import shards, sources
@@ -36,7 +37,6 @@ from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
 from lm.numbers.loss_law import BESIROGLU, HOFFMANN, ChinchillaLaw
 from lm.store.bench_file import measured_mfu
-from lm.store.tables import fmt_money
 
 RESTART_HOURS = 0.1
 """Time a spot interruption costs besides the lost work: a new machine, the image, reloading the checkpoint."""

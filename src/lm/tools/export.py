@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lm.engine.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
+from lm.interop.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
 from lm.run.report import headline
 from lm.store import rundir
 from lm.store.atomic import write_atomic

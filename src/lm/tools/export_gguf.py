@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lm.engine.hf import VOCAB_ROWS, Loaded, unportable
+from lm.interop.hf import VOCAB_ROWS, Loaded, unportable
 from lm.model import ModelConfig
 
 EXTRA = "the gguf package is not installed; install the export extra: pip install -e '.[export]'"

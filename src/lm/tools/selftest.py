@@ -38,13 +38,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from lm.base.exits import EXIT_PREEMPTED
 from lm.checkpoint import files
 from lm.config import LMConfig, compose, conf_dir, to_objects
 from lm.engine import runtime
 from lm.numbers import cost
 from lm.store import rundir
 from lm.store.bench_file import measured_mfu
-from lm.store.exits import EXIT_PREEMPTED
 
 TASKS = Path(__file__).parent / "selftest_task"
 """The bundled evaluation task (4 questions, offline)."""
@@ -227,7 +227,7 @@ class SelfTest:
             return "skip", "transformers is not installed", "pip install -e '.[export]'"
         from transformers import AutoModelForCausalLM  # deferred: the export extra
 
-        from lm.engine.hf import load_run
+        from lm.interop.hf import load_run
         from lm.tools.export import export
 
         folder = export(self.root / "ref", self.root / "hf")

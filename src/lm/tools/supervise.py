@@ -14,7 +14,7 @@ When to give up is decided by exit status and progress, never by how long the ch
 takes 20-84 s on a loaded 2-core machine, so "it ran a while" says nothing):
 - every crash and every outage (69) counts toward `max_failures`, however late it came; more than
   `max_failures` of them in a row give up. The count starts again only after progress: the child saved a
-  checkpoint (lm's checkpoint writer touches `$LM_PROGRESS_FILE`, see `lm.store.exits.report_progress`) or
+  checkpoint (lm's checkpoint writer touches `$LM_PROGRESS_FILE`, see `lm.base.exits.report_progress`) or
   left with 75. A command that reports no progress gives up after `max_failures` crashes in a row.
 - `max_restarts` restarts in all (preemptions included) give up whatever the reason: the backstop for a
   run that crashes just after each checkpoint for ever.
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.store.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED, PROGRESS_FILE
+from lm.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED, PROGRESS_FILE
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from lm.store.exits import EXIT_PREEMPTED, one_line
+from lm.base.exits import EXIT_PREEMPTED, one_line
 from lm.tools.ablate.analysis import (
     ArmRow,
     RunResult,

@@ -213,7 +213,7 @@ def modelled_usd(tokens: float, flops_per_token: float, spec: Spec, gpu) -> floa
 
 
 def catalog_gpu(spec: Spec):
-    from lm.config.compose import conf_dir
+    from lm.config.loading import conf_dir
     from lm.numbers import cost
 
     gpu = cost.load_catalog(conf_dir()).get(spec.gpu)

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 from lm.store import rundir
-from lm.store.exits import EXIT_DIVERGED, EXIT_PREEMPTED
 from lm.tools.ablate.spec import Job, Spec, compose_objects
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Runner:
         self.failed: dict[str, str] = {}
 
     def command(self, job: Job) -> list[str]:
-        from lm.config.compose import conf_dir
+        from lm.config.loading import conf_dir
 
         return [sys.executable, str(conf_dir().parent / "train.py"), *job.overrides]
 

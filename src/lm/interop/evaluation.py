@@ -1,6 +1,6 @@
 """Benchmarks with EleutherAI's lm-evaluation-harness: `lm eval` and the milestone callback (`evals=`).
 
-An lm model is converted in memory into a `transformers` Llama (`lm.engine.hf.to_hf_model`: numerically the same
+An lm model is converted in memory into a `transformers` Llama (`lm.interop.hf.to_hf_model`: numerically the same
 model) and handed to lm-eval's `HFLM` wrapper with the run's own tokenizer, so the scores are those of the
 model `lm export` writes, without writing it. Tasks come from lm-eval's registry or from a folder of task
 YAMLs of one's own (`include_path`), so the whole path runs offline when the data is local.
@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm.base.findings import Finding
+from lm.base.tables import evals_markdown
 from lm.config import EvalsConfig
-from lm.engine import hf
+from lm.interop import hf
 from lm.store import rundir
-from lm.store.findings import Finding
-from lm.store.tables import evals_markdown
 
 EXTRA = "pip install -e '.[eval]'"
 

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lm.base.findings import Finding
 from lm.checkpoint import files
 from lm.model import ModelConfig, Transformer
 from lm.store import rundir
-from lm.store.findings import Finding
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -112,7 +112,7 @@ def from_hf_state_dict(
     state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """HF Llama weights under lm names, the token rows padded with zeros up to lm's padded vocabulary (a
-    padding row is never a target, and `lm.engine.generate` never samples one).
+    padding row is never a target, and `lm.interop.generate` never samples one).
 
     A tied HF checkpoint may hold no `lm_head.weight` (safetensors stores a shared tensor once): the
     embedding stands in for it."""

@@ -103,7 +103,7 @@ class JobFailed(Exception):
     """A job of a sweep that failed for a reason a rerun would meet again (a refusal, a divergence).
 
     `train.py` raises it instead of exiting in a multirun, so Hydra records the job as failed and runs the next
-    one; `lm.tools.sweep.SweepSummary` turns it into a `failed` row and ends the sweep with `exit_code`.
+    one; `lm.run.sweep.SweepSummary` turns it into a `failed` row and ends the sweep with `exit_code`.
     """
 
     def __init__(self, message: str, exit_code: int) -> None:

@@ -25,9 +25,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lm.base.exits import JobFailed
 from lm.store import rundir
 from lm.store.atomic import write_atomic
-from lm.store.exits import JobFailed
 from lm.store.rundir import JOB, read_record
 
 log = logging.getLogger(__name__)
