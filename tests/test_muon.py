@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lm.checkpoint.resume_check import check_resumable
-from lm.config import OptimConfig, to_objects
+from lm.config import POLAR_EXPRESS_STEPS, OptimConfig, to_objects
 from lm.engine import optim
 from lm.model import ModelConfig, Transformer
 from lm.run.doctor import diagnose, resolve_target
@@ -99,11 +99,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_one_optimizer_round_trips_its_state_and_skips_parameters_without_gradients(one_thread):
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+def test_one_optimizer_round_trips_its_state_and_skips_parameters_without_gradients(one_thread, coefficients):
     """The guards drop every gradient to skip a step; state_dict/load_state_dict carries Muon's momentum and
-    AdamW's moments, so a restored copy takes the very same next steps."""
+    AdamW's moments, so a restored copy takes the very same next steps. Polar Express keeps torch's layout."""
+    cfg = OptimConfig(**{**asdict(MUON), "ns_coefficients": coefficients})
     model = tiny_model()
-    opt = optim.build(model, MUON, fused=False)
+    opt = optim.build(model, cfg, fused=False)
     step(model, opt, 0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt.step()  # no gradients: a skipped step changes nothing
@@ -115,13 +117,98 @@ def test_one_optimizer_round_trips_its_state_and_skips_parameters_without_gradie
 
     twin = tiny_model()
     twin.load_state_dict(model.state_dict())
-    restored = optim.build(twin, MUON, fused=False)
+    restored = optim.build(twin, cfg, fused=False)
     restored.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: no tensor shared
     for seed in (1, 2):
         step(model, opt, seed)
         step(twin, restored, seed)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def orthogonality_error(update: torch.Tensor) -> tuple[float, float]:
+    """max and mean |singular value - 1|, in float64."""
+    dev = (torch.linalg.svdvals(update.double()) - 1).abs()
+    return dev.max().item(), dev.mean().item()
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)])
+def test_polar_express_orthogonalises_better_than_the_quintic_in_five_steps(shape):
+    """At the 5 steps its coefficients were computed for, Polar Express lands closer to orthogonal than torch's
+    quintic, both worst case and on average. (Its 2-4 step prefixes do not: experiments/2026-11-25-muon-ns.)"""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    quintic = torch.optim._muon._zeropower_via_newtonschulz(g, optim.QUINTIC, 5, 1e-7)
+    polar = optim.polar_express(g, 5, 1e-7)
+    assert polar.dtype == quintic.dtype == torch.bfloat16 and polar.shape == shape
+    (q_max, q_mean), (p_max, p_mean) = orthogonality_error(quintic), orthogonality_error(polar)
+    assert p_max < 0.8 * q_max and p_mean < 0.6 * q_mean, (q_max, q_mean, p_max, p_mean)
+
+
+def test_polar_express_steps_keep_torchs_momentum_decay_and_lr_scale():
+    """One PolarExpressMuon step is torch's Muon update with the orthogonaliser swapped: Nesterov momentum,
+    decoupled decay, Moonlight's LR scale."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(32, 96))
+    start, grad = p.detach().clone(), torch.randn(32, 96)
+    p.grad = grad.clone()
+    opt = optim.PolarExpressMuon(
+        [p], lr=0.01, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw", ns_steps=3
+    )
+    opt.step()
+    buf = torch.zeros_like(grad).lerp_(grad, 1 - 0.9)  # (1 - momentum) * grad
+    update = optim.polar_express(
+        grad.lerp(buf, 0.9), 3, 1e-7
+    ).float()  # Nesterov: grad + momentum * (buf - grad)
+    want = (
+        start * (1 - 0.01 * 0.1) - 0.01 * 0.2 * 96**0.5 * update
+    )  # decay, then Moonlight's 0.2 sqrt(max dim)
+    torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
+    assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+
+
+def test_ns_coefficients_are_checked_with_the_choices_and_the_step_limit_named():
+    with pytest.raises(
+        ValueError, match=r"optim.ns_coefficients='cubic' is unknown; use one of quintic, polar_express"
+    ):
+        OptimConfig(name="muon", ns_coefficients="cubic")
+    with pytest.raises(
+        ValueError, match=r"optim.ns_steps=6 with optim.ns_coefficients=polar_express.*ns_steps<=5"
+    ):
+        OptimConfig(name="muon", ns_coefficients="polar_express", ns_steps=6)
+    assert len(optim.POLAR_EXPRESS) == POLAR_EXPRESS_STEPS  # the limit is the table's length
+
+
+def test_muon_flops_scale_with_ns_steps_and_not_with_the_coefficients():
+    model = ModelConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512)
+    five = optim.muon_flops_per_step(model, MUON)
+    for steps in (1, 2, 3, 4):
+        for coefficients in ("quintic", "polar_express"):
+            cfg = OptimConfig(**{**asdict(MUON), "ns_steps": steps, "ns_coefficients": coefficients})
+            assert optim.muon_flops_per_step(model, cfg) == pytest.approx(five * steps / 5)
+    line = optim.describe(model, OptimConfig(name="muon", ns_coefficients="polar_express", ns_steps=3))
+    assert "3 Newton-Schulz steps, polar_express" in line
+
+
+def test_a_polar_express_run_trains_and_resumes_bit_for_bit(tiny_cfg, tmp_path, one_thread):
+    """optim.ns_coefficients=polar_express through a real run: its groups reach the checkpoint, and a run
+    stopped at step 3 and resumed to 6 equals one that never stopped (the state layout is torch's)."""
+    common = ["optim=muon", "optim.ns_coefficients=polar_express", "optim.ns_steps=3", "data.num_workers=0"]
+    common += ["trainer.val_every_steps=6", "trainer.limit_val_batches=1", "optim.total_steps=6"]
+    common += ["optim.warmup_steps=2", "checkpoint.every_n_steps=3"]
+    main(tiny_cfg(*common, "run.name=straight", "trainer.max_steps=6"))
+    main(tiny_cfg(*common, "run.name=split", "trainer.max_steps=3"))
+    main(tiny_cfg(*common, "run.name=split", "trainer.max_steps=6"))
+    a, b = (
+        torch.load(tmp_path / f"runs/{r}/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+        for r in ("straight", "split")
+    )
+    assert a["global_step"] == b["global_step"] == 6
+    group = b["optimizer_states"][0]["param_groups"][0]
+    assert (group["kind"], group["ns_coefficients"], group["ns_steps"]) == ("muon", "polar_express", 3)
+    for name, w in a["state_dict"].items():
+        assert torch.equal(w, b["state_dict"][name]), name
+    for sa, sb in zip(*(o["optimizer_states"][0]["state"].values() for o in (a, b)), strict=True):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_muon_with_fsdp_is_refused_with_the_fix(compose):

@@ -28,7 +28,9 @@ from lm.config.root import (
 from lm.config.training import (
     FP8_RECIPES,
     MUON_LR_SCALES,
+    NS_COEFFICIENTS,
     OPTIMIZERS,
+    POLAR_EXPRESS_STEPS,
     PRECISIONS,
     SCHEDULES,
     ActivationCheckpointingConfig,
@@ -42,7 +44,7 @@ from lm.config.training import (
 )
 
 __all__ = [
-    "FP8_RECIPES", "MUON_LR_SCALES", "ON_EXHAUSTED", "OPTIMIZERS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
+    "FP8_RECIPES", "MUON_LR_SCALES", "NS_COEFFICIENTS", "ON_EXHAUSTED", "OPTIMIZERS", "POLAR_EXPRESS_STEPS", "PRECISIONS", "PRICINGS", "SCHEDULES", "SOURCES", "VERIFY",
     "ActivationCheckpointingConfig", "BenchConfig", "CheckpointConfig", "CostConfig", "DataConfig",
     "DoctorConfig", "EarlyStoppingConfig", "EvalsConfig", "GpuConfig", "GuardConfig", "KernelsConfig", "LMConfig",
     "LoggerConfig", "MixtureSource", "OptimConfig", "PhaseConfig", "PhasesConfig", "PrecisionConfig",

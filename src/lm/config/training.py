@@ -11,6 +11,9 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("wsd", "cosine", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_SCALES = ("match_rms_adamw", "original")
+NS_COEFFICIENTS = ("quintic", "polar_express")
+POLAR_EXPRESS_STEPS = 5
+"""The iterations Polar Express's published coefficients cover (lm.engine.optim.POLAR_EXPRESS)."""
 
 
 @dataclass
@@ -46,7 +49,12 @@ class OptimConfig:
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     ns_steps: int = 5
-    """Newton-Schulz iterations that orthogonalise each matrix's update."""
+    """Newton-Schulz iterations that orthogonalise each matrix's update (each costs the same under either
+    `ns_coefficients`; at most 5 with `polar_express`)."""
+    ns_coefficients: str = "quintic"
+    """Muon's Newton-Schulz polynomial: `quintic` (torch's Muon: Keller Jordan's (3.4445, -4.775, 2.0315) at
+    every iteration) or `polar_express` (Amsel et al. 2025: a different optimal quintic per iteration, closer
+    to orthogonal in as many steps, so fewer steps can do; experiments/2026-11-25-muon-ns)."""
     adjust_lr: str = "match_rms_adamw"
     """Muon's per-matrix LR scale: `match_rms_adamw` (0.2·sqrt(max dim): AdamW's update RMS, so AdamW's LR
     carries over) or `original` (sqrt(max(1, rows/cols)), Keller Jordan's; needs a ~10-50x larger muon_lr)."""
@@ -62,6 +70,16 @@ class OptimConfig:
             )
         if not 1 <= self.ns_steps < 100 or not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError("optim.ns_steps must lie in [1, 99] and optim.muon_momentum in [0, 1)")
+        if self.ns_coefficients not in NS_COEFFICIENTS:
+            raise ValueError(
+                f"optim.ns_coefficients='{self.ns_coefficients}' is unknown; use one of "
+                f"{', '.join(NS_COEFFICIENTS)}"
+            )
+        if self.ns_coefficients == "polar_express" and self.ns_steps > POLAR_EXPRESS_STEPS:
+            raise ValueError(
+                f"optim.ns_steps={self.ns_steps} with optim.ns_coefficients=polar_express: its published "
+                f"coefficients cover {POLAR_EXPRESS_STEPS} iterations; set optim.ns_steps<={POLAR_EXPRESS_STEPS}"
+            )
         if (self.muon_lr is not None and self.muon_lr <= 0) or (self.muon_weight_decay or 0.0) < 0:
             raise ValueError("optim.muon_lr must be positive and optim.muon_weight_decay non-negative")
         if self.schedule not in SCHEDULES:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr
 
 from lm.base.findings import Finding
 from lm.config import OptimConfig
@@ -61,6 +62,8 @@ def group_settings(cfg: OptimConfig, fused: bool) -> list[dict[str, Any]]:
         "weight_decay": cfg.muon_weight_decay if cfg.muon_weight_decay is not None else cfg.weight_decay,
         "momentum": cfg.muon_momentum,
         "ns_steps": cfg.ns_steps,
+        # torch's own default triple for quintic (what its Muon fills in), so a resume can switch either way.
+        "ns_coefficients": QUINTIC if cfg.ns_coefficients == "quintic" else cfg.ns_coefficients,
         "adjust_lr_fn": cfg.adjust_lr,
     }
     return [muon, *({**g, "kind": "adamw"} for g in groups)]
@@ -68,8 +71,10 @@ def group_settings(cfg: OptimConfig, fused: bool) -> list[dict[str, Any]]:
 
 def muon_flops_per_step(model_cfg: ModelConfig, cfg: OptimConfig) -> float:
     """FLOPs of Muon's Newton-Schulz orthogonalisation in one optimizer step (0 for AdamW): per m x n matrix
-    (m <= n) and iteration, X X^T (2 m^2 n), the quintic's A @ A (2 m^3) and B @ X (2 m^2 n). A cost per step,
-    not per token: divided by the tokens of a step it is what Muon adds to the model's FLOPs per token."""
+    (m <= n) and iteration, X X^T (2 m^2 n), the quintic's A @ A (2 m^3) and B @ X (2 m^2 n): the same for
+    either `ns_coefficients` (Polar Express changes the numbers, not the matmuls), so `ns_steps` sets the cost.
+    A cost per step, not per token: divided by the tokens of a step it is what Muon adds to the model's FLOPs
+    per token."""
     if cfg.name != "muon":
         return 0.0
     with torch.device("meta"):
@@ -93,7 +98,7 @@ def describe(model_cfg: ModelConfig, cfg: OptimConfig) -> str:
     )
     return (
         f"Muon on {len(muon)} block matrices ({sum(muon) / 1e6:.2f}M parameters; lr {lr:g} x {scale}: "
-        f"{cfg.adjust_lr}; {cfg.ns_steps} Newton-Schulz steps), AdamW on {len(matrices)} embedding/head "
+        f"{cfg.adjust_lr}; {cfg.ns_steps} Newton-Schulz steps, {cfg.ns_coefficients}), AdamW on {len(matrices)} embedding/head "
         f"matrices ({sum(matrices) / 1e6:.2f}M) and {len(gains)} norm gains"
     )
 
@@ -120,8 +125,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         kinds = {g["kind"] for g in groups}
         if not kinds <= {"muon", "adamw"}:
             raise ValueError(f"unknown group kinds {sorted(kinds - {'muon', 'adamw'})}")
-        # The inner optimizers fill each group's defaults (nesterov, amsgrad, foreach...) in place.
+        # The inner optimizers fill each group's defaults (nesterov, amsgrad, foreach...) in place; both Muons
+        # see every Muon group (same defaults) and `step` hands each the groups of its polynomial.
         self.muon = torch.optim.Muon([g for g in groups if g["kind"] == "muon"])
+        self.polar = PolarExpressMuon([g for g in groups if g["kind"] == "muon"])
         fused = any(g.get("fused") for g in groups if g["kind"] == "adamw")
         self.adamw = torch.optim.AdamW([g for g in groups if g["kind"] == "adamw"], fused=fused)
         super().__init__(groups, defaults={})
@@ -132,11 +139,71 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for kind, inner in (("muon", self.muon), ("adamw", self.adamw)):
-            inner.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+        muon = [g for g in self.param_groups if g["kind"] == "muon"]
+        for inner, groups in (
+            (self.muon, [g for g in muon if g["ns_coefficients"] != "polar_express"]),
+            (self.polar, [g for g in muon if g["ns_coefficients"] == "polar_express"]),
+            (self.adamw, [g for g in self.param_groups if g["kind"] == "adamw"]),
+        ):
+            inner.param_groups = groups
             inner.state = self.state
             inner.step()
         return loss
+
+
+QUINTIC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+"""torch's Muon triple (3.4445, -4.775, 2.0315), the same at every iteration: its default `ns_coefficients`."""
+
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932), as modded-nanogpt's record runs it
+# (github.com/KellerJordan/modded-nanogpt, train_gpt.py, `polar_express_coeffs` and `polar_express`): the
+# paper code's optimal_composition(l=1e-3, num_iters=5, safety_factor_eps=2e-2, cushion=0.02)
+# (github.com/NoahAmsel/PolarExpress, polar_express.py; recomputed for this file, equal to 1e-14). Each step
+# is the optimal odd quintic for the singular-value interval the previous ones left, so the first k triples are
+# the optimal k-step method (the paper proves the greedy choice optimal) up to the 2% safety factor
+# the k-th keeps; fewer steps take a prefix, as modded-nanogpt and nanochat do.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(grad: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """The update orthogonalised by `steps` Polar Express iterations, in bf16 like torch's Newton-Schulz.
+
+    The polynomials assume singular values in [1e-3, 1]: the Frobenius norm bounds the spectral one, and
+    modded-nanogpt's 2% safety margin covers bf16's rounding of it (torch's quintic divides by the norm alone).
+    """
+    x = grad.bfloat16()
+    if grad.size(0) > grad.size(1):
+        x = x.T  # (m, n) with m <= n: the Gram matrix is the small one
+    x = x / (x.norm() * (1 + 2e-2) + eps)
+    for a, b, c in POLAR_EXPRESS[:steps]:
+        gram = x @ x.T  # (m, m)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+class PolarExpressMuon(torch.optim.Muon):
+    """torch's Muon with `polar_express` in place of its fixed-triple Newton-Schulz; the rest is torch's
+    `_single_tensor_muon` line for line (its momentum buffer, Nesterov, decoupled decay, `_adjust_lr`)."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # MuonWithAdamW evaluates the closure
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            bufs: list[torch.Tensor] = []
+            self._init_group(group, params, grads, bufs)
+            lr, momentum = group["lr"], group["momentum"]
+            for param, grad, buf in zip(params, grads, bufs, strict=True):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = polar_express(update, group["ns_steps"], group["eps"])
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
 
 
 def optimizer_findings(model_cfg: ModelConfig, cfg: OptimConfig) -> list[Finding]:
