@@ -23,8 +23,9 @@ lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
 lm supervise [options] -- python train.py [overrides...]
                             rerun a training command after preemptions (exit 75) and crashes
 lm ablate SPEC.yaml [--out DIR] [--parallel N] [--threads T] [--report-only]
-                            a baseline and variants over seeds at equal tokens: final loss with 95% intervals,
-                            tokens to the baseline's loss, FLOPs and step-time ratios, modelled $/loss point
+                            a baseline and variants over seeds at equal tokens, each at its own best LR, across
+                            a ladder of shapes: final loss with 95% intervals and Holm's correction, tokens to
+                            the baseline's loss, FLOPs and step-time ratios, modelled $/loss point, the trend
 lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
 lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
                             rank catalog GPUs by $/token for the config; write the SkyPilot task
@@ -175,9 +176,10 @@ def cmd_ablate(args: argparse.Namespace) -> None:
 
 def add_ablate(verbs) -> None:
     verb = verbs.add_parser(
-        "ablate", help="baseline and variants over seeds at equal tokens: which lever paid, with intervals"
+        "ablate",
+        help="baseline and variants over seeds, each at its best LR, across a ladder: which lever paid, with intervals",
     )
-    verb.add_argument("spec", type=Path, help="the ablation's YAML (see lm.tools.ablate for its keys)")
+    verb.add_argument("spec", type=Path, help="the ablation's YAML (its keys: lm.tools.ablate.spec)")
     verb.add_argument("--out", type=Path, help="where runs and the summary go (default runs/ablate/<name>)")
     verb.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     verb.add_argument("--threads", type=int, help="CPU threads per run (OMP_NUM_THREADS; default: torch's)")
