@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "tests" / "data" / "eval_tasks"
+TASKS = ROOT / "tests" / "fixtures" / "eval_tasks"
 TINY = [
     "trainer=cpu", "trainer.enable_progress_bar=false", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
     "data.max_bytes=1500000", "data.tokenizer_sample_bytes=500000", "data.vocab_size=512", "data.seq_len=64",

@@ -3,7 +3,7 @@
     PYTHONPATH=src python experiments/2026-11-23-export/measure.py --tokenizer TOKENIZER_JSON --work DIR
 
 1. The largest |lm logits - LlamaForCausalLM logits| per variant (tiny random models, norm gains randomised;
-   the variants of tests/test_export.py), fp32 `keep` and `truncate`, and bf16 for scale.
+   the variants of tests/interop/test_export.py), fp32 `keep` and `truncate`, and bf16 for scale.
 2. `lm export` of the `1b` preset's shape (conf/model/1b.yaml at plan_1b's vocabulary and context, random
    weights, no training): a run directory is written by hand (checkpoint + the given tokenizer), then
    `export()` is timed for fp32 and bf16 and the files are listed with their sizes.

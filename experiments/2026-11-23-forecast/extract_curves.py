@@ -1,6 +1,6 @@
 """Store recorded runs as compact curve fixtures, with validation losses precise to < 0.01.
 
-For each run directory: tests/data/curves/<run name>.json with the schedule (optim section, total steps, tokens
+For each run directory: tests/fixtures/curves/<run name>.json with the schedule (optim section, total steps, tokens
 per step), the training loss (every logged step), the in-run validation loss, and `val`: every kept checkpoint
 (one per 100 steps) evaluated on `WINDOWS` validation windows, the same windows in the same order as the run's
 loader. The noise of one such evaluation is the standard error of the mean over its windows (`val_windows_se`,
@@ -26,7 +26,7 @@ from lm.data.datamodule import LMDataModule
 from lm.engine.module import LMModule
 from lm.store import rundir
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "curves"
 WINDOWS = 3840
 
 

@@ -1,6 +1,6 @@
 """From which fraction of a run does the forecast predict the final loss (after the decay) within 0.02?
 
-Replays the recorded curves (tests/data/curves/*.json) point by point: after each validation point, each
+Replays the recorded curves (tests/fixtures/curves/*.json) point by point: after each validation point, each
 forecaster sees only the points so far and predicts the loss at the plan's end.
 
 - `val`: the schedule-aware law (lm.numbers.loss_law) fitted to the validation points so far.
@@ -27,7 +27,7 @@ from lm.numbers.loss_law import ANNEAL_GAIN, areas, block_means, fit_schedule_la
 from lm.numbers.lr_schedule import multipliers
 
 ROOT = Path(__file__).resolve().parents[2]
-CURVES = ROOT / "tests" / "data" / "curves"
+CURVES = ROOT / "tests" / "fixtures" / "curves"
 TOLERANCE = 0.02
 
 # The seed's 1B run (article 002, conf/experiment/plan_1b.yaml): 90K steps of 131,072 tokens, warmup 2,000, wsd

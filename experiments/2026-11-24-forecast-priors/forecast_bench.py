@@ -1,4 +1,4 @@
-"""Forecast benchmark that keeps score: replay every recorded curve (tests/data/curves) point by point and
+"""Forecast benchmark that keeps score: replay every recorded curve (tests/fixtures/curves) point by point and
 predict its final validation loss at 10/20/30/50/80% of the run, for each law (schedule, multi_power, auto)
 and each prior (none; `smaller`: fitted on the full curves of the smaller model shapes only; `loo`: fitted on
 every other curve; `own`: the curve's own, an oracle), with the 90% interval's coverage of the measured final loss.
@@ -6,7 +6,7 @@ every other curve; `own`: the curve's own, an oracle), with the 90% interval's c
     python experiments/2026-11-24-forecast-priors/forecast_bench.py            # table to stdout
     python experiments/2026-11-24-forecast-priors/forecast_bench.py --json experiments/2026-11-24-forecast-priors/results.json
 
-tests/test_forecast_bench.py replays it and fails when the error at 30% grows past what results.json records.
+tests/numbers/test_forecast_bench.py replays it and fails when the error at 30% grows past what results.json records.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lm.numbers.loss_prior import (
 from lm.numbers.lr_schedule import multipliers
 from lm.tools.calibrate import train_points
 
-CURVES = Path(__file__).resolve().parents[2] / "tests" / "data" / "curves"
+CURVES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "curves"
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
 SHAPES = ("tiny", "small", "medium")
 """Model shapes by size (record_runs.sh): a `smaller` prior comes from the shapes before a curve's own."""

@@ -131,7 +131,7 @@ class _Round:
             self.work = None
             self.staged = HostCopy(self.tensor)
         else:
-            self.tensor.host_staging = True  # gloo reduces in host memory (tests/test_sync.py)
+            self.tensor.host_staging = True  # gloo reduces in host memory (tests/callbacks/test_sync.py)
 
     def result(self) -> dict[str, bool]:
         """The agreed flags; waits only for this round (launched a step ago), never for later work."""

@@ -19,7 +19,7 @@ class HostCopy:
         cuda = tensor.is_cuda
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
         self.host.copy_(tensor, non_blocking=cuda)
-        self.host.host_staging = True  # lives on the host by construction (tests/test_sync.py)
+        self.host.host_staging = True  # lives on the host by construction (tests/callbacks/test_sync.py)
         self.event = torch.cuda.Event() if cuda else None
         if self.event is not None:
             self.event.record()

@@ -13,7 +13,7 @@ Bytes per parameter by precision (AdamW moments take the parameters' dtype, as t
 
 Activations per token per block, for this model's block (pre-RMSNorm attention and SwiGLU, residual adds),
 with D = d_model, KE = kv heads x head dim, F = SwiGLU width, H = heads. They are the tensors autograd saves,
-counted on this exact code with `torch.autograd.graph.saved_tensors_hooks` (tests/test_memory.py holds the
+counted on this exact code with `torch.autograd.graph.saved_tensors_hooks` (tests/numbers/test_memory.py holds the
 counter and checks this table against it):
     32-true     32 D + 8 KE + 16 F bytes (8 D + 2 KE + 4 F fp32 values: norm inputs and outputs, q/k before
                 and after rotary, v, attention output, the SwiGLU gate, up, SiLU and product)
@@ -75,7 +75,7 @@ RELU2_F_BYTES = {"32-true": 8, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 4}
 SwiGLU keeps 4 (its F is 3/2 SwiGLU's, so the MLP keeps 3/4 of SwiGLU's bytes)."""
 QK_NORM_BYTES = {"32-true": 8, "bf16-mixed": 6, "16-mixed": 6, "bf16-true": 6}
 """Per query/key value bytes `model.qk_norm` adds: the norm's fp32 input copy and output (fp32 + the cast),
-plus an fp32 rstd per head (4 bytes per head). Measured as the table above (tests/test_recipe.py)."""
+plus an fp32 rstd per head (4 bytes per head). Measured as the table above (tests/model/test_recipe.py)."""
 SOFTMAX_STATS_BYTES = 5  # per head: the attention kernel's log-sum-exp (fp32) and bookkeeping
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces: outside PyTorch's allocator
 FRAGMENTATION = 0.10  # the caching allocator reserves this much beyond the peak it hands out

@@ -1,0 +1,364 @@
+"""`lm ablate`: the intervals and verdicts it reports, its refusals, and a real ablation killed and continued."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lm.numbers.stats import difference, t_interval, t_quantile, verdict, welch_interval
+from lm.tools.ablate import (
+    BASELINE,
+    ArmRow,
+    Job,
+    RunResult,
+    Shape,
+    Spec,
+    fraction_steps,
+    load_spec,
+    plan_jobs,
+    summarize,
+    tokens_to_reach,
+)
+
+from ..conftest import CONF, TINY
+
+ROOT = CONF.parent
+TIMEOUT_S = 600
+
+
+# -- intervals ------------------------------------------------------------------------------------------
+
+
+def test_t_quantiles_match_the_tables():
+    # Values from any t table (two-sided 95%); fractional df (Welch) between them.
+    for df, t in [(1, 12.706), (2, 4.303), (3, 3.182), (9, 2.262), (30, 2.042), (120, 1.980)]:
+        assert t_quantile(df) == pytest.approx(t, abs=1e-3)
+    assert t_quantile(4.5) == pytest.approx(2.6585, abs=1e-3)
+    assert t_quantile(1.4) == pytest.approx(6.657, abs=1e-3)  # exact where a table's interpolation is 19% off
+    assert t_quantile(50) == pytest.approx(2.009, abs=2e-3)
+    assert t_quantile(1e6) == pytest.approx(1.960, abs=1e-3)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile(0.5)
+
+
+def test_t_interval_of_three_seeds():
+    iv = t_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert (iv.mean, iv.n) == (2.0, 3)
+    assert iv.half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
+    assert t_interval([]) is None
+    one = t_interval([2.5])
+    assert (one.low, one.high, one.n) == (2.5, 2.5, 1)
+
+
+def test_pairing_removes_the_spread_the_seeds_share():
+    # Seeds differ a lot from each other; the variant is better by 0.01 on every one of them.
+    base = {0: 3.00, 1: 3.20, 2: 2.90}
+    variant = {s: v - 0.01 + 0.001 * s for s, v in base.items()}
+    paired, how = difference(variant, base)
+    assert how == "paired" and paired.high < 0 and verdict(paired) == "wins"
+    unpaired = welch_interval(list(variant.values()), list(base.values()))
+    assert unpaired.low < 0 < unpaired.high and verdict(unpaired) == "within noise"
+    worse = {s: v + 0.02 for s, v in base.items()}
+    assert verdict(difference(worse, base)[0]) == "loses"
+    assert verdict(difference({0: 1.0}, {0: 1.1})[0]) == "too few seeds"
+
+
+def test_tokens_to_reach_interpolates_and_says_when_it_cannot():
+    points = [(100.0, 4.0), (200.0, 3.0), (300.0, 2.5)]
+    assert tokens_to_reach(points, 3.5) == (150.0, False)
+    assert tokens_to_reach(points, 2.5) == (300.0, False)
+    assert tokens_to_reach(points, 2.4) == (None, False)
+    assert tokens_to_reach(points, 4.5) == (100.0, True)  # the shortest run is already below: at most that
+
+
+# -- the summary on known numbers -----------------------------------------------------------------------
+
+
+def result(arm: str, seed: int, final: float, fraction: float = 1.0, steps: int = 100) -> RunResult:
+    """A finished run whose validation curve falls linearly to `final` over `steps` steps of 10 tokens."""
+    at = [steps // 4, steps // 2, 3 * steps // 4, steps]
+    losses = [final + 0.3, final + 0.2, final + 0.1, final]
+    return RunResult(
+        f"{arm}-s{seed}", arm, seed, fraction, "done", at, [10.0 * s for s in at], losses, final, 0.1
+    )
+
+
+def test_summary_of_a_lever_that_wins_and_one_within_noise():
+    spec = Spec(
+        name="t",
+        variants={"good": ["model.qk_norm=true"], "same": ["model.z_loss=1e-4"]},
+        seeds=[0, 1, 2],
+        fractions={"good": [0.5]},
+    )
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    shapes = {BASELINE: shape, "good": shape, "same": shape}
+    base = {0: 3.0, 1: 3.1, 2: 2.95}
+    results = [result(BASELINE, s, v) for s, v in base.items()]
+    results += [result("good", s, v - 0.05) for s, v in base.items()]
+    # The good lever's half-length runs land exactly on each seed's baseline final loss: 0.5x the tokens.
+    mean = sum(base.values()) / 3
+    results += [result("good", s, v, fraction=0.5, steps=50) for s, v in base.items()]
+    results += [result("same", s, v + (0.01 if s else -0.01)) for s, v in base.items()]
+    rows = {r.arm: r for r in summarize(spec, results, shapes)}
+    assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.05)
+    assert rows["good"].tokens_ratio.mean == pytest.approx(0.5)
+    assert rows["good"].usd_to_target_ratio.mean == pytest.approx(0.5)  # same FLOPs per token
+    assert "shorter runs" in rows["good"].tokens.method
+    assert rows["same"].verdict == "within noise"
+    assert "upper bound" in rows["same"].tokens.method
+    assert rows[BASELINE].final.mean == pytest.approx(mean)
+    assert rows["good"].flops_ratio == 1.0
+    # Modelled dollars per loss point: same tokens and FLOPs, a larger drop from ln(512) -> cheaper.
+    assert rows["good"].usd_per_point_ratio < 1.0
+    assert rows["good"].fractions["0.5"].mean == pytest.approx(mean)
+    # The baseline against its own seeds: exactly 1x, no seed dropped.
+    assert rows[BASELINE].tokens_ratio.mean == pytest.approx(1.0) and rows[BASELINE].tokens.reached == "3/3"
+
+
+def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
+    spec = Spec(name="t", variants={"v": []}, seeds=[0, 1], fractions={"v": [0.6]})
+    shape = Shape(steps=300, val_every=30, tokens_per_step=1, flops_per_token=1.0, vocab_size=2)
+    assert fraction_steps(shape, 0.6) == 180 and fraction_steps(shape, 0.1) == 30
+    # 0.75 of 300 steps is 7.5 validations: refused, not silently trained as 0.8 under a 0.75 label.
+    with pytest.raises(ValueError, match="multiple of 0.1"):
+        fraction_steps(shape, 0.75)
+    jobs = plan_jobs(spec, tmp_path, {BASELINE: shape, "v": shape})
+    assert [j.name for j in jobs] == ["baseline-s0", "v-s0", "v-f0.6-s0", "baseline-s1", "v-s1", "v-f0.6-s1"]
+    short: Job = jobs[2]
+    assert "trainer.max_steps=180" in short.overrides and "optim.total_steps=180" in short.overrides
+    assert "run.seed=0" in short.overrides and short.run_dir == tmp_path / "runs" / "v-f0.6-s0"
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("variants: {}", "variants"),
+        ("variants: {a: [x=1]}\nlr: 3", "`lr` is a mapping"),
+        ("variants: {a: [x=1]}\nlr: {grid: {optim.lr: [1e-3]}}", "one key and its values"),
+        ("variants: {a: [x=1]}\nshapes: {s: [model.n_layer=2]}", "tokens_per_param"),
+        ("variants: {baseline: [x=1]}", "baseline's name"),
+        ("variants: {'a/b': [x=1]}", "letters, digits"),
+        ("variants: {a: [x=1]}\nfractions: {b: [0.5]}", "names no variant"),
+        ("variants: {a: [x=1]}\nfractions: {a: [1.5]}", "strictly between"),
+        ("variants: {a: [x=1]}\nseeds: 0", "seeds"),
+        ("variants: {a: [x=1]}\nvariants2: 1", "unknown key"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_key(tmp_path, text, message):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_spec(path)
+
+
+def lm_ablate(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lm.cli", "ablate", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_a_bad_override_is_refused_before_anything_runs(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("base: [trainer=cpu]\nvariants:\n  typo: [model.qk_nrom=true]\n")
+    out = tmp_path / "out"
+    proc = lm_ablate(str(spec), "--out", str(out))
+    assert proc.returncode == 78, proc.stderr
+    assert "typo" in proc.stderr and "qk_nrom" in proc.stderr
+    assert not out.exists()  # nothing ran, nothing was written
+    missing = lm_ablate(str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 78 and "no ablation spec" in missing.stderr
+
+
+# -- a real ablation, killed and continued ----------------------------------------------------------------
+
+
+def spec_file(tmp_path: Path, cache: Path, variants: str) -> Path:
+    base = [
+        *TINY, "data.num_workers=0", "sampling=off", f"data.cache_dir={cache}", "trainer.max_steps=12",
+        "trainer.val_every_steps=4", "trainer.limit_val_batches=2", "optim.warmup_steps=2",
+        "checkpoint.every_n_steps=4",
+    ]  # fmt: skip
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps({"name": "t", "base": base, "seeds": 2, "variants": json.loads(variants)}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_killed_ablation_continues_and_keeps_finished_runs(tmp_path, data_cache):
+    spec = spec_file(tmp_path, data_cache, '{"qk_norm": ["model.qk_norm=true"]}')
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lm.cli", "ablate", str(spec), "--out", str(out), "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = out / "runs" / "baseline-s0" / "cost.json"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # the first run is training: it saves and the ablation exits 75
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err
+    assert "rerun the same command" in err
+    assert not (out / "runs" / "qk_norm-s1").exists()  # nothing started after the stop
+
+    again = lm_ablate(str(spec), "--out", str(out), "--threads", "1", "--parallel", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    table = (out / "ablation.md").read_text()
+    assert "| qk_norm |" in table and "4/4 runs done" in table
+    record = json.loads((out / "ablation.json").read_text())
+    assert all(r["final"] is not None for r in record["runs"])
+    rows = {r["arm"]: r for r in record["rows"]}
+    assert rows["qk_norm"]["verdict"] in ("wins", "loses", "within noise")
+    assert (out / "ablation.png").stat().st_size > 0
+    assert (out / "ablation.csv").read_text().startswith("variant,")
+
+    # A variant added later: the baseline's runs are reused, only the new variant's run.
+    events = sorted(p.name for p in (out / "runs" / "baseline-s0" / "tb").iterdir())
+    spec = spec_file(tmp_path, data_cache, '{"qk_norm": ["model.qk_norm=true"], "z": ["model.z_loss=1e-4"]}')
+    third = lm_ablate(str(spec), "--out", str(out), "--threads", "1", "--parallel", "2")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "6 runs, 2 to run (4 done)" in third.stderr
+    assert sorted(p.name for p in (out / "runs" / "baseline-s0" / "tb").iterdir()) == events
+    assert "| z |" in (out / "ablation.md").read_text()
+
+
+def test_muon_flops_are_newton_schulz_per_block_matrix():
+    from lm.config import OptimConfig
+    from lm.engine.optim import muon_flops_per_step
+    from lm.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4)
+    assert muon_flops_per_step(cfg, OptimConfig(name="adamw")) == 0.0
+    hidden = cfg.hidden_dim  # SwiGLU's width: three 64 x hidden matrices, four 64 x 64 in attention
+
+    def ns(m: int, n: int) -> float:
+        return 5 * (4.0 * m * m * n + 2.0 * m**3)
+
+    per_block = 4 * ns(64, 64) + 3 * ns(64, hidden)
+    assert muon_flops_per_step(cfg, OptimConfig(name="muon")) == pytest.approx(2 * per_block)
+
+
+# -- censoring, Holm, the LR search, the ladder (constructed data) ---------------------------------------------
+
+
+def test_a_seed_that_never_reaches_its_target_is_censored_not_dropped():
+    from lm.tools.ablate.analysis import token_ratio
+
+    spec = Spec(name="t", variants={"slow": []}, seeds=[0, 1, 2])
+    base = {0: 3.0, 1: 3.1, 2: 2.95}
+    results = [result(BASELINE, s, v) for s, v in base.items()]
+    # Seeds 0 and 1 reach their baseline's final at 3/4 of the run; seed 2 ends above it.
+    results += [result("slow", 0, 2.9), result("slow", 1, 3.0), result("slow", 2, 3.05)]
+    ratio = token_ratio(results, spec, "slow", base_tokens=1000.0)
+    assert sorted(ratio.per_seed) == [0, 1, 2]  # all three seeds in the interval
+    assert ratio.above == {2: pytest.approx(1.0)}  # never reached within its run: the ratio is above 1.0
+    assert ratio.per_seed[0] == pytest.approx(0.75) and ratio.per_seed[1] == pytest.approx(0.75)
+    assert "censored above: s2 > 1.00" in ratio.reached and ratio.reached.startswith("2/3")
+
+
+def test_holm_corrects_ten_comparisons():
+    from lm.numbers.stats import holm, holm_verdict, p_value
+
+    # One seed-paired difference with p = 0.042 is a win alone and noise among ten arms.
+    diff = t_interval([-0.02, -0.08, -0.05, -0.01, -0.07])
+    p = p_value(diff)
+    assert 0.01 < p < 0.05
+    alone = holm({"qk": p})
+    assert alone["qk"] == pytest.approx(p) and holm_verdict(diff, alone["qk"]) == "wins"
+    many = holm({"qk": p, **{f"a{i}": 0.5 for i in range(9)}})
+    assert many["qk"] == pytest.approx(min(1.0, 10 * p)) and holm_verdict(diff, many["qk"]) == "within noise"
+    # Step-down: the adjusted values keep the order of the raw ones and never exceed 1.
+    adjusted = holm({"a": 0.01, "b": 0.02, "c": 0.03})
+    assert adjusted == {"a": pytest.approx(0.03), "b": pytest.approx(0.04), "c": pytest.approx(0.04)}
+
+
+def test_an_optimum_on_the_grid_edge_is_extended_until_bracketed(tmp_path):
+    from lm.tools.ablate import Campaign
+    from lm.tools.ablate.spec import LRSearch
+
+    spec = Spec(
+        name="t", variants={"muon": ["optim=muon"]}, seeds=[0, 1, 2],
+        lr=LRSearch(grid={"optim.lr": [1e-3, 3e-3]}, arms={"muon": {"optim.muon_lr": [1e-3, 3e-3, 1e-2]}},
+                    seeds=2, max_extensions=3),
+    )  # fmt: skip
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    campaign = Campaign(spec, tmp_path, {"": []}, {"": {BASELINE: shape, "muon": shape}})
+    ran: list[str] = []
+
+    def loss(job) -> float:  # the baseline's optimum at 2.7e-2 (off the grid, high); Muon's at 3e-3
+        import math
+
+        best = 2.7e-2 if job.arm == BASELINE else 3e-3
+        return 3.0 + (math.log10(job.lr["optim.lr" if job.arm == BASELINE else "optim.muon_lr"] / best)) ** 2
+
+    def read(job, _shape, _out):
+        ran.append(job.name)
+        return RunResult(job.name, job.arm, job.seed, 1.0, "done", [100], [1000.0], [loss(job)], loss(job),
+                         shape=job.shape, lr=dict(job.lr))  # fmt: skip
+
+    campaign.read = read
+    _, states = campaign.tuned("")
+    base = states[BASELINE]
+    # 3e-3 was on the edge: 9e-3 then 2.7e-2 (on the edge again) then 8.1e-2 bracket it.
+    assert sorted(base.scores) == pytest.approx([1e-3, 3e-3, 9e-3, 2.7e-2, 8.1e-2])
+    assert base.best == {"optim.lr": pytest.approx(2.7e-2)} and base.bracketed
+    muon = states["muon"]
+    assert muon.best["optim.muon_lr"] == pytest.approx(3e-3) and muon.bracketed
+    # Muon's AdamW groups (embedding, head, norms) train at the baseline's tuned LR: one change, not two.
+    assert muon.best["optim.lr"] == pytest.approx(2.7e-2)
+    finals = campaign.finals("", states)
+    assert {j.name for j in finals if j.seed == 0} == {"baseline-lr0.027-s0", "muon-lr0.027-muon_lr0.003-s0"}
+    assert "optim.muon_lr=0.003" in finals[1].overrides and "optim.lr=0.027" in finals[1].overrides
+
+
+def test_an_unbracketed_optimum_says_so_when_extensions_run_out(tmp_path):
+    from lm.tools.ablate import Campaign
+    from lm.tools.ablate.spec import LRSearch
+
+    spec = Spec(name="t", variants={}, seeds=[0], lr=LRSearch(grid={"optim.lr": [1e-3, 3e-3]}, seeds=1,
+                                                              max_extensions=1))  # fmt: skip
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    campaign = Campaign(spec, tmp_path, {"": []}, {"": {BASELINE: shape}})
+    campaign.read = lambda job, *_: RunResult(job.name, job.arm, job.seed, 1.0, "done", [100], [1000.0],
+                                              [1 / job.lr["optim.lr"]], 1 / job.lr["optim.lr"], lr=dict(job.lr))  # fmt: skip
+    _, states = campaign.tuned("")
+    assert sorted(states[BASELINE].scores) == pytest.approx([1e-3, 3e-3, 9e-3])
+    assert not states[BASELINE].bracketed
+
+
+def test_the_ladder_trend_is_fitted_in_log_size_and_carried_to_the_target():
+    from lm.tools.ablate.analysis import TokenRatio
+    from lm.tools.ablate.ladder import trend
+
+    def row(params: int, ratios: list[float]):
+        tokens = TokenRatio(t_interval(ratios), per_seed=dict(enumerate(ratios)))
+        return ArmRow("v", "", len(ratios), None, None, "paired", None, None, "-", tokens, 1.0, None, None,
+                      None, None, params=params)  # fmt: skip
+
+    # The ratio rises 0.05 per e-fold of parameters: the gain shrinks with scale.
+    import math
+
+    rows = {
+        f"s{i}": [row(int(1e5 * math.e**i), [0.6 + 0.05 * i + d for d in (-0.01, 0.0, 0.01)])]
+        for i in range(3)
+    }
+    found = trend("v", rows, target_params=int(1e5 * math.e**6), flops_ratio_at_target=1.05)
+    assert found.slope.mean == pytest.approx(0.05, abs=1e-6) and found.direction == "shrinks"
+    assert found.at_target.mean == pytest.approx(0.9, abs=1e-6)
+    assert found.at_target.low < 0.9 < found.at_target.high
+    assert found.usd_at_target.mean == pytest.approx(0.945, abs=1e-6)
+    flat = {f"s{i}": [row(int(1e5 * math.e**i), [0.7, 0.75, 0.8][:: 1 - 2 * (i % 2)])] for i in range(3)}
+    assert trend("v", flat, int(1e8), None).direction == "holds"
