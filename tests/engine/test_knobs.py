@@ -46,10 +46,17 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
             files = {
                 g: OmegaConf.load(CONF / g / f"{o}.yaml") for g, o in zip(KNOBS, (precision, ac, kernels))
             }
+            nodes = {"precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+                     "kernels": cfg.kernels}  # fmt: skip
+
+            def expected(group: str, key: str, files=files, nodes=nodes):
+                """What the group file says, else the schema's default (conf/ holds only what differs)."""
+                return files[group].get(key, getattr(type(nodes[group])(), key))
+
             # The group file's values land in the typed node (nothing dropped or renamed by the schema).
-            assert cfg.precision.mode == files["precision"].mode
-            assert cfg.activation_checkpointing.auto == files["activation_checkpointing"].get("auto", False)
-            assert cfg.kernels.liger == files["kernels"].get("liger", False)
+            assert cfg.precision.mode == expected("precision", "mode")
+            assert cfg.activation_checkpointing.auto == expected("activation_checkpointing", "auto")
+            assert cfg.kernels.liger == expected("kernels", "liger")
             # What a CPU run does with it: fp16 and Liger are refused with their fix, the rest resolve.
             if cfg.precision.mode == "16-mixed":
                 with pytest.raises(ValueError, match="needs a CUDA GPU"):
@@ -60,7 +67,7 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
                     "bf16-true",
                     "32-true",
                 )
-            assert cfg.precision.fp8 == files["precision"].get("fp8")
+            assert cfg.precision.fp8 == expected("precision", "fp8")
             if cfg.precision.fp8:  # FP8 needs FP8 tensor cores
                 with pytest.raises(ValueError, match="this run is on a CPU"):
                     check_fp8(cfg.precision.fp8, False, False, False, cfg.gpu, cfg.kernels.compile)
