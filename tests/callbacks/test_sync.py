@@ -57,7 +57,7 @@ class StepMarker(pl.Callback):
 
 
 class WatchReads(StepMarker):
-    """The probe as a run's callback (`+callbacks.watch._target_=tests.test_sync.WatchReads`), for processes a
+    """The probe as a run's callback (`+callbacks.watch._target_=tests.callbacks.test_sync.WatchReads`), for processes a
     test starts: each rank writes its per-step reads to `<out>/reads-<rank>.json` at teardown."""
 
     def __init__(self, out: str) -> None:
@@ -130,7 +130,7 @@ def test_ddp_ranks_agree_on_stops_without_reading_the_device_every_step(tmp_path
         "cost.price_per_hour=1.0",
         f"run.root={tmp_path / 'runs'}",
         f"data.cache_dir={data_cache}",
-        "+callbacks.watch._target_=tests.test_sync.WatchReads",
+        "+callbacks.watch._target_=tests.callbacks.test_sync.WatchReads",
         f"+callbacks.watch.out={tmp_path}",
     ]
     root = CONF.parent

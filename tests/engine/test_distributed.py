@@ -428,10 +428,10 @@ def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, dat
     ac = "+callbacks.ac"
     callbacks = [
         f"{ac}._target_=lm.callbacks.activation_stride.ActivationCheckpointingStride",
-        f"{ac}.decide._target_=tests.test_distributed.stand_in_decision",
+        f"{ac}.decide._target_=tests.engine.test_distributed.stand_in_decision",
         f"{ac}.decide._partial_=true",
         f"{ac}.decide.out={tmp_path}",
-        "+callbacks.record._target_=tests.test_distributed.RecordStride",
+        "+callbacks.record._target_=tests.engine.test_distributed.RecordStride",
         f"+callbacks.record.out={tmp_path}",
     ]
     args = overrides(root, data_cache, "ac-auto", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}", "trainer.max_steps=2", "activation_checkpointing=auto", *callbacks)  # fmt: skip

@@ -225,7 +225,7 @@ def ramp_args(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
         f"data.cache_dir={cache}",
         f"run.name={name}",
         *RAMP_RUN,
-        f"{rows}._target_=tests.test_batch_ramp.BatchRows",
+        f"{rows}._target_=tests.numbers.test_batch_ramp.BatchRows",
         f"{rows}.path={root / name / 'rows.json'}",
         *extra,
     ]

@@ -526,7 +526,7 @@ def test_a_store_that_lost_its_data_ends_the_run_with_74_and_says_so(s3, tmp_pat
         *overrides(tmp_path, data_cache, "lost", "sampling=off", "trainer.max_steps=10"),
         "checkpoint.every_n_steps=2",
         f"checkpoint.remote=s3://{BUCKET}/lost",
-        "+callbacks.reset._target_=tests.test_object_storage.ResetStore",
+        "+callbacks.reset._target_=tests.store.test_object_storage.ResetStore",
         "+callbacks.reset.step=4",
     ]
     try:
