@@ -53,6 +53,11 @@ def s3_server():
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     server = S3Server()
+    # moto keeps its buckets in one in-process backend, shared by every server a test process starts: a module
+    # that ran before (tests/store/test_object_storage.py) left `BUCKET` and its objects there. Start clean.
+    import requests
+
+    requests.post(f"http://{server.host}:{server.port}/moto-api/reset", timeout=30).raise_for_status()
     server.fs().mkdir(BUCKET)
     yield server
     server.stop()

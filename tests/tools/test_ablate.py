@@ -217,13 +217,13 @@ def test_a_killed_ablation_continues_and_keeps_finished_runs(tmp_path, data_cach
     again = lm_ablate(str(spec), "--out", str(out), "--threads", "1", "--parallel", "2")
     assert again.returncode == 0, again.stderr[-3000:]
     table = (out / "ablation.md").read_text()
-    assert "| qk_norm |" in table and "4/4 runs done" in table
+    assert "| qk_norm |" in table and "4/4 final runs done" in table
     record = json.loads((out / "ablation.json").read_text())
     assert all(r["final"] is not None for r in record["runs"])
     rows = {r["arm"]: r for r in record["rows"]}
     assert rows["qk_norm"]["verdict"] in ("wins", "loses", "within noise")
     assert (out / "ablation.png").stat().st_size > 0
-    assert (out / "ablation.csv").read_text().startswith("variant,")
+    assert (out / "ablation.csv").read_text().startswith("shape,params,variant,")
 
     # A variant added later: the baseline's runs are reused, only the new variant's run.
     events = sorted(p.name for p in (out / "runs" / "baseline-s0" / "tb").iterdir())
