@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from lm.base.exits import EXIT_PREEMPTED, one_line
@@ -101,11 +102,11 @@ class Campaign:
             scores = lr_scores(results, key)
             chosen = best_value(scores)
             if chosen is None:
-                return jobs, ShapeSearch(key, scores, None, False, inherited)
+                return jobs, ShapeSearch(key, scores, None, False)
             more = extend(values, chosen, len(values) - initial, self.spec.lr.max_extensions)
             if more is None:
                 inside = not (chosen == min(values) or chosen == max(values))
-                return jobs, ShapeSearch(key, scores, {**inherited, key: chosen}, inside, inherited)
+                return jobs, ShapeSearch(key, scores, {**inherited, key: chosen}, inside)
             values = [*values, more]
 
     def tuned(self, shape: str) -> tuple[list[Job], dict[str, ShapeSearch]]:
@@ -174,19 +175,17 @@ class Campaign:
         return reports
 
 
+@dataclass
 class ShapeSearch:
     """One arm's LR search at one shape."""
 
-    def __init__(
-        self, key: str, scores: dict, best: dict[str, float] | None, bracketed: bool, inherited: dict
-    ):
-        self.key, self.scores, self.best, self.bracketed, self.inherited = (
-            key,
-            scores,
-            best,
-            bracketed,
-            inherited,
-        )
+    key: str
+    """The key the arm tunes."""
+    scores: dict[float, float | None]
+    """Mean final loss over the search seeds at each value tried (None while a run is unfinished)."""
+    best: dict[str, float] | None
+    """The values the arm trains at (its best, with what it inherits from the baseline); None until settled."""
+    bracketed: bool
 
     @property
     def failed(self) -> bool:
