@@ -21,9 +21,11 @@ from ..harness import (
     assert_same,
     fault,
     last,
+    marker,
     overrides,
     run,
 )
+from ..run.test_train import scalars
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,24 @@ def test_stop_signal_saves_at_the_next_step_exits_75_and_resumes_exactly(
     assert train(args) == EXIT_PREEMPTED
     assert last(root, name)["global_step"] == saved_at
     assert train(args) == 0  # the same command again continues
+    assert_matches_reference(root, name, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_at_the_final_step_saves_and_still_measures_the_final_loss(root, data_cache, reference):
+    """A stop that lands on the run's last step saves it, runs the last validation and ends the run (exit 0):
+    exiting 75 there would leave a checkpoint at max_steps whose resume ends without validating."""
+    name = "signal-final"
+    (root / name).mkdir(parents=True)
+    # Validation every 10 steps: the last one is due at the final step (20); the signal arrives before step 19's
+    # forward, so the step it is acted on is the last.
+    args = overrides(
+        root, data_cache, name, "trainer.val_every_steps=10", *fault(root / name, "sigterm", step=19)
+    )
+    assert train(args) == 0
+    assert marker(root / name, "sigterm", 19).exists()  # the signal was sent
+    # Validation after steps 10 and 20, logged at Lightning's step index (global_step - 1).
+    assert [s for s, _ in scalars(root / name, "val/loss")] == [9, 19]
     assert_matches_reference(root, name, reference)
 
 

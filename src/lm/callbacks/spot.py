@@ -68,6 +68,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def finishing(trainer: pl.Trainer) -> bool:
+    """Whether the step that just ended is the run's last: max_steps reached, or a stopper already ended it."""
+    max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
+    return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+
+
 class SpotGuard(pl.Callback):
     """SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit `EXIT_PREEMPTED`; carries the RNG state.
 
@@ -140,6 +146,15 @@ class SpotGuard(pl.Callback):
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and hasattr(ckpt, "save_now"):
             ckpt.save_now(trainer)
+        if finishing(trainer):
+            # Only the last validation (and the final save) is left: exiting 75 here would leave a run whose
+            # resume finds max_steps reached and ends without it, so the run's final loss would never be measured.
+            log.warning(
+                "%s at the final step %d: saved; finishing the last validation, then exiting",
+                name,
+                trainer.global_step,
+            )
+            return
         log.warning(
             "%s: saved step %d; exiting with %d (restart me)", name, trainer.global_step, EXIT_PREEMPTED
         )
