@@ -2,12 +2,14 @@
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -295,24 +297,51 @@ def opened(model: Transformer, tokenizer_json: Path, run_dir: Path) -> Loaded:
     return Loaded(model, model.cfg, run_dir, run_dir / "last.ckpt", 0, tokenizer_json, EOT, EOT_ID)
 
 
+@contextmanager
+def transformers_warnings():
+    """The records of WARNING and above that transformers logs inside the block (its logger does not
+    propagate to the root, so pytest's caplog never sees them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # as a user sees it, whatever TRANSFORMERS_VERBOSITY says here
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def test_the_exported_tokenizer_gives_llamas_inputs_and_pads_with_end_of_text(bpe, tmp_path, monkeypatch):
     """transformers 4.x's fast tokenizer returns token_type_ids unless told its model's inputs, and its
-    generate refuses them; with no pad token, batched inference and fine-tuning stop at the first padding."""
+    generate refuses them; with no pad token, batched inference and fine-tuning stop at the first padding.
+    The tokenizer pads on the left as it loads: a decoder-only model continues from the last position, so
+    right padding puts pad tokens between a prompt and its continuation (transformers warns that right-padding
+    was detected and the short prompt's output changes)."""
     model = tiny_lm(vocab_size=400, vocab_multiple=64)
     write_folder(opened(model, bpe, tmp_path / "run"), tmp_path / "hf", torch.float32, "keep", MAX_SHARD_SIZE)
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config["model_input_names"] == ["input_ids", "attention_mask"] and config["pad_token"] == EOT
+    assert config["padding_side"] == "left"
     assert json.loads((tmp_path / "hf" / "config.json").read_text()).get("pad_token_id") is None
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["pad_token_id"] == EOT_ID
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")  # as the README loads it: no padding_side
     assert set(tokenizer("def f():")) == {"input_ids", "attention_mask"} and tokenizer.pad_token_id == EOT_ID
-    batch = tokenizer(["def f():", "import os\nimport sys\n"], return_tensors="pt", padding=True)
-    assert batch["attention_mask"][0, 0] == 0  # the short one was padded
-    new = hf.generate(**batch, max_new_tokens=4, do_sample=False)
-    alone = hf.generate(**tokenizer(["def f():"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    prompts = ["def f():", "import os\nimport sys\n"]
+    with transformers_warnings() as warned:
+        new = hf.generate(
+            **tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=4, do_sample=False
+        )
+    assert not warned, [r.getMessage() for r in warned]  # "right-padding was detected" before padding_side
+    mask = tokenizer(prompts, padding=True)["attention_mask"]
+    assert mask[0][0] == 0 and mask[0][-1] == 1  # the short one was padded, on the left
+    alone = hf.generate(**tokenizer(prompts[:1], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert torch.equal(new[0, -4:], alone[0, -4:])  # padding changes nothing of the continuation
 
 
@@ -343,10 +372,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, prompt = sys.argv[1:]
 model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
 one = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=8, do_sample=False)
-tokenizer.padding_side = "left"
-batch = tokenizer(["x", prompt], return_tensors="pt", padding=True)
+batch = tokenizer(["x", prompt], return_tensors="pt", padding=True)  # padded on the left as loaded
 two = model.generate(**batch, max_new_tokens=8, do_sample=False)
-print(json.dumps({"version": transformers.__version__, "one": one[0].tolist(), "two": two[1].tolist()}))
+x = model.generate(**tokenizer("x", return_tensors="pt"), max_new_tokens=8, do_sample=False)
+print(json.dumps({"version": transformers.__version__, "side": tokenizer.padding_side, "one": one[0].tolist(),
+                  "two": two[1].tolist(), "short": two[0].tolist(), "x": x[0].tolist()}))
 """
 
 
@@ -376,7 +406,7 @@ def python_with_transformers_4(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_transformers_4_generates_from_the_export_unmodified(run, tmp_path, python_with_transformers_4):
     """`generate(**tokenizer(text, return_tensors="pt"))` (which 4.x refused: `token_type_ids`) and padded
-    batches give the tokens transformers 5 gives."""
+    batches (left, as 4.x reads the tokenizer's config) give the tokens transformers 5 gives."""
     export(run, tmp_path / "hf")
     prompt = "def fibonacci(n):"
     done = subprocess.run(
@@ -385,7 +415,8 @@ def test_transformers_4_generates_from_the_export_unmodified(run, tmp_path, pyth
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    assert theirs["version"].startswith("4.")
+    assert theirs["version"].startswith("4.") and theirs["side"] == "left"
+    assert theirs["short"][-8:] == theirs["x"][-8:]  # the padded prompt continues as it does alone
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     ours = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=8, do_sample=False)

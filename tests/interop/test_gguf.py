@@ -1,5 +1,6 @@
-"""`lm export --format gguf`: the GGUF file llama.cpp loads, read back with the `gguf` package, and (slow,
-when llama-cpp-python is installed) run by llama.cpp itself against transformers."""
+"""`lm export --format gguf`: the GGUF file llama.cpp loads (`llama`, or `qwen3` for `model.qk_norm`), read back
+with the `gguf` package, and (slow, when llama-cpp-python is installed) run by llama.cpp itself against
+transformers, for each architecture."""
 
 import json
 import shlex
@@ -16,9 +17,10 @@ from lm.cli import main as lm
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import EOT, EOT_ID
 from lm.interop.hf import load_run
+from lm.model import ModelConfig
 from lm.run.train import main
 from lm.tools.export import export
-from lm.tools.export_gguf import gguf_vocabulary, interleave_rope, write_gguf
+from lm.tools.export_gguf import check_gguf_portable, gguf_vocabulary, interleave_rope, write_gguf
 
 from .test_export import compose_run, opened, small_bpe, tiny_lm
 
@@ -109,6 +111,52 @@ def test_gguf_file_holds_llama_metadata_gpt2_tokenizer_and_the_weights(tokenizer
     assert k.shape == (32, 64) and np.allclose(k, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_qk_norm_exports_as_llama_cpps_qwen3_with_its_q_and_k_norm_gains(tokenizer_json, tmp_path, tied):
+    """qwen3.* keys, every tensor under a name gguf lists for QWEN3, the per-head gains F32 as trained, and
+    the q/k rows as lm has them: llama.cpp's qwen3 rotates halves (NEOX RoPE), as lm does."""
+    model = tiny_lm(vocab_size=400, vocab_multiple=64, n_kv_head=2, qk_norm=True, tie_embeddings=tied)
+    path = tmp_path / "q.gguf"
+    write_gguf(opened(model, tokenizer_json, tmp_path / "tiny"), path, dtype="bf16", vocab="truncate",
+               license=None)  # fmt: skip
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "qwen3" and not [k for k in fields if k.startswith("llama.")]
+    assert fields["qwen3.block_count"] == 2 and fields["qwen3.attention.head_count_kv"] == 2
+    eps = fields["qwen3.attention.layer_norm_rms_epsilon"]  # llama.cpp's q/k norms use it too, as lm's
+    assert fields["qwen3.attention.key_length"] == 16 and eps == pytest.approx(1e-5)
+    assert fields["tokenizer.ggml.pre"] == "gpt-2"
+    tensors = {t.name: t for t in reader.tensors}
+    qwen3 = {
+        gguf.TENSOR_NAMES[t].format(bid=i) + ".weight"
+        for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3]
+        for i in range(2)
+    }
+    assert set(tensors) <= qwen3 and ("output.weight" in tensors) is not tied
+    assert len(tensors) == 3 - tied + 2 * 11  # embedding, final norm, head; 9 Llama tensors + 2 gains a block
+    for i, block in enumerate(model.blocks):
+        for name, norm in (("attn_q_norm", block.attn.q_norm), ("attn_k_norm", block.attn.k_norm)):
+            gain = tensors[f"blk.{i}.{name}.weight"]
+            assert gain.tensor_type.name == "F32" and np.array_equal(gain.data, norm.weight.detach().numpy())
+    k = tensors["blk.1.attn_k.weight"]
+    k = gguf.quants.dequantize(k.data, k.tensor_type)
+    ours = model.blocks[1].attn.wk.weight.detach().numpy()
+    assert np.allclose(k, ours, atol=1e-2, rtol=1e-2)  # bf16, not reordered
+    assert not np.allclose(k, interleave_rope(torch.from_numpy(ours), 2).numpy(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "levers", [dict(mlp="relu2_gated"), dict(mlp="relu2_gated", qk_norm=True)], ids=["llama", "qwen3"]
+)
+def test_gated_relu2_is_refused_naming_the_transformers_export_and_swiglu(levers):
+    """No llama.cpp architecture computes lm's gated ReLU² MLP (its llama and qwen3 gate with SiLU): a GGUF
+    would give other logits, so the refusal names the two ways out."""
+    check_gguf_portable(ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, qk_norm=True))
+    with pytest.raises(ValueError, match=r"--format gguf cannot carry model\.mlp=relu2_gated") as refused:
+        check_gguf_portable(ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, **levers))
+    assert "--format hf" in str(refused.value) and "model.mlp=swiglu" in str(refused.value)
+
+
 def test_truncate_writes_the_real_rows_as_the_hf_export(tokenizer_json, tmp_path):
     """`model.vocab_size` rows (not the padded 448); ids the BPE trainer left unfilled (400..409) are unused
     tokens, so the token list and the embedding rows agree."""
@@ -136,17 +184,23 @@ def test_a_tokenizer_that_is_not_lms_byte_level_bpe_is_refused_naming_the_way_ou
         gguf_vocabulary(json.loads(words.to_str()))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_cache) -> Path:
-    """One tiny real run (4 steps: tokenizer, weights and padded vocabulary rows as a user's)."""
+ARCHS = {"llama": [], "qwen3": ["model.qk_norm=true"]}
+"""llama.cpp architecture -> the overrides of a run that exports as it."""
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def trained(request, tmp_path_factory, data_cache) -> Path:
+    """One tiny real run per architecture (4 steps: tokenizer, weights and padded vocabulary rows as a
+    user's)."""
     runs = tmp_path_factory.mktemp("runs")
-    main(compose_run(runs, data_cache, "run.name=tiny"))
+    main(compose_run(runs, data_cache, "run.name=tiny", *ARCHS[request.param]))
     return runs / "tiny"
 
 
 LOGIT_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 """Largest |llama.cpp logit - transformers fp32 logit| on the tiny run: fp32 differs only in the order of
-float sums (measured 2.4e-7; 4.2e-3 without the q/k row reordering), bf16 rounds every matrix (2.7e-3)."""
+float sums (measured: llama 2.4e-7, 4.2e-3 without the q/k row reordering; qwen3 2.4e-7), bf16 rounds
+every matrix (llama 2.7e-3, qwen3 2.8e-3)."""
 
 
 def require_llama_cpp():
@@ -187,6 +241,8 @@ def test_llama_cpp_tokenizes_and_scores_the_gguf_export_as_transformers_the_hf_e
     out = tmp_path / "tiny model.gguf"  # a space: the printed command must still paste into a shell
     lm(["export", str(trained), "--gguf", "--out", str(out), "--dtype", dtype, "--license", "mit"])
     assert f"llama-cli -m {shlex.quote(str(out))}" in capsys.readouterr().out
+    arch = "qwen3" if load_run(trained).model_cfg.qk_norm else "llama"
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == arch
     export(trained, tmp_path / "hf")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -202,7 +258,7 @@ def test_llama_cpp_tokenizes_and_scores_the_gguf_export_as_transformers_the_hf_e
             ours = model(torch.tensor([ids[:context]])).logits[0].numpy()
         assert theirs.shape == ours.shape  # every row, the padded vocabulary's included
         worst = max(worst, float(np.abs(theirs - ours).max()))
-    print(f"llama.cpp {dtype} GGUF vs transformers fp32: max |logit difference| {worst:.2e}")
+    print(f"llama.cpp {arch} {dtype} GGUF vs transformers fp32: max |logit difference| {worst:.2e}")
     for doc in stdlib_documents(
         max_bytes=400_000
     ).documents:  # 400 kB of source files: the same ids throughout
@@ -213,16 +269,22 @@ def test_llama_cpp_tokenizes_and_scores_the_gguf_export_as_transformers_the_hf_e
 
 
 @pytest.mark.slow
-def test_llama_cpp_pairs_rope_dimensions_as_lm_does(tokenizer_json, tmp_path):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_llama_cpp_pairs_rope_dimensions_as_lm_does(tokenizer_json, tmp_path, qk_norm):
     """A 4-step model attends almost uniformly, where RoPE hardly matters: here q and k are scaled up until
-    attention is sharp, so llama.cpp's logits match lm's only if its RoPE pairs the same dimensions
-    (measured: 3.6e-6 with the reordered rows; without them, 5.9e-1)."""
+    attention is sharp (with qk_norm the norms undo a scaled projection, so their gains are scaled), so
+    llama.cpp's logits match lm's only if its RoPE pairs the same dimensions (measured: llama 3.6e-6 with
+    the reordered rows, 5.9e-1 without; qwen3, tied, 2.1e-6 with the rows as lm's, 6.5e-1 reordered)."""
     require_llama_cpp()
-    model = tiny_lm(vocab_size=400, vocab_multiple=64, n_kv_head=2)
+    model = tiny_lm(vocab_size=400, vocab_multiple=64, n_kv_head=2, qk_norm=qk_norm, tie_embeddings=qk_norm)
     with torch.no_grad():
         for block in model.blocks:
-            block.attn.wq.weight.mul_(30)
-            block.attn.wk.weight.mul_(30)
+            for weight in (
+                (block.attn.q_norm.weight, block.attn.k_norm.weight)
+                if qk_norm
+                else (block.attn.wq.weight, block.attn.wk.weight)
+            ):
+                weight.mul_(5 if qk_norm else 30)
     path = tmp_path / "sharp.gguf"
     write_gguf(
         opened(model, tokenizer_json, tmp_path / "sharp"), path, dtype="fp32", vocab="truncate", license=None

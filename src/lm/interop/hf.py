@@ -392,7 +392,10 @@ def hf_tokenizer(
     would be a new id the model never saw); `model_max_length` is the model's context.
 
     `model_input_names` leaves out `token_type_ids`, which transformers 4.x's fast tokenizer returns by
-    default and its `generate(**tokenizer(text, return_tensors="pt"))` refuses as an unused model input."""
+    default and its `generate(**tokenizer(text, return_tensors="pt"))` refuses as an unused model input.
+    Padding is on the left (saved in tokenizer_config.json): a decoder-only model continues from the last
+    position, so `generate(**tokenizer(batch, padding=True))` is right as loaded (right padding puts pad
+    tokens before the continuation, and transformers warns). lm-eval sets its own side per request."""
     transformers = require_transformers()
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     return transformers.PreTrainedTokenizerFast(
@@ -401,6 +404,7 @@ def hf_tokenizer(
         bos_token=eot_token,
         pad_token=eot_token,
         model_input_names=MODEL_INPUTS,
+        padding_side="left",
         **extra,
     )
 

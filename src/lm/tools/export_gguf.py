@@ -8,9 +8,13 @@ regex (`tokenizers`' ByteLevel with `use_regex`), which is llama.cpp's `gpt-2` (
 `unicode_regex_split_custom_gpt2` is that regex, `\\s+` included). The file is written with the llama.cpp
 project's own `gguf` package (the `export` extra): architecture keys, the tokenizer, then the tensors.
 
-llama.cpp's Llama applies RoPE to interleaved pairs (dimensions 2i, 2i+1 of a head) where lm and Hugging
-Face rotate halves (i, i + head_dim/2): the rows of the q and k projections are reordered per head to match,
-the same reordering `convert_hf_to_gguf.py` applies to a Hugging Face Llama.
+The architecture is llama.cpp's `llama`, or its `qwen3` for `model.qk_norm` (Qwen3 is Llama with RMSNorm gains
+over each head's queries and keys before RoPE, lm's order; the transformers export writes the same model as
+Qwen3ForCausalLM). llama.cpp's `llama` applies RoPE to interleaved pairs (dimensions 2i, 2i+1 of a head) where
+lm and Hugging Face rotate halves (i, i + head_dim/2): for it the rows of the q and k projections are
+reordered per head to match, the same reordering `convert_hf_to_gguf.py` applies to a Hugging Face Llama.
+Its `qwen3` rotates halves (NEOX RoPE) as lm does: rows and q/k norm gains are written as they are.
+`model.mlp=relu2_gated` is refused: no llama.cpp architecture computes a gated ReLU² MLP with Llama's norms.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ LAYER_TENSORS = {
     "mlp.w2.weight": "FFN_DOWN",
 }
 """lm key inside block i -> gguf's MODEL_TENSOR (named `blk.{i}.<...>`)."""
+QK_NORM_TENSORS = {"attn.q_norm.weight": "ATTN_Q_NORM", "attn.k_norm.weight": "ATTN_K_NORM"}
+"""`model.qk_norm`'s per-head gains inside block i -> gguf's MODEL_TENSOR (`qwen3` has them)."""
+INTERLEAVED_ROPE = ("LLAMA",)
+"""The architectures whose RoPE pairs dimensions (2i, 2i + 1) (llama.cpp's LLAMA_ROPE_TYPE_NORM), so lm's
+q/k rows are reordered for them; `qwen3`'s is NEOX, lm's rotate-half."""
 PRE_TOKENIZER = "gpt-2"
 
 
@@ -67,7 +76,7 @@ def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str 
             f"the tokenizer has {len(tokenizer['tokens'])} ids but model.vocab_size={cfg.vocab_size}; "
             "it is not this run's tokenizer"
         )
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[gguf_arch(cfg)]])
     add_metadata(writer, gguf, run, dtype, rows, license)
     add_tokenizer(writer, gguf, tokenizer, rows, run.eot_id)
     for name, tensor in gguf_tensors(run, rows):
@@ -78,24 +87,29 @@ def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str 
     writer.close()
 
 
+def gguf_arch(cfg: ModelConfig) -> str:
+    """gguf's MODEL_ARCH of the model: `QWEN3` with `model.qk_norm`, else `LLAMA`."""
+    return "QWEN3" if cfg.qk_norm else "LLAMA"
+
+
 def check_gguf_portable(cfg: ModelConfig) -> None:
-    """Refuse (exit 78) the recipe levers llama.cpp's `llama` graph does not compute: it would drop them and
-    give other logits. The Hugging Face export (--format hf) carries qk_norm and gated ReLU²."""
+    """Refuse (exit 78) the recipe levers no llama.cpp graph computes: it would drop them and give other
+    logits. llama.cpp fixes each architecture's MLP activation, and its few gated ReLU² graphs are other
+    models (BitNet's extra sub-norms, Falcon OCR's gain-less norms and half-width RoPE), so
+    model.mlp=relu2_gated has no GGUF architecture."""
     found = unportable(cfg)
-    if cfg.qk_norm:
-        found.append(
-            "model.qk_norm=true (llama.cpp's llama graph has no q/k norms; --format hf writes Qwen3)"
-        )
     if cfg.mlp == "relu2_gated":
         found.append(
-            "model.mlp=relu2_gated (llama.cpp's llama graph gates with SiLU; --format hf carries it)"
+            "model.mlp=relu2_gated (llama.cpp's llama and qwen3 graphs gate with SiLU and none of its "
+            "architectures computes a gated ReLU² MLP with Llama's norms: export it with --format hf, whose "
+            "transformers model carries hidden_act relu2, or train with model.mlp=swiglu for llama.cpp)"
         )
     if found:
         raise ValueError(f"--format gguf cannot carry {'; '.join(found)}")
 
 
 def add_metadata(writer, gguf, run: Loaded, dtype: str, rows: int, license: str | None) -> None:
-    """general.* and llama.* keys: what llama.cpp builds the graph from."""
+    """general.* and the architecture's (llama.*, qwen3.*) keys: what llama.cpp builds the graph from."""
     cfg = run.model_cfg
     writer.add_type("model")
     writer.add_name(run.run_dir.name)
@@ -172,27 +186,35 @@ def add_tokenizer(writer, gguf, vocab: dict[str, Any], rows: int, eot_id: int) -
 
 
 def gguf_tensors(run: Loaded, rows: int):
-    """(GGUF name, lm tensor) for every weight, token rows cut to `rows`, q/k rows in llama.cpp's RoPE order.
-    A tied model writes no `output`: llama.cpp then uses the token embedding, as for any tied Llama."""
-    gguf = require_gguf()
+    """(GGUF name, lm tensor) for every weight, token rows cut to `rows`, q/k rows in the architecture's RoPE
+    order. A tied model writes no `output`: llama.cpp then uses the token embedding (`llama` and `qwen3`)."""
     cfg, state = run.model_cfg, run.model.state_dict()
-    names = {lm: gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[t]] for lm, t in TENSORS.items()}
-    for i in range(cfg.n_layer):
-        names |= {
-            f"blocks.{i}.{lm}": gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[t]].format(bid=i)
-            for lm, t in LAYER_TENSORS.items()
-        }
-    for lm_key, name in names.items():
+    interleave = gguf_arch(cfg) in INTERLEAVED_ROPE
+    for lm_key, name in tensor_names(cfg).items():
         if lm_key == "lm_head.weight" and cfg.tie_embeddings:
             continue
         tensor = state[lm_key].detach().float()
         if lm_key in VOCAB_ROWS:
             tensor = tensor[:rows]
-        elif lm_key.endswith("attn.wq.weight"):
+        elif interleave and lm_key.endswith("attn.wq.weight"):
             tensor = interleave_rope(tensor, cfg.n_head)
-        elif lm_key.endswith("attn.wk.weight"):
+        elif interleave and lm_key.endswith("attn.wk.weight"):
             tensor = interleave_rope(tensor, cfg.kv_heads)
         yield f"{name}.weight", tensor
+
+
+def tensor_names(cfg: ModelConfig) -> dict[str, str]:
+    """Every lm state-dict key -> its GGUF tensor name (without `.weight`): gguf's `TENSOR_NAMES`, the names
+    llama.cpp's loader looks up (each one of gguf's `MODEL_TENSORS` of the architecture)."""
+    gguf = require_gguf()
+    layer = LAYER_TENSORS | QK_NORM_TENSORS if cfg.qk_norm else LAYER_TENSORS
+    names = {lm: gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[t]] for lm, t in TENSORS.items()}
+    for i in range(cfg.n_layer):
+        names |= {
+            f"blocks.{i}.{lm}": gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[t]].format(bid=i)
+            for lm, t in layer.items()
+        }
+    return names
 
 
 def interleave_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
