@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lm.numbers.stats import difference, t_interval, t_quantile, verdict, welch_interval
+from lm.store import rundir
 from lm.tools.ablate import (
     BASELINE,
     ArmRow,
@@ -237,6 +239,16 @@ def test_a_killed_ablation_continues_and_keeps_finished_runs(tmp_path, data_cach
     assert sorted(p.name for p in (out / "runs" / "baseline-s0" / "tb").iterdir()) == events
     assert "| z |" in (out / "ablation.md").read_text()
 
+    # Continued on another machine from the result records alone (no run directories, no checkpoints).
+    moved = tmp_path / "moved"
+    shutil.copytree(out / "results", moved / "results")
+    fourth = lm_ablate(str(spec), "--out", str(moved), "--threads", "1")
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert "6 runs, 0 to run (6 done)" in fourth.stderr
+    assert not (moved / "runs").exists()
+    rows = lambda where: json.loads((where / "ablation.json").read_text())["rows"]  # noqa: E731
+    assert [r["final"] for r in rows(moved)] == [r["final"] for r in rows(out)]
+
 
 def test_muon_flops_are_newton_schulz_per_block_matrix():
     from lm.config import OptimConfig
@@ -325,6 +337,31 @@ def test_an_optimum_on_the_grid_edge_is_extended_until_bracketed(tmp_path):
     finals = campaign.finals("", states)
     assert {j.name for j in finals if j.seed == 0} == {"baseline-lr0.027-s0", "muon-lr0.027-muon_lr0.003-s0"}
     assert "optim.muon_lr=0.003" in finals[1].overrides and "optim.lr=0.027" in finals[1].overrides
+
+
+def test_a_result_record_is_reused_only_under_the_same_config(tmp_path):
+    from lm.tools.ablate.analysis import read_run
+    from lm.tools.ablate.runner import finished, result_file
+    from lm.tools.ablate.spec import make_job
+
+    spec = Spec(name="t", variants={}, seeds=[0], base=["model=tiny"])
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    job = make_job(spec, tmp_path, "", [], BASELINE, 0, {"optim.lr": 1e-3}, 1.0, 100)
+    assert not finished(job, tmp_path) and read_run(job, shape, tmp_path).status == "not started"
+    result = {"job": job.name, "arm": BASELINE, "seed": 0, "fraction": 1.0, "status": "done", "steps": [50, 100],
+              "tokens": [500.0, 1000.0], "val_loss": [3.0, 2.5], "final": 2.5}  # fmt: skip
+    config = [o for o in job.overrides if not o.startswith(("run.root=", "run.name="))]
+    rundir.write_record(result_file(tmp_path, job), {"config": config, "steps": 100, "result": result})
+    assert finished(job, tmp_path) and read_run(job, shape, tmp_path).final == 2.5
+    # Recorded under another base config (the spec changed since): not reused, the run trains again.
+    other = make_job(Spec(name="t", variants={}, seeds=[0], base=["model=tiny", "data.seq_len=32"]), tmp_path,
+                     "", [], BASELINE, 0, {"optim.lr": 1e-3}, 1.0, 100)  # fmt: skip
+    assert result_file(tmp_path, other) == result_file(tmp_path, job)
+    assert not finished(other, tmp_path) and read_run(other, shape, tmp_path).status == "not started"
+    # A diverged run is recorded with a null final (JSON has no inf) and read back as inf.
+    diverged = {**result, "status": "diverged", "final": None}
+    rundir.write_record(result_file(tmp_path, job), {"config": config, "steps": 100, "result": diverged})
+    assert read_run(job, shape, tmp_path).final == math.inf
 
 
 def test_an_unbracketed_optimum_says_so_when_extensions_run_out(tmp_path):

@@ -134,7 +134,7 @@ def model_card(run: Loaded, dtype: str, vocab: str, license: str | None = None) 
         *([f"license: {json.dumps(license)}"] if license else []),
         "library_name: transformers",
         "pipeline_tag: text-generation",
-        "tags: [llama, lm]",
+        f"tags: [{'qwen3' if run.model_cfg.qk_norm else 'llama'}, lm]",
         "---",
         f"# {run.run_dir.name}",
         "",

@@ -80,8 +80,20 @@ class Campaign:
         self, spec: Spec, out: Path, ladder: dict[str, list[str]], shapes: dict[str, dict[str, Shape]]
     ):
         self.spec, self.out, self.ladder, self.shapes = spec, out, ladder, shapes
-        self.read = read_run
+        self.read = self.read_once
         """How a run is read back (a test gives constructed results)."""
+        self.ended: dict[str, RunResult] = {}
+        """Runs that finished or diverged, read once: a campaign asks for them at every job's end, and rereading
+        every TensorBoard file each time cost minutes per decision once a ladder had ~80 runs."""
+
+    def read_once(self, job: Job, shape: Shape, out: Path | None = None) -> RunResult:
+        """`read_run`, remembered once the run has ended (its events and exit file no longer change)."""
+        if job.key in self.ended:
+            return self.ended[job.key]
+        result = read_run(job, shape, out)
+        if result.status == "diverged" or (result.status == "done" and result.final is not None):
+            self.ended[job.key] = result
+        return result
 
     def job(self, shape: str, arm: str, seed: int, lr: dict[str, float]) -> Job:
         return make_job(self.spec, self.out, shape, self.ladder[shape], arm, seed, lr, 1.0,
@@ -162,7 +174,7 @@ class Campaign:
         reports = []
         for shape, arm_shapes in self.shapes.items():
             _, states = self.tuned(shape)
-            results = [read_run(j, arm_shapes[j.arm], self.out) for j in self.finals(shape, states)]
+            results = [self.read_once(j, arm_shapes[j.arm], self.out) for j in self.finals(shape, states)]
             report = ShapeReport(shape, arm_shapes, results)
             report.search = {arm: s.scores for arm, s in states.items()}
             report.keys = {arm: s.key for arm, s in states.items()}

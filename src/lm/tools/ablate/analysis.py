@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lm.numbers.stats import Interval, difference, holm, holm_verdict, p_value, t_interval
 from lm.store import rundir
-from lm.tools.ablate.runner import diverged, finished
+from lm.tools.ablate.runner import diverged, finished, recorded, result_file, run_config
 from lm.tools.ablate.spec import BASELINE, Job, Shape, Spec
 
 
@@ -36,6 +36,23 @@ class RunResult:
 
 
 def read_run(job: Job, shape: Shape, out: Path | None = None) -> RunResult:
+    """A job's curve and final loss from its result record, else from its TensorBoard events (its speed from its
+    cost ledger); a run that ended is recorded then, so the next read, or a campaign continued elsewhere from the
+    copied records, need not read (or keep) the run directory."""
+    if out is not None and (record := recorded(out, job)) is not None:
+        result = RunResult(**record["result"])
+        if result.status == "diverged":
+            result.final = math.inf  # written as null: JSON has no inf
+        return result
+    result = read_events(job, shape, out)
+    ended = result.status == "diverged" or (result.status == "done" and result.final is not None)
+    if out is not None and ended:
+        record = {"config": run_config(job), "steps": job.steps, "result": asdict(result)}
+        rundir.write_record(result_file(out, job), record)
+    return result
+
+
+def read_events(job: Job, shape: Shape, out: Path | None = None) -> RunResult:
     """A job's curve and final loss from its TensorBoard events, its speed from its cost ledger."""
     result = RunResult(
         job.name, job.arm, job.seed, job.fraction, "incomplete", shape=job.shape, lr=dict(job.lr)

@@ -39,8 +39,32 @@ def diverged(out: Path, job: Job) -> bool:
     return exit_code(out, job) == EXIT_DIVERGED
 
 
+def result_file(out: Path, job: Job) -> Path:
+    return out / "results" / (job.key.replace("/", "__") + ".json")
+
+
+def run_config(job: Job) -> list[str]:
+    """What decides a run's result: its overrides without where it is written (`run.root`, `run.name`)."""
+    return [o for o in job.overrides if not o.startswith(("run.root=", "run.name="))]
+
+
+def recorded(out: Path, job: Job) -> dict | None:
+    """The run's result record (`<out>/results/<key>.json`), written once it ended; None when there is none, or
+    when it was recorded under another config (the spec changed: the run is trained again, and says why)."""
+    record = rundir.read_record(result_file(out, job))
+    if record is None:
+        return None
+    if record.get("config") != run_config(job) or record.get("steps") != job.steps:
+        log.warning("lm ablate: %s was recorded under another config; it runs again", result_file(out, job))
+        return None
+    return record
+
+
 def finished(job: Job, out: Path | None = None) -> bool:
-    """The run reached its last step (its cost ledger says so), its early stopper ended it, or it diverged."""
+    """The run reached its last step (its cost ledger says so), its early stopper ended it, it diverged, or its
+    result is recorded (a campaign continued from another machine's records)."""
+    if out is not None and recorded(out, job) is not None:
+        return True
     ledger = rundir.read_ledger(job.run_dir) or {}
     stop = rundir.read_record(job.run_dir / rundir.STOP) or {}
     done = (ledger.get("step") or 0) >= job.steps or bool(stop.get("stopped"))
