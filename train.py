@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lm.base.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, unwritable
+from lm.base.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, readable, unwritable
 from lm.config import register_configs
 from lm.run.hydra_checks import INVOCATION
 from lm.store.atomic import unwritable_cause, unwritable_fix
@@ -47,7 +47,7 @@ def fail(error: BaseException, code: int, cfg: DictConfig) -> None:
         raise JobFailed(one_line(error), code) from error
     if code == EXIT_CONFIG:
         forget_invocation(Path(HydraConfig.get().runtime.output_dir), Path(cfg.run.root) / cfg.run.name)
-    print(f"train.py: {one_line(error)}", file=sys.stderr)
+    print(f"train.py: {readable(error)}", file=sys.stderr)
     sys.exit(code)
 
 

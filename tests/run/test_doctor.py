@@ -194,3 +194,18 @@ def test_a_bench_of_another_model_does_not_price_this_one(compose, tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({"results": [{**row, "params": n_params, "mfu": 0.6}]}))
     _, found = findings(compose, *args)
     assert "60% measured" in found["$/token"].what
+
+
+def test_a_refusal_prints_the_doctors_table_errors_first_fixes_last(tmp_path):
+    from tests import harness
+
+    run = harness.run(["trainer=cpu", "doctor.strict=true", "model.vocab_multiple=1", "data.vocab_size=500",
+                       "kernels=eager", f"data.cache_dir={tmp_path / 'cache'}", f"run.root={tmp_path}"],
+                      timeout=300)  # fmt: skip
+    assert run.code == 78, run.tail()
+    lines = run.stderr[run.stderr.index("train.py: the doctor refuses") :].strip().splitlines()
+    rows = [line.split()[0] for line in lines[1:-2]]
+    assert len(rows) >= 5 and rows[0] == "ERROR", lines  # a check a line, not one flattened line
+    assert rows == sorted(rows, key=["ERROR", "WARN", "OK"].index)  # errors first
+    assert lines[-2].startswith("apply the fixes: python train.py") and "model.vocab_multiple=64" in lines[-2]
+    assert lines[-1].startswith("fix them")

@@ -78,6 +78,11 @@ class Diverged(SystemExit):
         return "non-finite steps in a row: rolling back to the last checkpoint"
 
 
+class Refused(ValueError):
+    """A refusal whose message is a table (the doctor's: a check a line, the fix commands last): printed with
+    its lines kept, where any other refusal is printed on one line (`one_line`). Exit 78 like every ValueError."""
+
+
 class CheckpointSaveError(OSError):
     """A checkpoint could not be written; the previous checkpoints are untouched (exit 74)."""
 
@@ -154,6 +159,11 @@ def one_line(error: BaseException) -> str:
         own = text.rpartition(f"\n{kind}: ")[2] or text
         text = f"{own.strip()} ({where})"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def readable(error: BaseException) -> str:
+    """What a refusal prints: a `Refused` table with its lines, anything else on one line."""
+    return str(error) if isinstance(error, Refused) else one_line(error)
 
 
 def report_progress(what: str) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lm.base.exits import Refused
 from lm.base.findings import LEVELS, Finding
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.checkpointer import resume_candidates
@@ -209,13 +210,16 @@ def level_of(f: Finding, strict: bool) -> str:
 
 
 def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
-    """Diagnose, log the table, and refuse (ValueError) on any error (any warning when strict)."""
+    """Diagnose, log the table, and refuse (`Refused`, exit 78) on any error (any warning when strict): the
+    table printed as a table, errors first, the fix commands last."""
     strict = t.cfg.doctor.strict if strict is None else strict
     findings = diagnose(t)
     text = table(findings, strict)
     errors = [f for f in findings if level_of(f, strict) == "error"]
     if errors:
-        raise ValueError(
+        worst_first = sorted(findings, key=lambda f: -LEVELS.index(level_of(f, strict)))
+        text = table(worst_first, strict)
+        raise Refused(
             f"the doctor refuses this run ({len(errors)} error(s)"
             + (", doctor.strict=true" if strict else "")
             + f"):\n{text}\nfix them (the overrides above) or, for warnings, set doctor.strict=false"
