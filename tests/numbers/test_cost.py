@@ -175,6 +175,29 @@ def test_report_is_written_at_the_end_and_by_the_cli(tiny_cfg, tmp_path, capsys)
     assert {"phases/text_summary", "report/text_summary"} <= set(acc.Tags()["tensors"])
 
 
+def test_an_unpriced_run_reports_hours_and_says_how_to_price_it(tiny_cfg, tmp_path):
+    """A CPU run is priced at $0/h: its headline chart is loss against hours, not a column of points at $0."""
+    main(tiny_cfg(PHASES, "trainer.val_every_steps=10", "trainer.max_steps=20"))
+    run = tmp_path / "runs/smoke"
+    report = (run / "report.md").read_text()
+    assert (run / "loss_vs_hours.png").stat().st_size > 1000 and not (run / "loss_vs_usd.png").exists()
+    assert "![loss against hours](loss_vs_hours.png)" in report
+    assert "| dollars | unpriced: " in report and "cost.price_per_hour=" in report
+    assert "$0.0000" not in report and "| train |" in report and "| unpriced |" in report
+    hours = series(run, "cost/hours")
+    assert list(hours.values()) == sorted(hours.values()) and hours[19] > 0
+
+
+def test_phase_labels_never_overlap():
+    from lm.run.report import phase_labels
+
+    # Three phases ending within 4% of the x range share a label; one far away keeps its own.
+    ends = [(0.0, "smoke test"), (0.01, "proof of life"), (0.03, "grind"), (1.0, "last push")]
+    assert phase_labels(ends, 1.0) == [(0.03, "smoke test / proof of life / grind"), (1.0, "last push")]
+    assert phase_labels([(0.0, "a"), (0.0, "b")], 0.0) == [(0.0, "a / b")]  # all at one x: one label
+    assert phase_labels([(0.5, "b"), (0.0, "a")], 1.0) == [(0.0, "a"), (0.5, "b")]
+
+
 def test_mfu_is_unavailable_on_cpu_unless_a_peak_is_configured(tiny_cfg, tmp_path):
     main(tiny_cfg("trainer.max_steps=4", "trainer.val_every_steps=4", "trainer.log_every_n_steps=2"))
     tags = EventAccumulator(str(tmp_path / "runs/smoke/tb")).Reload().Tags()["scalars"]

@@ -16,8 +16,11 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>") or " "
 
 
-def phases_markdown(rows: list[dict[str, Any]], benchmark: list[str] | None = None) -> str:
-    """The rows of phases.csv as a Markdown table; `benchmark`, one cell per row, adds that column."""
+def phases_markdown(
+    rows: list[dict[str, Any]], benchmark: list[str] | None = None, priced: bool = True
+) -> str:
+    """The rows of phases.csv as a Markdown table; `benchmark`, one cell per row, adds that column; an unpriced
+    run (a CPU's $0/h) says so in its dollar columns instead of $0.0000."""
     head = ["phase", "steps", "tokens", "hours", "loss", "drop", "$", "$/loss point", "tok/s", "goal"]
     head += ["benchmark"] if benchmark is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -31,8 +34,8 @@ def phases_markdown(rows: list[dict[str, Any]], benchmark: list[str] | None = No
             f"{r['start_loss']:.3f} -> {r['end_loss']:.3f}"
             + (f" ({r['source_losses']})" if r.get("source_losses") else ""),
             f"{r['loss_drop']:.3f}",
-            fmt_money(r["usd"]),
-            fmt_money(r["usd_per_loss_point"]),
+            fmt_money(r["usd"]) if priced else "unpriced",
+            fmt_money(r["usd_per_loss_point"]) if priced else "unpriced",
             "" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}",
             goal,
             *([benchmark[i]] if benchmark is not None else []),

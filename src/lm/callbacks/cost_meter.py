@@ -183,6 +183,7 @@ class CostMeter(Callback):
             if util is not None:
                 out["perf/mfu"] = util
         out["perf/peak_mem_gb"] = peak_memory_gb()
+        out["cost/hours"] = sum(s.seconds.values()) / 3600  # what an unpriced run's report plots against
         if self.price is not None:
             total = self.usd()
             out["cost/usd"] = total

@@ -58,8 +58,10 @@ class LMDataModule(pl.LightningDataModule):
         callback after setup and the checkpoint restore, before the training loader is built."""
 
     def prepare_data(self) -> None:
-        """Tokenize and cache the corpus (Lightning runs this on one process per node)."""
-        prepare(self.cfg)
+        """Tokenize and cache the corpus (Lightning runs this on one process per node); a no-op once
+        `check_prepared` found and verified it (its "using the prepared dataset" line printed once)."""
+        if self._manifest is None:
+            prepare(self.cfg)
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared dataset; cheap, since `prepare` returns the cached folder."""

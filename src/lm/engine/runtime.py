@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -142,11 +143,35 @@ def hide_litlogger_tip(record: logging.LogRecord) -> bool:
     return "litlogger" not in record.getMessage()
 
 
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+"""Loggers Lightning gives console handlers of their own at import (`lightning`'s "INFO: ..." one always)."""
+HARMLESS_WARNINGS = (
+    # lightning 2.6's _pytree asks torch >= 2.10 about LeafSpec the deprecated way, at every fit; nothing to act on.
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
 def quiet_lightning() -> None:
-    """Keep Lightning's advertisement out of the run's log and console; idempotent (a filter is added once)."""
+    """One line per log record, without third-party noise nobody can act on; idempotent.
+
+    Where the process has a root handler (Hydra's, with time and logger name, writing the invocation's log
+    file too), Lightning's records go through it alone: `lightning`'s own "INFO: ..." console handler printed
+    each of them a second time (the doctor's table, "Seed set", "GPU available"), and a Lightning imported
+    before Hydra configured logging kept its records out of the log file. Also: the litlogger advertisement,
+    the known-harmless warnings above, and TensorBoard's event reader, which logs every file it opens (the
+    report reads the run's events at the end)."""
     logger = logging.getLogger(LIGHTNING_RANK_ZERO_LOG)
     if hide_litlogger_tip not in logger.filters:
         logger.addFilter(hide_litlogger_tip)
+    if logging.getLogger().handlers:
+        for name in LIGHTNING_LOGGERS:
+            own = logging.getLogger(name)
+            for handler in [h for h in own.handlers if type(h) is logging.StreamHandler]:
+                own.removeHandler(handler)
+            own.propagate = True
+    for message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)
 
 
 def set_matmul_precision(tf32: bool) -> None:

@@ -128,13 +128,14 @@ def cost_meter(
 ) -> CostMeter:
     """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once)."""
     n_params = module.model.num_parameters()
-    fpt = cost.flops_per_token(
-        cfg.model, cfg.data.seq_len, module.model.num_parameters(exclude_embedding=True)
-    )
+    non_embedding = module.model.num_parameters(exclude_embedding=True)
+    fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len, non_embedding)
     peak = cost.peak_flops(rt.gpu, rt.precision, cfg.precision.tf32, fp8=rt.fp8 is not None)
     log.info(
-        "%s parameters; MFU = tokens/s x %.3g FLOPs/token [%s] / %s; $%s/h per device (%s, %s)",
+        "model: %s parameters (%s non-embedding); MFU = tokens/s x %.3g FLOPs/token [%s] / %s; "
+        "$%s/h per device (%s, %s)",
         f"{n_params:,}",
+        f"{non_embedding:,}",
         fpt,
         cost.FLOPS_FORMULA,
         f"{peak / 1e12:g} TFLOP/s peak" if peak else "no catalogued peak: MFU not reported",
@@ -276,6 +277,9 @@ def build_trainer(
         callbacks=callbacks,
         plugins=[checkpointer.io(), *cluster_plugins()],
     )
+    if "enable_model_summary" not in t.extra:
+        # Lightning's summary says "Total FLOPs: 0" (it has no example input); `cost_meter` logs lm's one line.
+        args["enable_model_summary"] = False
     extra = {k: v for k, v in t.extra.items() if k not in overrides}
     return pl.Trainer(**{**args, **overrides}, **extra)
 

@@ -36,7 +36,7 @@ def write_report(run_dir: str | Path) -> Path:
     evals = rundir.read_evals(run_dir)
 
     plots = [
-        plot_loss_vs(scalars, "cost/usd", "dollars spent", run_dir / "loss_vs_usd.png", rows),
+        headline_plot(scalars, ledger, run_dir, rows),
         plot_scores_vs_usd(evals, run_dir / "accuracy_vs_usd.png"),
         plot_loss_vs(scalars, "train/tokens", "tokens trained", run_dir / "loss_vs_tokens.png", rows),
         plot_throughput(scalars, run_dir / "throughput.png"),
@@ -56,6 +56,26 @@ def write_report(run_dir: str | Path) -> Path:
     path = run_dir / "report.md"
     write_atomic(path, text)
     return path
+
+
+UNPRICED = "unpriced: this machine has no catalogued price (a CPU is $0/h); set cost.price_per_hour=<$/h> to meter it"
+
+
+def priced(ledger: dict | None) -> bool:
+    """Whether the run's time was priced (a catalogued GPU, or `cost.price_per_hour`); a CPU run is not."""
+    return bool(ledger and ledger.get("price_per_hour"))
+
+
+def headline_plot(
+    scalars: dict[str, Series], ledger: dict | None, run_dir: Path, rows: list[dict]
+) -> Path | None:
+    """Loss against dollars; an unpriced run's against hours (its dollars are all $0: no axis to read)."""
+    if priced(ledger) or "cost/hours" not in scalars:
+        (run_dir / "loss_vs_hours.png").unlink(missing_ok=True)
+        return plot_loss_vs(scalars, "cost/usd", "dollars spent", run_dir / "loss_vs_usd.png", rows)
+    (run_dir / "loss_vs_usd.png").unlink(missing_ok=True)
+    label = "wall-clock hours (unpriced: set cost.price_per_hour to plot dollars)"
+    return plot_loss_vs(scalars, "cost/hours", label, run_dir / "loss_vs_hours.png", rows)
 
 
 def render(
@@ -79,13 +99,17 @@ def render(
     summary = headline(cfg, scalars, ledger, rollbacks)
     if summary:
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in summary.items()], ""]
-    beside = [p for p in plots if p.name in ("loss_vs_usd.png", "accuracy_vs_usd.png")]
+    beside = [p for p in plots if p.name in ("loss_vs_usd.png", "loss_vs_hours.png", "accuracy_vs_usd.png")]
     if beside:
         lines += [" ".join(f"![{p.stem.replace('_vs_', ' against ')}]({p.name})" for p in beside), ""]
     plots = [p for p in plots if p not in beside]
     lines += ["## Phases", ""]
     benchmark = phase_benchmarks(rows, evals) if evals else None
-    lines += [phases_markdown(rows, benchmark), ""] if rows else ["No phase has finished yet.", ""]
+    lines += (
+        [phases_markdown(rows, benchmark, priced(ledger) or not ledger), ""]
+        if rows
+        else ["No phase has finished yet.", ""]
+    )
     if ledger:
         lines += [
             "## Where the money went",
@@ -97,9 +121,11 @@ def render(
         price, devices = ledger.get("price_per_hour"), ledger.get("devices", 1)
         for bucket in BUCKETS:
             seconds = ledger["seconds"].get(bucket, 0.0)
-            money = None if price is None else seconds * price * devices / 3600
-            lines.append(f"| {bucket} | {seconds / 3600:.4g} | {fmt_money(money)} | {seconds / total:.1%} |")
+            money = fmt_money(seconds * price * devices / 3600) if priced(ledger) else "unpriced"
+            lines.append(f"| {bucket} | {seconds / 3600:.4g} | {money} | {seconds / total:.1%} |")
         lines += ["", "`restart` is a resumed process's start-up plus the work redone after a restart.", ""]
+        if not priced(ledger):
+            lines += [f"Dollars: {UNPRICED}, then `lm report` this run again.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     lines += ["", f"MFU uses {FLOPS_FORMULA} against the catalog's dense peak for the run's precision.", ""]
     return "\n".join(lines)
@@ -131,7 +157,9 @@ def headline(cfg, scalars, ledger, rollbacks: dict | None = None) -> dict[str, s
         out[f"validation loss, {tag.removeprefix('val/loss/')}"] = (
             f"{scalars[tag].values[0]:.3f} -> {scalars[tag].values[-1]:.3f}"
         )
-    if ledger and ledger.get("usd") is not None:
+    if ledger and not priced(ledger):
+        out["dollars"] = UNPRICED
+    elif ledger and ledger.get("usd") is not None:
         out["dollars"] = (
             f"{fmt_money(ledger['usd'])} at ${ledger['price_per_hour']}/h x {ledger.get('devices', 1)}"
         )
@@ -175,18 +203,15 @@ def plot_loss_vs(
     if "val/loss" in scalars:
         val = scalars["val/loss"]
         ax.plot(x.at(val.steps), val.values, "o-", color="C0", label="validation")
-    for row in rows or []:  # phase ends, at the x value logged for the phase's last step
-        if row["status"] == "done":
-            ax.axvline(float(x.at(np.array([row["end_step"] - 1]))[0]), color="C3", ls="--", lw=0.8)
-            ax.annotate(
-                row["name"],
-                (float(x.at(np.array([row["end_step"] - 1]))[0]), 1.0),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                va="top",
-                ha="right",
-                fontsize=8,
-            )
+    ends = [
+        (float(x.at(np.array([r["end_step"] - 1]))[0]), r["name"])
+        for r in rows or []
+        if r["status"] == "done"
+    ]
+    for at, names in phase_labels(ends, float(np.ptp(x.values))):  # phase ends, at their last step's x
+        ax.axvline(at, color="C3", ls="--", lw=0.8)
+        ax.annotate(names, (at, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                    fontsize=8)  # fmt: skip
     ax.set_xlabel(x_label)
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
@@ -196,6 +221,22 @@ def plot_loss_vs(
         fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return path
+
+
+LABEL_GAP = 0.04
+"""Phase ends closer than this share of the x range share one label (their names joined): none overlap."""
+
+
+def phase_labels(ends: list[tuple[float, str]], span: float) -> list[tuple[float, str]]:
+    """(x, names) per label: phase ends within `LABEL_GAP` of the x range of the label before are merged into
+    it, at the last one's x."""
+    labels: list[tuple[float, list[str]]] = []
+    for at, name in sorted(ends):
+        if labels and at - labels[-1][0] <= LABEL_GAP * span:
+            labels[-1] = (at, [*labels[-1][1], name])
+        else:
+            labels.append((at, [name]))
+    return [(at, " / ".join(names)) for at, names in labels]
 
 
 def mean_score(record: dict) -> float | None:

@@ -60,6 +60,7 @@ def main(dcfg: DictConfig) -> float | None:
 def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
     """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
     started_at = time.monotonic()
+    runtime.quiet_lightning()  # before the doctor's table: every record printed once
     cfg = to_objects(dcfg)
     rt, plan, run_dir = check_run(cfg)
     datamodule = data_module(cfg.data, plan.end.tokens, cfg.phases.phases)
