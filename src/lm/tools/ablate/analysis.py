@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lm.numbers.stats import Interval, difference, holm, holm_verdict, p_value, t_interval
 from lm.store import rundir
-from lm.tools.ablate.runner import diverged, finished, recorded, result_file, run_config
+from lm.tools.ablate.runner import diverged, finished, machine, recorded, result_file, run_config
 from lm.tools.ablate.spec import BASELINE, Job, Shape, Spec
 
 
@@ -47,7 +47,7 @@ def read_run(job: Job, shape: Shape, out: Path | None = None) -> RunResult:
     result = read_events(job, shape, out)
     ended = result.status == "diverged" or (result.status == "done" and result.final is not None)
     if out is not None and ended:
-        record = {"config": run_config(job), "steps": job.steps, "result": asdict(result)}
+        record = {"config": run_config(job), "steps": job.steps, "machine": machine(), "result": asdict(result)}
         rundir.write_record(result_file(out, job), record)
     return result
 

@@ -60,6 +60,21 @@ def recorded(out: Path, job: Job) -> dict | None:
     return record
 
 
+def machine() -> str:
+    """The CPU model, core count and torch version a record was made on: runs of one seed on two hosts agree to
+    float rounding only (other kernels), so a campaign continued elsewhere says where each result came from."""
+    import platform
+    from importlib.metadata import version
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores, torch {version('torch')}"
+
+
 def finished(job: Job, out: Path | None = None) -> bool:
     """The run reached its last step (its cost ledger says so), its early stopper ended it, it diverged, or its
     result is recorded (a campaign continued from another machine's records)."""
