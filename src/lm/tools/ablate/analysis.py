@@ -47,7 +47,12 @@ def read_run(job: Job, shape: Shape, out: Path | None = None) -> RunResult:
     result = read_events(job, shape, out)
     ended = result.status == "diverged" or (result.status == "done" and result.final is not None)
     if out is not None and ended:
-        record = {"config": run_config(job), "steps": job.steps, "machine": machine(), "result": asdict(result)}
+        record = {
+            "config": run_config(job),
+            "steps": job.steps,
+            "machine": machine(),
+            "result": asdict(result),
+        }
         rundir.write_record(result_file(out, job), record)
     return result
 
