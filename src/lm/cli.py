@@ -252,6 +252,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(budget.render(plans, args.top, corpus))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
+    budget.check_overwrite(out)
     write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
 

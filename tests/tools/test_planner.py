@@ -100,6 +100,28 @@ def test_bad_input_gets_a_clear_error(args, message, tmp_path, capsys):
     assert not list(tmp_path.glob("*.yaml"))  # nothing written
 
 
+def test_plan_never_overwrites_an_experiment_it_did_not_write(tmp_path, capsys):
+    args = [
+        "plan",
+        "--usd",
+        "100",
+        "--gpu",
+        "h100_sxm",
+        "--corpus-tokens",
+        "100000000",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    (tmp_path / "phase1.yaml").write_text("# @package _global_\n# the project's own experiment\n")
+    with pytest.raises(SystemExit) as e:
+        lm([*args, "--name", "phase1"])
+    assert "was not written by `lm plan`" in str(e.value) and "--name" in str(e.value)
+    assert (tmp_path / "phase1.yaml").read_text().endswith("the project's own experiment\n")
+    lm(args)  # its own file, written and then rewritten
+    lm(args)
+    assert (tmp_path / "planned.yaml").read_text().splitlines()[1].startswith("# Written by `lm plan")
+
+
 def test_plan_on_a_corpus_not_prepared_estimates_its_size_and_says_so(tmp_path, capsys):
     cache = tmp_path / "empty-cache"
     lm(["plan", "--usd", "100", "--gpu", "h100_sxm", "--out-dir", str(tmp_path), f"data.cache_dir={cache}"])

@@ -475,6 +475,19 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
     return "\n".join(lines)
 
 
+WRITTEN_BY = "# Written by `lm plan"
+"""How the second line of an experiment `lm plan` wrote starts: the files it may overwrite."""
+
+
+def check_overwrite(path: Path) -> None:
+    """Refuse to replace an experiment `lm plan` did not write (the project's phase1.yaml, a user's own file)."""
+    if path.is_file() and not any(line.startswith(WRITTEN_BY) for line in path.read_text().splitlines()[:2]):
+        raise ValueError(
+            f"{path} exists and was not written by `lm plan`; nothing was written. Choose another name "
+            f"(--name my_plan) or another folder (--out-dir)"
+        )
+
+
 def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize | None = None) -> str:
     """The plan as a sparse experiment file with phases (warm-up, stable, decay); `corpus`: its size, an
     estimate said so, in a comment."""
