@@ -152,3 +152,35 @@ def test_on_a_recorded_cosine_run_the_prior_keeps_an_early_fit_steady():
         law = fit_schedule_law(steps[seen], losses[seen], mult)
         assert law.c_source == "fitted"
         assert abs(law.predict(mult).loss - losses[-1]) < 0.06
+
+
+def test_repeated_tokens_and_excess_parameters_are_worth_less():
+    """Muennighoff et al. 2023's data-constrained law: within an epoch nothing changes; 4 epochs are worth ~93%
+    of fresh tokens; endless repetition is worth at most (1 + R*) epochs; the inverse undoes it."""
+    from lm.numbers.loss_law import (
+        BESIROGLU,
+        CHINCHILLA_TOKENS_PER_PARAM,
+        PARAM_REPEAT_SCALE,
+        REPEAT_SCALE,
+        effective_params,
+        effective_tokens,
+        tokens_for_effective,
+    )
+
+    u = 1e7
+    assert effective_tokens(0.5 * u, u) == 0.5 * u and effective_tokens(5 * u, None) == 5 * u
+    assert 0.92 < effective_tokens(4 * u, u) / (4 * u) < 0.94
+    assert effective_tokens(1e6 * u, u) == pytest.approx(u * (1 + REPEAT_SCALE))
+    for tokens in (0.3 * u, 2 * u, 40 * u):
+        assert tokens_for_effective(effective_tokens(tokens, u), u) == pytest.approx(tokens)
+    assert tokens_for_effective(u * (1 + REPEAT_SCALE) * 1.01, u) == float("inf")
+    optimal = u / CHINCHILLA_TOKENS_PER_PARAM
+    assert effective_params(optimal, u) == optimal and effective_params(1e12, None) == 1e12
+    assert effective_params(1e12, u) == pytest.approx(optimal * (1 + PARAM_REPEAT_SCALE))
+    # The law: a repeated corpus costs loss; a target past what it can reach needs infinite tokens.
+    n = 1e8
+    assert BESIROGLU.loss(n, 40 * u, u) > BESIROGLU.loss(n, 40 * u)
+    assert BESIROGLU.loss(n, 0.5 * u, 1e12) == pytest.approx(BESIROGLU.loss(n, 0.5 * u))
+    target = BESIROGLU.loss(n, 3 * u, u)
+    assert BESIROGLU.tokens_for(n, target, u) == pytest.approx(3 * u)
+    assert BESIROGLU.tokens_for(n, BESIROGLU.loss(n, 1e6 * u), u) == float("inf")

@@ -209,3 +209,25 @@ def test_a_refusal_prints_the_doctors_table_errors_first_fixes_last(tmp_path):
     assert rows == sorted(rows, key=["ERROR", "WARN", "OK"].index)  # errors first
     assert lines[-2].startswith("apply the fixes: python train.py") and "model.vocab_multiple=64" in lines[-2]
     assert lines[-1].startswith("fix them")
+
+
+def test_the_tokens_line_says_how_often_the_corpus_repeats(tiny_cfg):
+    from lm.data import prepare
+    from lm.numbers import run_plan
+    from lm.numbers.loss_law import WORTHWHILE_EPOCHS
+    from lm.run.doctor import corpus_tokens
+
+    cfg = to_objects(tiny_cfg("trainer.max_steps=100000", "optim.total_steps=100000"))
+    prepare(cfg.data)
+    corpus = corpus_tokens(cfg.data)
+    plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)
+    epochs = plan.end.tokens / corpus
+    assert epochs > WORTHWHILE_EPOCHS
+    (f,) = run_plan.plan_findings(plan, 200_000, cuda=False, corpus=corpus)  # a CPU run is not nagged
+    assert f.level == "ok" and f"{epochs:.1f} epochs of the corpus's {corpus:,} tokens, worth ~" in f.what
+    (g,) = run_plan.plan_findings(plan, 200_000, cuda=True, corpus=corpus)
+    assert g.level == "warn" and "Muennighoff et al. 2023" in g.gain
+    capped = int(g.fix.removeprefix("trainer.max_steps="))
+    assert capped * 512 == pytest.approx(WORTHWHILE_EPOCHS * corpus, abs=512)
+    (fresh,) = run_plan.plan_findings(plan, 200_000, cuda=True, corpus=100 * plan.end.tokens)
+    assert "epochs" not in fresh.what  # within one epoch: the line as before

@@ -156,3 +156,22 @@ def test_the_estimate_measures_the_runs_tokenizer_and_a_prepared_corpus_is_exact
             f"~{estimate.tokens:,} training tokens, an ESTIMATE"
         )
         assert abs(estimate.tokens - exact.tokens) < within * exact.tokens, (estimate, exact)
+
+
+def test_a_small_corpus_is_not_planned_as_if_every_token_were_fresh(capsys, tmp_path):
+    """The bundled corpus's 9.4M tokens and $150: no plan past ~47 epochs, and a plan past 4 says its cost."""
+    corpus = 9_411_377
+    lm(["plan", "--usd", "150", "--corpus-tokens", str(corpus), "--out-dir", str(tmp_path), "--top", "30"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert rows
+    epochs = [float(r[9]) for r in rows]
+    assert (
+        max(epochs) <= budget.WORTHWHILE_EPOCHS + 0.5
+    )  # the budget buys no tokens past the worthwhile epochs
+    for row, e in zip(rows, epochs, strict=True):
+        repeats = next(c for c in row if c.startswith("+"))
+        assert repeats.endswith("!") == (e > 4)  # past ~4 epochs the row says so, with its loss
+    assert "Muennighoff et al. 2023" in out
+    written = (tmp_path / "planned.yaml").read_text()
+    assert "repetition costs" in written

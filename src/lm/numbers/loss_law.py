@@ -390,9 +390,59 @@ def loss_for_length(law: ScheduleLaw, optim: OptimConfig, total_steps: int) -> P
 # -- L(N, D): the Chinchilla-form law of `lm plan` ----------------------------------------------------------
 
 
+CHINCHILLA_TOKENS_PER_PARAM = 20
+"""Hoffmann et al. 2022's compute-optimal tokens per parameter (roughly)."""
+PARAM_REPEAT_SCALE = 5.309
+"""R*_N of Muennighoff et al. 2023 (eq. 5): parameters past the compute-optimal count for the corpus's unique
+tokens are worth less, decaying by 1/e over this many multiples of it."""
+REPEAT_SCALE = 15.4
+"""R*_D of Muennighoff et al. 2023 ("Scaling data-constrained language models", NeurIPS; eq. 5, fitted on
+their 100M-9B runs): the repetitions over which a repeated token's worth decays by 1/e. Up to ~4 epochs a token
+is worth nearly a fresh one; a corpus repeated without end is worth at most (1 + R*) x its unique tokens."""
+USEFUL_EPOCHS = 4.0
+"""Epochs up to which Muennighoff et al. found repeated data nearly as good as fresh: past it a plan says what
+the repetition costs."""
+
+
+WORTHWHILE_EPOCHS = 1.0 + REPEAT_SCALE * math.log(20.0)
+"""Past ~47 epochs a further epoch is worth under 5% of a fresh one (e^(-R/R*) < 0.05): a budget plan trains no
+longer, and spends less than the budget, rather than buying tokens that no longer lower the loss."""
+
+
+def effective_tokens(tokens: float, unique: float | None, scale: float = REPEAT_SCALE) -> float:
+    """The fresh tokens `tokens` trained on a corpus of `unique` tokens are worth: D' = U + U R* (1 - e^(-R/R*)),
+    R = D/U - 1 repetitions (Muennighoff et al. 2023, eq. 5); `tokens` itself within one epoch or when the
+    corpus size is unknown (None)."""
+    if not unique or tokens <= unique:
+        return tokens
+    repeats = tokens / unique - 1.0
+    return unique + unique * scale * (1.0 - math.exp(-repeats / scale))
+
+
+def effective_params(n: float, unique: float | None, scale: float = PARAM_REPEAT_SCALE) -> float:
+    """What `n` parameters are worth on a corpus of `unique` tokens: past U_N, the compute-optimal count for
+    those tokens (`unique` / CHINCHILLA_TOKENS_PER_PARAM), N' = U_N + U_N R*_N (1 - e^(-R_N/R*_N)),
+    R_N = N/U_N - 1 (Muennighoff et al. 2023, eq. 5); `n` itself when the corpus size is unknown (None)."""
+    optimal = unique / CHINCHILLA_TOKENS_PER_PARAM if unique else None
+    if optimal is None or n <= optimal:
+        return n
+    return optimal + optimal * scale * (1.0 - math.exp(-(n / optimal - 1.0) / scale))
+
+
+def tokens_for_effective(effective: float, unique: float | None, scale: float = REPEAT_SCALE) -> float:
+    """The tokens to train on a corpus of `unique` tokens to be worth `effective` fresh ones (the inverse of
+    `effective_tokens`); inf past what endless repetition is worth, (1 + R*) x `unique`."""
+    if not unique or effective <= unique:
+        return effective
+    worn = (effective - unique) / (unique * scale)
+    return unique * (1.0 - scale * math.log1p(-worn)) if worn < 1.0 else math.inf
+
+
 @dataclass(frozen=True)
 class ChinchillaLaw:
-    """L(N, D) = E + A / N^alpha + B / D^beta, N parameters, D training tokens."""
+    """L(N, D) = E + A / N^alpha + B / D^beta, N parameters, D training tokens; with `unique` (the corpus's
+    tokens), N and D are what they are worth on that corpus (`effective_params`, `effective_tokens`: the
+    data-constrained law of Muennighoff et al. 2023)."""
 
     E: float
     A: float
@@ -401,13 +451,15 @@ class ChinchillaLaw:
     beta: float
     source: str
 
-    def loss(self, n: float, d: float) -> float:
+    def loss(self, n: float, d: float, unique: float | None = None) -> float:
+        n, d = effective_params(n, unique), effective_tokens(d, unique)
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
 
-    def tokens_for(self, n: float, loss: float) -> float:
-        """Tokens at which a model of n parameters reaches `loss`; inf when it never does."""
-        gap = loss - self.E - self.A / n**self.alpha
-        return (self.B / gap) ** (1.0 / self.beta) if gap > 0 else math.inf
+    def tokens_for(self, n: float, loss: float, unique: float | None = None) -> float:
+        """Tokens at which a model of n parameters reaches `loss` (on a corpus of `unique` tokens, repeated as
+        needed); inf when it never does."""
+        gap = loss - self.E - self.A / effective_params(n, unique) ** self.alpha
+        return tokens_for_effective((self.B / gap) ** (1.0 / self.beta), unique) if gap > 0 else math.inf
 
 
 BESIROGLU = ChinchillaLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024 (uncalibrated)")

@@ -17,8 +17,12 @@ import torch
 from lm.base.findings import Finding
 from lm.config import DataConfig, OptimConfig, PhaseConfig, TrainerConfig
 from lm.numbers.batch_ramp import BatchRamp, ramp_of
-
-CHINCHILLA_TOKENS_PER_PARAM = 20
+from lm.numbers.loss_law import (
+    CHINCHILLA_TOKENS_PER_PARAM,
+    USEFUL_EPOCHS,
+    WORTHWHILE_EPOCHS,
+    effective_tokens,
+)
 
 
 def world_size(trainer: TrainerConfig) -> int:
@@ -128,11 +132,29 @@ def phase_at(step: int, tokens: int, phases: Sequence[PhaseConfig]) -> int:
     return len(phases)
 
 
-def plan_findings(plan: RunPlan, n_params: int, cuda: bool) -> list[Finding]:
-    """The doctor's tokens-per-parameter check: the plan's tokens per parameter against Chinchilla's ~20."""
+def plan_findings(plan: RunPlan, n_params: int, cuda: bool, corpus: int | None = None) -> list[Finding]:
+    """The doctor's tokens-per-parameter check: the plan's tokens per parameter against Chinchilla's ~20, and,
+    with the corpus's training tokens known (`corpus`, prepared data), its epochs of that corpus and what the
+    repeated tokens are worth (Muennighoff et al. 2023)."""
     end = plan.end
     ratio = end.tokens / n_params
     what = f"{end.tokens:,} tokens / {n_params:,} params = {ratio:.1f} tokens/param ({end.source}); Chinchilla ~20"
+    epochs = end.tokens / corpus if corpus else 0.0
+    if epochs > 1:
+        worth = effective_tokens(end.tokens, corpus)
+        what += f"; {epochs:.1f} epochs of the corpus's {corpus:,} tokens, worth ~{worth:,.0f} fresh ones"
+    if cuda and epochs > USEFUL_EPOCHS:
+        capped = plan.ramp.steps_for_tokens(int(WORTHWHILE_EPOCHS * corpus))
+        return [
+            Finding(
+                "tokens/param",
+                "warn",
+                what,
+                f"past ~{USEFUL_EPOCHS:g} epochs a repeated token is worth less and less (Muennighoff et al. 2023): "
+                "a larger corpus buys a lower loss for the same money",
+                f"trainer.max_steps={capped}" if epochs > WORTHWHILE_EPOCHS else "",
+            )
+        ]
     if cuda and ratio < CHINCHILLA_TOKENS_PER_PARAM / 2:
         return [
             Finding(

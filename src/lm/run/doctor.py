@@ -25,8 +25,9 @@ from lm.base.findings import LEVELS, Finding
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.checkpointer import resume_candidates
 from lm.checkpoint.local import disk_findings
-from lm.config import GpuConfig, LMConfig, conf_dir
+from lm.config import DataConfig, GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
+from lm.data.manifest import load_manifest, prepared_folder
 from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
@@ -122,7 +123,19 @@ def check_pickles(t: Target, dataset=None) -> list[Finding]:
 
 
 def check_plan(t: Target) -> list[Finding]:
-    return run_plan.plan_findings(t.plan, t.n_params, t.cuda)
+    return run_plan.plan_findings(t.plan, t.n_params, t.cuda, corpus_tokens(t.cfg.data))
+
+
+def corpus_tokens(data: DataConfig) -> int | None:
+    """Training tokens of the prepared corpus (its manifest), None before it is prepared or for a mixture (whose
+    sources repeat at their own rates); a damaged manifest is the data checks' to refuse, not this line's."""
+    if data.mixture:
+        return None
+    folder = prepared_folder(data)
+    try:
+        return int(load_manifest(folder)["splits"]["train"]["tokens"]) if folder is not None else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def check_price(t: Target) -> list[Finding]:

@@ -35,7 +35,14 @@ from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
-from lm.numbers.loss_law import BESIROGLU, HOFFMANN, ChinchillaLaw
+from lm.numbers.loss_law import (
+    BESIROGLU,
+    HOFFMANN,
+    REPEAT_SCALE,
+    USEFUL_EPOCHS,
+    WORTHWHILE_EPOCHS,
+    ChinchillaLaw,
+)
 from lm.store.bench_file import measured_mfu
 
 RESTART_HOURS = 0.1
@@ -91,9 +98,13 @@ class BudgetPlan:
     storage_gb: float
     epochs: float
     loss: float
+    """Expected final loss, the corpus's repetition counted (Muennighoff et al. 2023's data-constrained law)."""
     loss_low: float
     loss_high: float
     law: str
+    repeat_cost: float = 0.0
+    """What the corpus's size costs: `loss` minus the loss had every token been fresh (the data-constrained
+    law's repeated tokens and parameters past what the unique tokens support)."""
     ramp: BatchRamp | None = None
     """The batch-size ramp the steps train with (`data.batch_ramp_steps`); None: the full batch throughout."""
 
@@ -285,17 +296,21 @@ def steps_for(
     n: int,
     tokens_per_step: int,
     law: ChinchillaLaw = BESIROGLU,
+    corpus: int | None = None,
 ) -> int:
-    """Optimizer steps the goal asks for on this hardware (0 when it buys none)."""
+    """Optimizer steps the goal asks for on this hardware (0 when it buys none); a target loss is reached on
+    the corpus's `corpus` tokens repeated as needed (`ChinchillaLaw.tokens_for`)."""
+    # A budget buys tokens only while they lower the loss: no further than WORTHWHILE_EPOCHS of the corpus.
+    worthwhile = math.ceil(WORTHWHILE_EPOCHS * corpus / tokens_per_step) if corpus else math.inf
     if goal.hours is not None:
-        return int(goal.hours * 3600.0 / step_seconds)
+        return min(int(goal.hours * 3600.0 / step_seconds), worthwhile)
     if goal.usd is not None:
         price = hw.price_spot if goal.pricing == "spot" else hw.price_on_demand
         if price is None:
             return 0
         slow = 1.0 + overhead if goal.pricing == "spot" else 1.0
-        return int(goal.usd / (step_seconds * slow * price / 3600.0))
-    tokens = law.tokens_for(n, goal.target_loss)
+        return min(int(goal.usd / (step_seconds * slow * price / 3600.0)), worthwhile)
+    tokens = law.tokens_for(n, goal.target_loss, corpus)
     return math.ceil(tokens / tokens_per_step) if math.isfinite(tokens) else 0
 
 
@@ -347,9 +362,11 @@ def make_plans(
             )  # fmt: skip
             if plan is not None:
                 plans.append(plan)
+    usd = lambda p: p.usd_on_demand if p.usd_on_demand is not None else math.inf  # noqa: E731
     if goal.target_loss is not None:
-        return sorted(plans, key=lambda p: p.usd_on_demand if p.usd_on_demand is not None else math.inf)
-    return sorted(plans, key=lambda p: p.loss)
+        return sorted(plans, key=usd)
+    # Losses within 0.01 tie (a repeated corpus puts every large model at one loss): the cheaper plan first.
+    return sorted(plans, key=lambda p: (round(p.loss, 2), usd(p)))
 
 
 def cost_candidate(
@@ -374,7 +391,7 @@ def cost_candidate(
     step_seconds = windows * seq_len / hw.tokens_per_sec
     every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
     overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
-    steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law)
+    steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law, corpus)
     fit = fit_micro_batch(model, hw.gpu, seq_len, windows) if steps >= 1 else None  # the slow part
     if fit is None:
         return None
@@ -383,8 +400,10 @@ def cost_candidate(
     d = ramp.tokens_through(steps)
     hours, usd_on_demand = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
     _, usd_spot = run_cost(d, hw.tokens_per_sec, hw.price_spot)
-    loss = law.loss(n, d)
-    losses = [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d)]
+    loss = law.loss(n, d, corpus)  # repeated tokens are worth less (Muennighoff et al. 2023)
+    losses = (
+        [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d, corpus)]
+    )
     return BudgetPlan(
         preset=preset,
         model=model,
@@ -403,6 +422,7 @@ def cost_candidate(
         storage_gb=estimate_checkpoint_bytes(n) * 4 / 1e9,  # keep_last 3 + last.ckpt's target
         epochs=d / corpus,
         loss=loss,
+        repeat_cost=loss - law.loss(n, d),
         loss_low=min(losses),
         loss_high=max(losses),
         law=law.source,
@@ -448,7 +468,7 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
     head = (
         f"{'#':>2} {'model':<6} {'params':>8} {'gpu':<12} {'tok/s':>9} {'micro x acc':>11} {'AC':>3} "
         f"{'steps':>8} {'tokens':>9} {'epochs':>6} {'hours':>7} {'on demand':>10} {'spot':>10} "
-        f"{'loss (interval)':>20}  throughput"
+        f"{'loss (interval)':>20} {'repeats':>8}  throughput"
     )
     lines = [head]
     for i, p in enumerate(plans[:top], 1):
@@ -456,8 +476,8 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
             f"{i:>2} {p.preset:<6} {p.params / 1e6:>7.1f}M {p.hw.gpu.name:<12} {p.hw.tokens_per_sec:>9,.0f} "
             f"{f'{p.micro_batch}x{p.accumulate}':>11} {'on' if p.ac_every else 'off':>3} {p.steps:>8,} "
             f"{p.tokens / 1e9:>8.3f}B {f'{approx}{p.epochs:.2f}':>6} {p.hours:>7.2f} {fmt_money(p.usd_on_demand):>10} "
-            f"{fmt_money(p.usd_spot):>10} {f'{p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f})':>20}  "
-            f"{p.hw.throughput_source}"
+            f"{fmt_money(p.usd_spot):>10} {f'{p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f})':>20} "
+            f"{repeats_cell(p):>8}  {p.hw.throughput_source}"
         )
     if plans:
         lines.append(
@@ -472,7 +492,24 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
         )
     if corpus is not None:
         lines.append(f"epochs: of the corpus's {corpus}")
+    if any(p.epochs > 1 for p in plans[:top]):
+        lines.append(
+            "repeats: what the corpus's size costs in loss, the plan's loss minus its loss had every token been "
+            "fresh (Muennighoff et al. 2023's data-constrained law: repeated tokens, and parameters past what "
+            f"the unique tokens support, are worth less; up to ~{USEFUL_EPOCHS:g} epochs nearly as good as "
+            f"fresh, at most {1 + REPEAT_SCALE:.1f}x the corpus in fresh tokens); ! past {USEFUL_EPOCHS:g} "
+            f"epochs: a larger corpus buys a lower loss for the same money; a budget trains at most "
+            f"{WORTHWHILE_EPOCHS:.0f} epochs (a further one is worth under 5% of a fresh one) and may spend less"
+        )
     return "\n".join(lines)
+
+
+def repeats_cell(p: BudgetPlan) -> str:
+    """What the corpus's size costs in loss for a plan past one epoch (`!` past USEFUL_EPOCHS), empty within
+    one."""
+    if p.epochs <= 1:
+        return ""
+    return f"+{p.repeat_cost:.2f}{'!' if p.epochs > USEFUL_EPOCHS else ''}"
 
 
 WRITTEN_BY = "# Written by `lm plan"
@@ -503,6 +540,13 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         f"~{p.hours:.2f} h, {fmt_money(p.usd_on_demand)} on demand, "
         f"expected final loss {p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f}, {p.law}).",
         *([f"# {'~' if corpus.estimated else ''}{p.epochs:.2f} epochs of {corpus}."] if corpus else []),
+        *(
+            [
+                f"# The repetition costs {p.repeat_cost:.2f} in loss against fresh tokens (Muennighoff et al. 2023)."
+            ]
+            if p.epochs > 1
+            else []
+        ),
         f"#   python train.py +experiment={name}",
         "defaults:",
         f"  - override /model: {p.preset}",
