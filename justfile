@@ -21,9 +21,9 @@ train *overrides:
 prepare *overrides:
     {{python}} -m lm.cli prepare {{overrides}}
 
-# The test suite (the same command CI runs).
+# The test suite (the same command CI runs), on two workers (pytest-xdist).
 test *args:
-    {{python}} -m pytest -q {{args}}
+    {{python}} -m pytest -q -n 2 {{args}}
 
 # The whole fault matrix (CI runs only its fast cases), printed as a Markdown table.
 faults *args:
