@@ -125,7 +125,7 @@ def render(
             lines.append(f"| {bucket} | {seconds / 3600:.4g} | {money} | {seconds / total:.1%} |")
         lines += ["", "`restart` is a resumed process's start-up plus the work redone after a restart.", ""]
         if not priced(ledger):
-            lines += [f"Dollars: {UNPRICED}, then `lm report` this run again.", ""]
+            lines += [f"Dollars: {UNPRICED} when you run it.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     lines += ["", f"MFU uses {FLOPS_FORMULA} against the catalog's dense peak for the run's precision.", ""]
     return "\n".join(lines)
