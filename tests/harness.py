@@ -84,7 +84,7 @@ def marker(markers: Path, action: str, step: int = 0, key: str = "fault") -> Pat
 @dataclass
 class Trigger:
     """`action()` runs once, from the test process, when `ready(output)` first holds while the run is alive
-    (`output`: its stderr so far).
+    (`output`: its stdout and stderr so far).
 
     With a `pause` fault the run waits at its step until `release` exists; the harness creates it after `action`.
     """
@@ -101,7 +101,7 @@ class Trigger:
 
     @classmethod
     def after_output(cls, text: str, seconds: float, action: Callable[[], None]) -> Trigger:
-        """`seconds` after `text` first appears on the run's stderr."""
+        """`seconds` after `text` first appears in the run's output."""
         seen: list[float] = []
 
         def ready(output: str) -> bool:
@@ -182,7 +182,9 @@ def run(
                 start_new_session=True,
             )
         try:
-            code = wait(proc, start + timeout, triggers, lambda: read(err))
+            # Triggers watch both streams: the run's log records reach stdout (Hydra's handler) and its
+            # refusals and crashes stderr.
+            code = wait(proc, start + timeout, triggers, lambda: read(out) + read(err))
             exited_at = time.time()
             if code is None:
                 abort_group(proc)
