@@ -289,3 +289,8 @@ def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
             f"made with (data.tokenizer={folder / TOKENIZER}, or leave data.tokenizer unset), or re-run "
             f"`lm prepare` with data.tokenizer={cfg.tokenizer} to tokenize the corpus again"
         )
+
+
+def train_tokens(folder: Path) -> int:
+    """Training tokens of a prepared dataset folder, from its manifest."""
+    return int(load_manifest(folder)["splits"]["train"]["tokens"])

@@ -27,7 +27,7 @@ from lm.checkpoint.checkpointer import resume_candidates
 from lm.checkpoint.local import disk_findings
 from lm.config import DataConfig, GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
-from lm.data.manifest import load_manifest, prepared_folder
+from lm.data.manifest import prepared_folder, train_tokens
 from lm.data.mixture import mixture_findings
 from lm.engine import activation_checkpointing as ac
 from lm.engine import runtime
@@ -133,7 +133,7 @@ def corpus_tokens(data: DataConfig) -> int | None:
         return None
     folder = prepared_folder(data)
     try:
-        return int(load_manifest(folder)["splits"]["train"]["tokens"]) if folder is not None else None
+        return train_tokens(folder) if folder is not None else None
     except (OSError, ValueError, KeyError):
         return None
 
@@ -227,7 +227,6 @@ def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
     table printed as a table, errors first, the fix commands last."""
     strict = t.cfg.doctor.strict if strict is None else strict
     findings = diagnose(t)
-    text = table(findings, strict)
     errors = [f for f in findings if level_of(f, strict) == "error"]
     if errors:
         worst_first = sorted(findings, key=lambda f: -LEVELS.index(level_of(f, strict)))
@@ -237,7 +236,7 @@ def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
             + (", doctor.strict=true" if strict else "")
             + f"):\n{text}\nfix them (the overrides above) or, for warnings, set doctor.strict=false"
         )
-    rank_zero_info("doctor:\n%s", text)  # every rank checks; one prints
+    rank_zero_info("doctor:\n%s", table(findings, strict))  # every rank checks; one prints
     return findings
 
 

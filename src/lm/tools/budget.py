@@ -29,7 +29,7 @@ from lm.base.tables import fmt_money
 from lm.checkpoint.local import estimate_checkpoint_bytes
 from lm.config import DataConfig, GpuConfig
 from lm.data import shards, sources
-from lm.data.manifest import TOKENIZER, cache_key, dataset_dir, load_manifest, prepared_folder
+from lm.data.manifest import TOKENIZER, cache_key, dataset_dir, prepared_folder, train_tokens
 from lm.data.tokenizer import load_tokenizer, load_tokenizer_spec
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
@@ -143,7 +143,7 @@ def corpus_size(data: DataConfig) -> CorpusSize:
     not prepared yet (`estimate_corpus`), so that a plan comes before paying for the tokenizing."""
     folder = prepared_folder(data)
     if folder is not None:
-        tokens = int(load_manifest(folder)["splits"]["train"]["tokens"])
+        tokens = train_tokens(folder)
         return CorpusSize(tokens, estimated=False, how=f"exact: the manifest of {folder}")
     if data.source not in ("stdlib", "text"):
         raise ValueError(
