@@ -1,5 +1,5 @@
 """optim=muon: which tensors Muon gets, what its update is, one optimizer object through checkpoints, resume,
-DDP and the refusal of FSDP2."""
+DDP (FSDP2: test_muon_fsdp.py)."""
 
 import copy
 import json
@@ -211,9 +211,8 @@ def test_a_polar_express_run_trains_and_resumes_bit_for_bit(tiny_cfg, tmp_path, 
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_muon_with_fsdp_is_refused_with_the_fix(compose):
-    with pytest.raises(ValueError, match="optim=muon cannot run with trainer=fsdp.*trainer=ddp"):
-        to_objects(compose(*TINY, "optim=muon", "trainer=fsdp"))
+def test_an_unknown_optimizer_is_refused_with_the_choices(compose):
+    to_objects(compose(*TINY, "optim=muon", "trainer=fsdp"))  # Muon shards (tests/engine/test_muon_fsdp.py)
     with pytest.raises(ValueError, match="optim.name='sgd' is unknown"):
         to_objects(compose(*TINY, "optim=muon", "optim.name=sgd"))
 

@@ -338,9 +338,3 @@ class LMConfig:
                     f"phase '{phase.name}' sets mixture weights of {unknown}, which data.mixture does not "
                     f"list (its sources: {sorted(known) or 'none'}); use their names"
                 )
-        if self.optim.name == "muon" and self.trainer.strategy == "fsdp":
-            # torch.optim.Muon would orthogonalise each rank's DTensor shard, not the whole matrix.
-            raise ValueError(
-                "optim=muon cannot run with trainer=fsdp: Newton-Schulz needs each whole matrix and FSDP2 "
-                "gives every rank a shard; use trainer=ddp (or a single device), or optim=adamw with FSDP"
-            )

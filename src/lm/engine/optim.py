@@ -19,10 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
 
 from lm.base.findings import Finding
 from lm.config import OptimConfig
+from lm.engine import muon_sharded
 from lm.model import ModelConfig, Transformer
 
 
@@ -119,6 +120,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     The groups and the state live here (so `state_dict`, `load_state_dict` and `LambdaLR` work unchanged); at
     each step the inner `torch.optim.Muon` and `AdamW` are pointed at their groups and at this state, which
     `load_state_dict` replaces. A parameter without a gradient is skipped by both, as the guards expect.
+    Under FSDP2 (DTensor shards) the Muon groups take `lm.engine.muon_sharded.step` instead of torch's
+    `Muon`: the same update, each matrix orthogonalised once, on the rank that owns it.
     """
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
@@ -140,6 +143,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         muon = [g for g in self.param_groups if g["kind"] == "muon"]
+        if any(muon_sharded.is_sharded(p) for g in muon for p in g["params"]):
+            # FSDP2: each matrix orthogonalised once, by its owner rank (lm.engine.muon_sharded)
+            muon_sharded.step(muon, self.state, orthogonalise)
+            muon = []
         for inner, groups in (
             (self.muon, [g for g in muon if g["ns_coefficients"] != "polar_express"]),
             (self.polar, [g for g in muon if g["ns_coefficients"] == "polar_express"]),
@@ -184,6 +191,14 @@ def polar_express(grad: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
         gram = x @ x.T  # (m, m)
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
     return x.T if grad.size(0) > grad.size(1) else x
+
+
+def orthogonalise(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """A Muon group's orthogonalisation of one whole matrix: torch's Newton-Schulz with the group's triple, or
+    Polar Express (what the single-process step applies, for the sharded step to apply the same)."""
+    if group["ns_coefficients"] == "polar_express":
+        return polar_express(update, group["ns_steps"], group["eps"])
+    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
 class PolarExpressMuon(torch.optim.Muon):
