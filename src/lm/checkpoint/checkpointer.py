@@ -25,8 +25,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lm.checkpoint import resume_check
 from lm.checkpoint.callback import RunCheckpoint
-from lm.checkpoint.files import LAST, STEP_GLOB, loadable, read
-from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat
+from lm.checkpoint.files import LAST, STEP_GLOB, loadable, read_meta, remove
+from lm.checkpoint.formats import FORMATS, FULL_FILE, TMP_MARK, CheckpointFormat
 from lm.checkpoint.local import AtomicCheckpointIO, replace_symlink
 from lm.checkpoint.remote import RemoteCheckpoints, fetch_newer, remote_behind, remote_checkpoints
 from lm.config import CheckpointConfig, DataConfig, RunConfig
@@ -41,7 +41,8 @@ class Checkpointer:
     """A run directory's checkpoints: the resume point or the archive of an old run, the check that this config
     may continue a checkpoint, the Trainer's writer and save callbacks, and the bucket mirror.
 
-    `fmt` is the file layout every part reads and writes through (`lm.checkpoint.formats`).
+    `fmt` is the layout every save is written in (`lm.checkpoint.formats`; `checkpoint.format` by default);
+    every reader takes either layout.
     """
 
     def __init__(
@@ -49,9 +50,10 @@ class Checkpointer:
         run_dir: Path,
         cfg: CheckpointConfig,
         remote: RemoteCheckpoints | None = None,
-        fmt: CheckpointFormat = FULL_FILE,
+        fmt: CheckpointFormat | None = None,
     ) -> None:
-        self.run_dir, self.cfg, self.remote, self.format = run_dir, cfg, remote, fmt
+        self.run_dir, self.cfg, self.remote = run_dir, cfg, remote
+        self.format = fmt if fmt is not None else FORMATS[cfg.format]
 
     @classmethod
     def open(
@@ -125,7 +127,7 @@ def remove_all_temporaries(ckpt_dir: Path) -> None:
     whose process is gone."""
     for tmp in ckpt_dir.glob(f"*{TMP_MARK}*"):
         log.info("removing %s, left by an interrupted checkpoint write", tmp)
-        tmp.unlink(missing_ok=True)
+        remove(tmp)  # a file, or a sharded save's folder
 
 
 def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
@@ -134,7 +136,7 @@ def fetch_remote(ckpt_dir: Path, remote: RemoteCheckpoints) -> Path | None:
     if ckpt_dir.is_dir():
         remove_all_temporaries(ckpt_dir)
         good = find_good_checkpoint(ckpt_dir)
-    local_step = read(good)["global_step"] if good is not None else -1
+    local_step = read_meta(good)["global_step"] if good is not None else -1
     return fetch_newer(ckpt_dir, remote, local_step, have_local=good is not None)
 
 

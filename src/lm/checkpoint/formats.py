@@ -1,16 +1,23 @@
 """How one checkpoint is laid out on disk: the seam where a second format plugs in.
 
 `CheckpointFormat` is what the rest of `lm.checkpoint` asks of a format: save a training state under a path,
-load it back, say whether one is there, list a folder's step checkpoints newest first. `FullFile` is the one
-format today: one `torch.save` file per step, gathered on rank 0 (FSDP included), written atomically. A
-sharded, asynchronous format (torch.distributed.checkpoint: a folder per step, every rank writing its shards)
-is a second implementation of the same four calls; rotation, the `last.ckpt` link and resume then need no
-third path through the code.
+load it back, say whether one is there, list a folder's step checkpoints newest first. Two formats:
+
+- `FullFile` (checkpoint.format=full, the default): one `torch.save` file per step, gathered on rank 0 (FSDP
+  included), written atomically by rename.
+- `ShardedFolder` (checkpoint.format=sharded, FSDP2 only): torch.distributed.checkpoint, every rank writing its
+  own shards in parallel into `<path>.tmp-shards/`; rank 0 writes `meta.pt` once DCP's index is written (after
+  every rank finished) and renames the folder to `<path>`, so a folder is visible (rotation, `last.ckpt`, the
+  corruption check, resume) only when complete.
+
+Both are listed, loaded and rotated the same way (`lm.checkpoint.files` reads either), so a run may switch
+format between invocations and resume from whichever is newest.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +31,9 @@ TMP_MARK = ".tmp-"  # `<name>.tmp-<pid>`: a write in progress, or the remains of
 
 class CheckpointFormat(Protocol):
     """A checkpoint layout: what writing, resume and rotation need of it."""
+
+    collective: bool
+    """Whether every rank calls `save` (its shards), or rank 0 alone (a full state it gathered)."""
 
     def save(self, checkpoint: dict[str, Any], path: Path) -> int:
         """Write `checkpoint` at `path` completely or not at all; returns the bytes written. An OSError leaves
@@ -65,6 +75,8 @@ class FullFile:
     directory, fsync, rename over `path`, fsync the directory. A kill at any moment leaves either the old file
     or the new one, never half of one."""
 
+    collective = False
+
     def save(self, checkpoint: dict[str, Any], path: Path) -> int:
         tmp = temporary_path(path)
         try:
@@ -90,5 +102,97 @@ class FullFile:
         return files.step_files(ckpt_dir)
 
 
+class ShardedFolder:
+    """A folder per step (`step-<N>.ckpt/`): every rank writes its shards with torch.distributed.checkpoint.
+
+    Called on every rank with the sharded state dicts (`state_dict`, `optimizer_states`: DTensor shards) and
+    Lightning's other keys. The write goes to `<path>.tmp-shards/`; DCP's coordinator writes its index there
+    only after every rank's shards are written (and fsynced); rank 0 then writes `meta.pt` and renames the
+    folder into place. A kill at any moment leaves the old checkpoints and, at worst, a `*.tmp-shards` folder
+    that the next start deletes. A rank that fails (disk full, quota) fails the save on every rank: DCP
+    gathers the error, each rank raises it as the OSError it was, and the previous checkpoints are intact.
+    """
+
+    collective = True
+    SUFFIX = f"{TMP_MARK}shards"
+
+    def save(self, checkpoint: dict[str, Any], path: Path) -> int:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        distributed = dist.is_available() and dist.is_initialized()
+        rank0 = not distributed or dist.get_rank() == 0
+        tmp = path.with_name(path.name + self.SUFFIX)
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the remains of a write this run abandoned
+            tmp.mkdir(parents=True)
+        if distributed:
+            dist.barrier()
+        tensors = {"state_dict": checkpoint["state_dict"]}
+        tensors |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))}
+        try:
+            dcp.save(tensors, checkpoint_id=tmp)
+        except CheckpointException as e:  # raised on every rank when any rank failed
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise first_os_error(e) from e
+        size, failed = 0, None
+        if rank0:
+            try:
+                size = self.finish(checkpoint, tmp, path)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                failed = e
+        if distributed:  # rank 0's failure is every rank's: none goes on to the next step's collectives
+            box = [None if failed is None else (failed.errno, failed.strerror or str(failed), str(path))]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and failed is None:
+                failed = OSError(*box[0])
+        if failed is not None:
+            raise failed
+        return size
+
+    @staticmethod
+    def finish(checkpoint: dict[str, Any], tmp: Path, path: Path) -> int:
+        """Rank 0, once every shard and the index are written: `meta.pt`, then the folder renamed into place."""
+        meta = {k: v for k, v in checkpoint.items() if k not in files.TENSOR_KEYS}
+        with open(tmp / files.SHARDED_META, "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = sum(p.stat().st_size for p in tmp.iterdir())
+        if path.exists():  # the same step written before (a run resumed from an older checkpoint)
+            files.remove(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return size
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return files.read(path)
+
+    def exists(self, path: Path) -> bool:
+        return (path / files.SHARD_INDEX).is_file() and (path / files.SHARDED_META).is_file()
+
+    def list(self, ckpt_dir: Path) -> list[Path]:
+        return files.step_files(ckpt_dir)
+
+
+def first_os_error(e: Exception) -> OSError:
+    """The OSError behind a failed DCP save (DCP gathers each rank's exception into one), so the caller says
+    disk full or read-only as for a file; another cause becomes an OSError naming it."""
+    failures = getattr(e, "failures", {}) or {}
+    for cause in failures.values():
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            return cause
+    return OSError(f"sharded save failed: {e}")
+
+
 FULL_FILE = FullFile()
-"""The format every run writes today."""
+"""The default format."""
+SHARDED = ShardedFolder()
+
+FORMATS = {"full": FULL_FILE, "sharded": SHARDED}
+"""`checkpoint.format` -> its layout."""

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
 from lm.base.findings import Finding
-from lm.checkpoint.files import LAST, checkpoint_step, step_files
+from lm.checkpoint.files import LAST, checkpoint_step, read, remove, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
 from lm.store import rundir
 from lm.store.atomic import nearest_folder, unwritable_cause, unwritable_fix
@@ -87,6 +87,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.expected_bytes = max(self.expected_bytes, size)
         report_progress(f"saved {path}")  # `lm supervise` starts its count of crashes in a row again
 
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
+        """A file as Lightning loads it; a sharded folder assembled whole (a resume on one process or under
+        DDP: FSDP2 reads its shards through the strategy instead)."""
+        if Path(path).is_dir():
+            return read(Path(path))
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
 
 def save_failure(error: OSError, path: Path) -> str:
     """What went wrong with a checkpoint write, with the free space."""
@@ -124,7 +131,7 @@ def rotate(ckpt_dir: Path, keep_last: int, present: int) -> list[Path]:
     steps = [p for p in step_files(ckpt_dir) if checkpoint_step(p) <= present]
     doomed = [p for p in steps[keep_last:] if p.resolve() != linked]
     for path in doomed:
-        path.unlink(missing_ok=True)
+        remove(path)
         log.info("rotation (checkpoint.keep_last=%d): deleted %s", keep_last, path.name)
     return doomed
 

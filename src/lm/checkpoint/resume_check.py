@@ -128,7 +128,7 @@ def check_resumable(
     """
     if ckpt_path is None or not ckpt_path.exists():
         return  # nothing to resume (or, on a rank other than 0, rank 0 is still repairing last.ckpt)
-    ckpt = files.read(ckpt_path)
+    ckpt = files.read_meta(ckpt_path)  # never the tensors: a sharded 70B folder is read per rank later
     # optim.name: AdamW's and Muon's states differ in groups and contents (checkpoints before it: AdamW).
     was = ckpt.get("hyper_parameters", {}).get("optim", {}).get("name", "adamw")
     if was != optimizer:

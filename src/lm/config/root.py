@@ -330,6 +330,18 @@ class LMConfig:
                 f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
                 f"default, ${{data.vocab_size}})"
             )
+        if self.checkpoint.format == "sharded" and self.trainer.strategy != "fsdp":
+            raise ValueError(
+                f"checkpoint.format=sharded writes each rank's shards of an FSDP2 model; with "
+                f"trainer.strategy={self.trainer.strategy} every rank holds the whole model, so the full file "
+                "is the one to write: use trainer=fsdp, or checkpoint.format=full (a sharded checkpoint "
+                "still resumes on any strategy)"
+            )
+        if self.checkpoint.format == "sharded" and self.checkpoint.remote is not None:
+            raise ValueError(
+                "checkpoint.format=sharded with checkpoint.remote is not supported yet: the bucket mirror "
+                "uploads one file a checkpoint. Use checkpoint.format=full to mirror to a bucket"
+            )
         known = {s.name for s in d.mixture}
         for phase in self.phases.phases:
             unknown = sorted(set(phase.mixture or {}) - known)

@@ -11,6 +11,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("wsd", "cosine", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_SCALES = ("match_rms_adamw", "original")
+CHECKPOINT_FORMATS = ("full", "sharded")
 NS_COEFFICIENTS = ("quintic", "polar_express")
 POLAR_EXPRESS_STEPS = 5
 """The iterations Polar Express's published coefficients cover (lm.engine.optim.POLAR_EXPRESS)."""
@@ -225,6 +226,14 @@ class CheckpointConfig:
     """How long an outage of `remote` (connection refused or reset, timeouts, 5xx, throttling) is retried inside
     the process, with exponential backoff, before the run exits 69 for `lm supervise` to restart it later. A
     refusal (no bucket, access denied, no credentials) is never retried: it exits 78."""
+    format: str = "full"
+    """`full`: one file a checkpoint, gathered on rank 0 (any strategy; resumable on any world size, the better
+    deal up to a few billion parameters: `lm plan` and the doctor say where it stops being). `sharded`
+    (trainer=fsdp): a folder a checkpoint, every rank writing its own shards with torch.distributed.checkpoint,
+    no full copy in any host's memory; resumable on any world size too, and read by export/sample/eval."""
+    async_save: bool = False
+    """With format=sharded: stage the shards to (pinned) host memory and write them while training goes on; at
+    most one save in flight, finished before the next save and before the process exits."""
     run_id: str | None = None
     """Continue the run with this id (see run.json and the bucket's latest.json) although this config differs
     from the one that started it; None: this directory's run, or on a new machine the bucket's run if the
@@ -244,6 +253,15 @@ class CheckpointConfig:
             raise ValueError(
                 f"checkpoint.upload_timeout_s={self.upload_timeout_s} must be > 0 seconds, or null to wait for "
                 f"the upload however long it takes"
+            )
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint.format='{self.format}' is unknown; use one of {', '.join(CHECKPOINT_FORMATS)}"
+            )
+        if self.async_save and self.format != "sharded":
+            raise ValueError(
+                "checkpoint.async_save=true writes sharded checkpoints in the background; set "
+                "checkpoint.format=sharded (with trainer=fsdp) or drop checkpoint.async_save"
             )
         if self.every_n_steps < 1 or (self.keep_last < 1 and self.keep_last != -1):
             raise ValueError(

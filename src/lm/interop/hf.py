@@ -444,8 +444,10 @@ def load_run(path: str | Path, device: str = "cpu") -> Loaded:
     Only the run directory is read: the tokenizer is the run's own copy, so the run samples and exports the
     same on any machine, with or without the data cache."""
     path = Path(path)
-    run_dir, ckpt = (path, path / rundir.CHECKPOINTS / files.LAST) if path.is_dir() else (None, path)
-    if not ckpt.is_file():
+    # a run directory, or a checkpoint: a file, or a sharded folder (checkpoint.format=sharded)
+    is_run = path.is_dir() and not (path / files.SHARDED_META).exists()
+    run_dir, ckpt = (path, path / rundir.CHECKPOINTS / files.LAST) if is_run else (None, path)
+    if not ckpt.exists():
         raise FileNotFoundError(
             f"no checkpoint at {ckpt}; pass a run directory (runs/<name>) or runs/<name>/checkpoints/*.ckpt"
         )

@@ -257,9 +257,8 @@ def build_trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(
-            t.strategy
-        ),  # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
+        # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
+        strategy=build_strategy(t.strategy, sharded_checkpoints=cfg.checkpoint.format == "sharded"),
         precision=precision,
         max_steps=t.max_steps,
         max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training
