@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,9 @@ def read_sharded(path: Path) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     # torch's `dcp_to_torch_save`, kept in memory: the planner rebuilds the nested state from the index
-    _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     ckpt = read_meta(path)
     ckpt["state_dict"] = state["state_dict"]
     n = len([k for k in state if k.startswith("optimizer_")])

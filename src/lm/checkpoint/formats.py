@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -132,7 +133,9 @@ class ShardedFolder:
         tensors = {"state_dict": checkpoint["state_dict"]}
         tensors |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))}
         try:
-            dcp.save(tensors, checkpoint_id=tmp)
+            with warnings.catch_warnings():  # one process without a process group: "assuming" it is meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(tensors, checkpoint_id=tmp)
         except CheckpointException as e:  # raised on every rank when any rank failed
             if rank0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -183,6 +186,8 @@ def first_os_error(e: Exception) -> OSError:
     disk full or read-only as for a file; another cause becomes an OSError naming it."""
     failures = getattr(e, "failures", {}) or {}
     for cause in failures.values():
+        if isinstance(cause, tuple):  # (exception, its traceback's frames), as DCP gathers it
+            cause = cause[0]
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, OSError):
