@@ -46,6 +46,8 @@ class Fault(pl.Callback):
       after `seconds` (a slow start-up);
     - `pause`: wait at the step until `<marker>.go` exists, so the test acts from outside meanwhile (stops
       the S3 server, removes a folder);
+    - `sigkill_in_shard_write` | `disk_full_in_shard_write`: while a rank writes its shards of a sharded
+      checkpoint (checkpoint.format=sharded; in the background thread with checkpoint.async_save);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
       `disk_full`: the same failure simulated inside torch.save, on any filesystem;
     - `nan` | `nan_always` | `drop_grads` | `slow`: numerics and a slow host.
@@ -74,10 +76,32 @@ class Fault(pl.Callback):
             "fill_disk_in_save",
         ):
             self.wrap_save(trainer)
+        if self.action in ("sigkill_in_shard_write", "disk_full_in_shard_write"):
+            self.wrap_shard_write()
         if self.action == "sigkill_random" and not self.marker.exists():
             # A kill at a random moment (in a step, in validation, in a checkpoint write, in data loading).
             delay = random.Random(self.step).uniform(0.0, self.seconds)
             threading.Timer(delay, self.kill_now).start()
+
+    def wrap_shard_write(self) -> None:
+        """DCP's file writer (every rank's shards; with checkpoint.async_save, in the background thread) meets
+        the fault once it has written half a shard, at the first save of step >= `step` (the folder's name)."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+        fault = self
+
+        def write_data(writer, plan, planner):
+            step = int(Path(str(writer.path)).name.split("-")[1].split(".")[0])
+            if step < fault.step or not fault.fire():
+                return original(writer, plan, planner)
+            shard = Path(str(writer.path)) / f"__{int(os.environ.get('RANK', '0'))}_0.distcp"
+            shard.write_bytes(b"\0" * 4096)  # half a shard on disk
+            if fault.action == "sigkill_in_shard_write":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        FileSystemWriter.write_data = write_data
 
     def kill_now(self) -> None:
         if self.fire():

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lm.checkpoint.files import LAST_STEM, STEP_TEMPLATE, SUFFIX, checkpoint_step
+from lm.base.exits import CheckpointSaveError, report_progress
+from lm.checkpoint.files import LAST, LAST_STEM, STEP_TEMPLATE, SUFFIX, checkpoint_step
+from lm.checkpoint.formats import AsyncShardedFolder
 from lm.checkpoint.local import (
     AtomicCheckpointIO,
     check_run_fits,
@@ -18,6 +21,8 @@ from lm.checkpoint.local import (
 )
 from lm.checkpoint.remote import CheckpointUploader, RemoteCheckpoints
 from lm.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -51,6 +56,8 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.cfg = cfg
+        self.background: AsyncShardedFolder | None = None
+        """The run's background writer (checkpoint.async_save), known once the Trainer is set up."""
         self.uploader = CheckpointUploader(remote) if remote is not None else None
         """Mirrors every step checkpoint to object storage in the background (rank 0), when configured."""
 
@@ -62,19 +69,43 @@ class RunCheckpoint(ModelCheckpoint):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AtomicCheckpointIO):
             io.expected_bytes = max(io.expected_bytes, expected)
+            if isinstance(io.format, AsyncShardedFolder):
+                self.background = io.format
+                io.format.on_complete = self.completed if trainer.is_global_zero else None
         if trainer.is_global_zero:
             check_run_fits(Path(self.dirpath), expected, self.cfg.keep_last)
 
-    @staticmethod
-    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+    def completed(self, path: Path) -> None:
+        """Rank 0, once a background save is complete and in place: `last.ckpt` moves to it, then rotation."""
+        replace_symlink(path, Path(self.dirpath) / LAST)
+        report_progress(f"saved {path}")
+        for old in rotate(Path(self.dirpath), self.cfg.keep_last, checkpoint_step(path) or 0):
+            self.best_k_models.pop(str(old), None)
+
+    def finish_background_save(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (checkpoint.async_save)."""
+        if self.background is not None:
+            self.background.wait()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.background is not None:
+            self.background.poll()  # a finished background write becomes the run's newest checkpoint
+
+    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
         # Lightning removes the old link and then creates the new one: a kill in between leaves no last.ckpt.
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        # A background save links when it is complete (`completed`), never to a folder still being written.
+        if (
+            self.background is None
+            and trainer.is_global_zero
+            and os.path.abspath(filepath) != os.path.abspath(linkpath)
+        ):
             replace_symlink(Path(filepath), Path(linkpath))
         trainer.strategy.barrier()
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)  # last.ckpt now points at the new file
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.background is None:
             for path in rotate(Path(self.dirpath), self.cfg.keep_last, trainer.global_step):
                 self.best_k_models.pop(str(path), None)  # the checkpoint state lists only files that exist
 
@@ -93,11 +124,17 @@ class RunCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         super().on_exception(trainer, pl_module, exception)
-        # A stop signal's save (exit 75) or a crash: finish the upload in flight before the process ends.
+        # A stop signal's save (exit 75) or a crash: finish the save and the upload in flight before the
+        # process ends (a failed background write is logged; the exception in flight is what the run exits on).
+        try:
+            self.finish_background_save()
+        except OSError as e:
+            log.error("the checkpoint written in the background failed (%s); the previous one is intact", e)
         self.wait_for_upload()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        self.finish_or_fail()
         self.wait_for_upload()
 
     def save_now(self, trainer: pl.Trainer) -> bool:
@@ -116,4 +153,15 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.save_now(trainer)
+        self.finish_or_fail()  # while every rank's process group is still up for the writer's collectives
         super().on_train_end(trainer, pl_module)
+
+    def finish_or_fail(self) -> None:
+        """Finish the background save; a failed one ends the run with exit 74 (CheckpointSaveError)."""
+        try:
+            self.finish_background_save()
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"the checkpoint written in the background failed ({e}). The previous checkpoints are intact; "
+                "fix the cause (disk full? quota?) and rerun the same command to resume"
+            ) from e

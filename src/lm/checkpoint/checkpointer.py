@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lm.checkpoint import resume_check
 from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.files import LAST, STEP_GLOB, loadable, read_meta, remove
-from lm.checkpoint.formats import FORMATS, FULL_FILE, TMP_MARK, CheckpointFormat
+from lm.checkpoint.formats import FORMATS, FULL_FILE, TMP_MARK, AsyncShardedFolder, CheckpointFormat
 from lm.checkpoint.local import AtomicCheckpointIO, replace_symlink
 from lm.checkpoint.remote import RemoteCheckpoints, fetch_newer, remote_behind, remote_checkpoints
 from lm.config import CheckpointConfig, DataConfig, RunConfig
@@ -53,7 +53,9 @@ class Checkpointer:
         fmt: CheckpointFormat | None = None,
     ) -> None:
         self.run_dir, self.cfg, self.remote = run_dir, cfg, remote
-        self.format = fmt if fmt is not None else FORMATS[cfg.format]
+        if fmt is None:
+            fmt = AsyncShardedFolder() if cfg.async_save else FORMATS[cfg.format]
+        self.format = fmt
 
     @classmethod
     def open(

@@ -181,6 +181,103 @@ class ShardedFolder:
         return files.step_files(ckpt_dir)
 
 
+class AsyncShardedFolder(ShardedFolder):
+    """`ShardedFolder` written in the background (checkpoint.async_save): `save` stages every rank's shards into
+    host memory (pinned on CUDA, reused from save to save) and returns; a thread writes them while training
+    goes on. At most one save is in flight: the next `save` first finishes the previous one, and so does
+    `wait` (the end of a run, a stop signal's exit, an exception). The folder becomes `<path>` and
+    `on_complete(path)` runs (the `last.ckpt` link, rotation) on rank 0 only once every rank's shards and the
+    index are written: until then the run's newest visible checkpoint is the previous one. A kill while the
+    thread writes leaves only `<path>.tmp-shards`, which the next start deletes.
+
+    The background thread's collectives run on a gloo group of their own, created at the first save (every
+    rank saves together), so they never interleave with training's collectives on the default group.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[Any, dict[str, Any], Path, Path] | None = None
+        """(the write's future, the non-tensor state, the temporary folder, the final path)."""
+        self.on_complete: Any = None
+        """Rank 0's callable(path) once a checkpoint is complete and in place (set by the save callback)."""
+        self.stager: Any = None
+        self.group: Any = None
+        self.staged_bytes = 0
+        """Host memory the staged copy holds on this rank (the doctor's memory model counts it)."""
+
+    def save(self, checkpoint: dict[str, Any], path: Path) -> int:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.wait()  # at most one in flight: its staging buffers are reused below
+        distributed = dist.is_available() and dist.is_initialized()
+        rank0 = not distributed or dist.get_rank() == 0
+        tmp = path.with_name(path.name + self.SUFFIX)
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if self.stager is None:
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+            self.group = dist.new_group(backend="gloo") if distributed else None
+        if distributed:
+            dist.barrier()
+        tensors = {"state_dict": checkpoint["state_dict"]}
+        tensors |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))}
+        self.staged_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(tensors))
+        future = dcp.async_save(
+            tensors, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager
+        )  # returns once the shards are staged: training may change the live tensors from here on
+        meta = {k: v for k, v in checkpoint.items() if k not in files.TENSOR_KEYS}
+        self.pending = (future, meta, tmp, path)
+        return 0  # the size is known once written (`wait`)
+
+    def poll(self) -> None:
+        """Finish the save in flight if its write is done (rank 0 renames and links), without waiting."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> int:
+        """Block until the save in flight is written and in place; returns its size on rank 0 (else 0).
+        A failed write raises the OSError on every rank (each rank's future carries DCP's gathered error)."""
+        if self.pending is None:
+            return 0
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        future, meta, tmp, path = self.pending
+        self.pending = None
+        rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        try:
+            future.result()
+        except CheckpointException as e:
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise first_os_error(e) from e
+        if not rank0:
+            return 0
+        try:
+            size = self.finish(meta, tmp, path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if self.on_complete is not None:
+            self.on_complete(path)
+        return size
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state dict (a DTensor counts its local shard)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensor_leaves(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in tensor_leaves(v)]
+    if isinstance(tree, torch.Tensor):
+        local = getattr(tree, "to_local", None)
+        return [local() if local is not None else tree]
+    return []
+
+
 def first_os_error(e: Exception) -> OSError:
     """The OSError behind a failed DCP save (DCP gathers each rank's exception into one), so the caller says
     disk full or read-only as for a file; another cause becomes an OSError naming it."""
@@ -200,4 +297,5 @@ FULL_FILE = FullFile()
 SHARDED = ShardedFolder()
 
 FORMATS = {"full": FULL_FILE, "sharded": SHARDED}
-"""`checkpoint.format` -> its layout."""
+"""`checkpoint.format` -> its layout (`AsyncShardedFolder()` with checkpoint.async_save: one per run, it holds
+the save in flight)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
 from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
 from lm.base.findings import Finding
@@ -85,6 +86,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"are intact; {save_fix(e)} and rerun the same command to resume"
             ) from e
         self.expected_bytes = max(self.expected_bytes, size)
+        if getattr(self.format, "pending", None) is not None:
+            if rank_zero_only.rank == 0:
+                log.info("writing %s in the background", path.name)
+            return
         report_progress(f"saved {path}")  # `lm supervise` starts its count of crashes in a row again
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
