@@ -165,3 +165,62 @@ def test_fsdp_shards_resume_on_1_2_and_4_processes_like_one_process_trained_stra
         assert files.read_meta(root / name / "checkpoints" / files.LAST)["global_step"] == 9
         assert files.is_sharded(root / name / "checkpoints" / "step-9.ckpt") == (world > 1)
         assert_close(weights(root / name), weights(root / "single"))
+
+
+def state(run: Path) -> dict:
+    return files.read(run / "checkpoints" / files.LAST)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    """Weights and optimizer state equal to the bit (same world size: the same operations in the same order)."""
+    assert a["global_step"] == b["global_step"]
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.mark.slow
+def test_an_async_sharded_run_killed_mid_write_stopped_or_out_of_disk_resumes_bitwise(root, data_cache):
+    """FSDP2 on 2 ranks, async sharded saves every 2 steps, 9 steps: straight, then (a) one rank SIGKILLed
+    while the background thread writes step 4's shards, (b) SIGTERM to one rank at a random step, (c) the
+    disk full while a rank writes its shards (synchronous saves: exit 74). Each is rerun to step 9 and ends
+    with the straight run's weights and optimizer state, bit for bit."""
+    import random
+
+    common = ["trainer=fsdp", "trainer.accelerator=cpu", f"trainer.devices={W}", f"data.batch_size={B}"]
+    common += ["checkpoint.format=sharded", "checkpoint.every_n_steps=2", "trainer.max_steps=9"]
+    asynchronous = [*common, "checkpoint.async_save=true"]
+    launch([*torchrun(W), *overrides(root, data_cache, "straight", *asynchronous)])
+    straight = state(root / "straight")
+    assert straight["global_step"] == 9
+
+    # The ranks agree a step later; from step 7 on the stop lands on the final step, which ends with exit 0.
+    stop_at = random.Random().randint(1, 6)  # the step is in the failure message
+    cases = {
+        "killed": (asynchronous, "sigkill_in_shard_write", 4),
+        "stopped": (asynchronous, "sigterm", stop_at),
+        "full": (common, "disk_full_in_shard_write", 4),
+    }
+    for name, (args, action, step) in cases.items():
+        marker = root / f"{name}.fired"
+        fault = ["+callbacks.fault._target_=tests.faults.Fault", f"+callbacks.fault.action={action}"]
+        fault += [
+            f"+callbacks.fault.step={step}",
+            "+callbacks.fault.rank=1",
+            f"+callbacks.fault.marker={marker}",
+        ]
+        out = launch([*torchrun(W), *overrides(root, data_cache, name, *args, *fault)], ok=False)
+        assert marker.is_file(), (name, out.stderr[-3000:])
+        ckpt_dir = root / name / "checkpoints"
+        if name != "stopped":  # the step being written never became a checkpoint; the one before is last
+            assert not (ckpt_dir / "step-4.ckpt").exists()
+            assert files.read_meta(ckpt_dir / files.LAST)["global_step"] == 2
+        if name == "full":
+            assert "the disk is full" in out.stdout + out.stderr and "exitcode  : 74" in out.stderr
+        resumed = files.read_meta(ckpt_dir / files.LAST)["global_step"]
+        rerun = launch([*torchrun(W), *overrides(root, data_cache, name, *args, *fault)])
+        assert f"(-> step-{resumed}.ckpt)" in rerun.stdout + rerun.stderr, name  # continued, not restarted
+        assert_bitwise(state(root / name), straight), f"{name} (step {step})"
+        assert not list(ckpt_dir.glob("*.tmp-*")), name
