@@ -33,6 +33,8 @@ lm plan (--usd N | --target-loss L | --hours H) [--gpu G ...] [--corpus-tokens N
                             rank model x GPU plans for a budget; write the best as conf/experiment/<name>.yaml
         [--calibrate [--calibrate-shapes 2x64,3x96] [--calibrate-steps 100,300]] [--law calibration.json]
                             fit the loss law to short runs on this corpus first, or use a fitted one
+lm plan --scale-out model=8b [--gpu G ...]
+                            past one GPU: how many GPUs, host memory and save stall per checkpoint format
 """
 
 from __future__ import annotations
@@ -223,6 +225,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from lm.tools import budget
 
     cfg = to_objects(compose(args.overrides))
+    if args.scale_out:
+        from lm.numbers.scale_out import scale_out_table
+
+        gpus = [g for g in budget.pick_gpus(load_catalog(conf_dir()), args.gpu) if g.memory_gb]
+        name = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")), "the model")
+        table = scale_out_table(
+            name, cfg.model, [(g.name, g.memory_gb) for g in gpus], seq_len=cfg.data.seq_len
+        )
+        print(table)
+        return
     goal = budget.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
@@ -517,6 +529,11 @@ def add_plan(verbs) -> None:
     goal.add_argument("--usd", type=float, help="dollars to spend")
     goal.add_argument("--target-loss", type=float, help="the loss to reach, as cheaply as possible")
     goal.add_argument("--hours", type=float, help="wall-clock hours to train")
+    goal.add_argument(
+        "--scale-out",
+        action="store_true",
+        help="past one GPU: GPUs needed per catalog GPU, host memory and save stall per checkpoint format",
+    )
     p.add_argument("--gpu", nargs="+", help="catalog GPUs to consider (conf/gpu/; default: all but cpu)")
     p.add_argument(
         "--pricing", choices=["on_demand", "spot"], default="on_demand", help="price --usd buys at"

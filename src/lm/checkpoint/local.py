@@ -23,6 +23,7 @@ from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
 from lm.base.findings import Finding
 from lm.checkpoint.files import LAST, checkpoint_step, read, remove, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
+from lm.numbers.scale_out import recommend_format, save_plans
 from lm.store import rundir
 from lm.store.atomic import nearest_folder, unwritable_cause, unwritable_fix
 
@@ -185,3 +186,42 @@ def disk_findings(run_dir: Path, n_params: int, keep_last: int) -> list[Finding]
             )
         ]
     return [Finding("disk", "ok", what)]
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def format_findings(
+    n_params: int, world: int, strategy: str, fmt: str, async_save: bool, host_bytes: int | None
+) -> list[Finding]:
+    """The doctor's checkpoint-format line for a sharded run (FSDP2 on more than one process): which format
+    the save should use and why (`lm.numbers.scale_out.recommend_format`: the full file while its gathered
+    copy is at most a quarter of rank 0's host memory, else sharded), and the host memory each takes, the
+    pinned staging of async saves included. Nothing to say for one process or DDP (every rank has it all)."""
+    if strategy != "fsdp" or world <= 1:
+        return []
+    best, why = recommend_format(n_params, world, host_bytes)
+    plans = {p.format: p for p in save_plans(n_params, world)}
+    chosen = plans["async" if async_save else fmt]
+    node = f" of {gib(host_bytes)}" if host_bytes else ""
+    what = (
+        f"checkpoint.format={fmt}{' async' if async_save else ''}: {gib(chosen.host_bytes_per_node)} host "
+        f"memory per save on the busiest node{node}{', pinned for the run' if async_save else ''}; "
+        f"{best} recommended: {why}"
+    )
+    if host_bytes and chosen.host_bytes_per_node > 0.5 * host_bytes:
+        fix = "checkpoint.format=sharded" if fmt == "full" else "more nodes (a smaller shard each)"
+        return [Finding("checkpoint", "error", what, "no host out-of-memory at the first save", fix)]
+    if best != fmt:
+        fix = (
+            "checkpoint.format=sharded checkpoint.async_save=true"
+            if best == "sharded"
+            else "checkpoint.format=full"
+        )
+        return [Finding("checkpoint", "warn", what, "the cheaper save for this size", fix)]
+    return [Finding("checkpoint", "ok", what)]

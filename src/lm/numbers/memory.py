@@ -180,11 +180,14 @@ def estimate(
     ac_every: int = 0,
     cuda: bool = True,
     attention: str = "flash",
+    shards: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of one training step of `model` on one device; see the module docstring for the model.
 
     `precision` is a resolved Lightning precision (not `auto`); `ac_every` as activation_checkpointing.every;
     `cuda` adds the context and fragmentation allowance; `attention` is `flash` (no T x T matrix) or `math`.
+    `shards`: FSDP2 over that many devices: the states divided among them, plus two blocks' weights gathered
+    whole in the compute dtype (the block computing and the next, prefetched).
     """
     if precision not in STATE_BYTES:
         raise ValueError(f"no memory model for precision {precision!r}; use one of {', '.join(STATE_BYTES)}")
@@ -208,7 +211,12 @@ def estimate(
     # The softcap keeps its fp32 tanh output, the z-loss its fp32 logsumexp input: 4 bytes per V each.
     levers = (model.logit_softcap is not None) + (model.z_loss > 0)
     head_per_token += 4 * levers * model.padded_vocab_size
-    allocated_states = n_params * (w + g + o) + n_matrix * cast
+    weights, grads, moments, copies = n_params * w, n_params * g, n_params * o, n_matrix * cast
+    if shards > 1:
+        gathered = 2 * (n_params - model.padded_vocab_size * model.d_model) // layers * (2 if cast else w)
+        weights, grads, moments, copies = (-(-x // shards) for x in (weights, grads, moments, copies))
+        weights += gathered
+    allocated_states = weights + grads + moments + copies
     activations, head = tokens * per_token, tokens * head_per_token
     overhead = 0
     if cuda:
@@ -218,10 +226,10 @@ def estimate(
         ac_every=ac_every,
         tokens=tokens,
         params=n_params,
-        weights=n_params * w,
-        gradients=n_params * g,
-        optimizer=n_params * o,
-        autocast_copies=n_matrix * cast,
+        weights=weights,
+        gradients=grads,
+        optimizer=moments,
+        autocast_copies=copies,
         activations=activations,
         head=head,
         overhead=overhead,
@@ -248,6 +256,8 @@ class Workload:
     """The configured activation checkpointing stride (0: off)."""
     headroom: float = 0.05
     """Fraction of device memory kept free when asking whether an estimate fits."""
+    shards: int = 1
+    """Devices the states are sharded over (trainer=fsdp: the world size; else 1)."""
 
     def estimate(self, ac_every: int | None = None, batch_size: int | None = None) -> MemoryEstimate:
         """The estimate at the configured stride and micro-batch, or at the ones given (SDPA's flash path)."""
@@ -258,6 +268,7 @@ class Workload:
             precision=self.precision,
             ac_every=self.every if ac_every is None else ac_every,
             cuda=self.cuda,
+            shards=self.shards,
         )
 
     def fits(self, est: MemoryEstimate, memory_gb: float) -> bool:

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm.base.exits import Refused
 from lm.base.findings import LEVELS, Finding
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.checkpointer import resume_candidates
-from lm.checkpoint.local import disk_findings
+from lm.checkpoint.local import disk_findings, format_findings, host_memory_bytes
 from lm.config import DataConfig, GpuConfig, LMConfig, conf_dir
 from lm.data.datamodule import pickle_findings, worker_findings
 from lm.data.manifest import prepared_folder, train_tokens
@@ -82,7 +83,13 @@ class Target:
             cuda=self.cuda,
             every=c.activation_checkpointing.every,
             headroom=c.doctor.headroom,
+            shards=self.world if c.trainer.strategy == "fsdp" else 1,
         )
+
+    @property
+    def world(self) -> int:
+        """Processes of the job (trainer.devices x trainer.num_nodes)."""
+        return world_size(self.cfg.trainer.devices, self.cfg.trainer.num_nodes, self.cuda)
 
 
 # -- the registry: each check hands a component its own sections ------------------------------------------
@@ -116,6 +123,29 @@ def check_vocab(t: Target) -> list[Finding]:
 
 def check_disk(t: Target) -> list[Finding]:
     return disk_findings(t.run_dir, t.n_params, t.cfg.checkpoint.keep_last)
+
+
+def check_checkpoint_format(t: Target) -> list[Finding]:
+    c = t.cfg
+    return format_findings(
+        t.n_params,
+        t.world,
+        c.trainer.strategy,
+        c.checkpoint.format,
+        c.checkpoint.async_save,
+        host_memory_bytes(),
+    )
+
+
+def world_size(devices, num_nodes: int, cuda: bool) -> int:
+    """Processes of the job: trainer.devices (a count, a list, or auto/-1: every visible GPU) x nodes."""
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, list | tuple):
+        devices = len(devices)
+    if not isinstance(devices, int) or devices < 0:
+        devices = max(1, torch.cuda.device_count()) if cuda and torch.cuda.is_available() else 1
+    return devices * num_nodes
 
 
 def check_pickles(t: Target, dataset=None) -> list[Finding]:
@@ -183,6 +213,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_workers,
     check_vocab,
     check_disk,
+    check_checkpoint_format,
     check_pickles,
     check_plan,
     check_mixture,
