@@ -717,3 +717,97 @@ def test_sigterm_to_prepare_stops_its_workers_and_a_rerun_resumes_byte_identical
     assert row.resumed, again.stderr[-3000:]
     assert shard_digests(folder) == shard_digests(tmp_path / "reference" / folder.name)
     row.equal = True
+
+
+# -- sharded checkpoints on 2 FSDP2 ranks (torchrun, gloo) ------------------------------------------------
+
+SHARDED_RUN = [
+    "trainer=fsdp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "data.batch_size=4",
+    "checkpoint.format=sharded",
+    "checkpoint.every_n_steps=2",
+    "trainer.max_steps=9",
+]
+# (fault, whether the save is asynchronous, the step the fault meets, the exit code)
+SHARDED_CASES = {
+    "sharded_sigkill_one_rank_mid_async_save": ("sigkill_in_shard_write", True, 4, None),
+    "sharded_full_disk_mid_save": ("disk_full_in_shard_write", False, 4, EXIT_SAVE_FAILED),
+    "sharded_sigterm_one_rank_random_step": ("sigterm", True, None, EXIT_PREEMPTED),
+}
+
+
+def sharded_state(run_dir: Path) -> dict:
+    from lm.checkpoint import files
+
+    return files.read(run_dir / "checkpoints" / files.LAST)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    """Weights and optimizer state equal to the bit (same world size: the same operations in the same order)."""
+    assert a["global_step"] == b["global_step"]
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(
+        np.array_equal(a["state_dict"][k].numpy(), b["state_dict"][k].numpy()) for k in a["state_dict"]
+    )
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(np.array_equal(sa[i][k].numpy(), sb[i][k].numpy()) for i in sa for k in sa[i])
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(root, data_cache) -> dict:
+    """2 FSDP2 ranks, async sharded saves every 2 steps, 9 steps uninterrupted."""
+    from .engine.test_distributed import launch, torchrun
+
+    launch(
+        [
+            *torchrun(2),
+            *overrides(root, data_cache, "sharded_reference", *SHARDED_RUN, "checkpoint.async_save=true"),
+        ]
+    )
+    return sharded_state(root / "sharded_reference")
+
+
+@pytest.mark.faults_slow
+@pytest.mark.parametrize("name", list(SHARDED_CASES))
+def test_sharded_save_faults_on_two_ranks_resume_bitwise(root, data_cache, sharded_reference, row, name):
+    """One rank SIGKILLed while the background thread writes step 4's shards (torchrun then stops the other),
+    the disk full while one rank writes its shards (every rank exits 74), SIGTERM to one rank at a random step
+    (both save the same step, exit 75). The step being written never becomes a checkpoint; the rerun resumes
+    from the newest complete one and ends bit for bit at the uninterrupted run's weights and optimizer state."""
+    import random
+
+    from lm.checkpoint import files
+
+    from .engine.test_distributed import launch, torchrun
+
+    action, asynchronous, step, code = SHARDED_CASES[name]
+    # The ranks agree a step later; from step 7 on the stop lands on the final step, which ends with exit 0.
+    step = step if step is not None else random.Random().randint(1, 6)
+    fired = root / f"{name}.fired"
+    args = [*SHARDED_RUN, *(["checkpoint.async_save=true"] if asynchronous else [])]
+    args += ["+callbacks.fault._target_=tests.faults.Fault", f"+callbacks.fault.action={action}"]
+    args += [f"+callbacks.fault.step={step}", "+callbacks.fault.rank=1", f"+callbacks.fault.marker={fired}"]
+    cmd = [*torchrun(2), *overrides(root, data_cache, name, *args)]
+    t0 = time.monotonic()
+    out = launch(cmd, ok=False)
+    row.exit_s, row.expected = time.monotonic() - t0, code
+    exits = [x.split(":")[1].split()[0] for x in out.stderr.splitlines() if x.strip().startswith("exitcode")]
+    codes = [int(c) for c in exits if c.lstrip("-").isdigit()]
+    row.code = codes[0] if codes else None
+    assert fired.is_file(), f"{name} (step {step}): the fault never fired\n{out.stderr[-3000:]}"
+    if code is not None:
+        assert code in codes, (name, step, codes, out.stderr[-3000:])
+    ckpt_dir = root / name / "checkpoints"
+    if action != "sigterm":  # the folder being written never became a checkpoint; the one before is last
+        assert not (ckpt_dir / "step-4.ckpt").exists()
+        assert files.read_meta(ckpt_dir / files.LAST)["global_step"] == 2
+    resumed = files.read_meta(ckpt_dir / files.LAST)["global_step"]
+    again = launch(cmd)
+    row.resumed = f"(-> step-{resumed}.ckpt)" in again.stdout + again.stderr
+    assert row.resumed, f"{name} (step {step}): the rerun did not resume from step {resumed}"
+    assert_bitwise(sharded_state(root / name), sharded_reference)
+    assert not list(ckpt_dir.glob("*.tmp-*")), name
+    row.equal = True

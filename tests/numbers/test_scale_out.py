@@ -62,6 +62,8 @@ def test_the_recommended_format_follows_the_gathered_size_against_host_memory():
     big, why = recommend_format(int(7e9), 8, 128 * GiB)
     assert big == "sharded" and "more than 25%" in why
     assert recommend_format(int(1e9), 16, 2048 * GiB)[0] == "sharded"  # across nodes
+    slow, why = recommend_format(int(7e9), 8, 2048 * GiB)  # fits the host, but 78 GiB written alone
+    assert slow == "sharded" and "hold every GPU" in why
 
 
 def test_the_doctor_names_the_format_and_refuses_a_save_that_cannot_fit_host_memory():
@@ -73,12 +75,26 @@ def test_the_doctor_names_the_format_and_refuses_a_save_that_cannot_fit_host_mem
     assert error.level == "error" and error.fix == "checkpoint.format=sharded"
     (warn,) = format_findings(int(3e9), 8, "fsdp", "full", False, 128 * GiB)  # 33.5 GiB: > 25%, < 50%
     assert warn.level == "warn" and warn.fix == "checkpoint.format=sharded checkpoint.async_save=true"
-    (fine,) = format_findings(int(7e9), 8, "fsdp", "sharded", True, 128 * GiB)
+    (fine,) = format_findings(int(7e9), 8, "fsdp", "sharded", True, 1024 * GiB)  # an 8-GPU node's host
+    assert fine.level == "ok" and "hold every GPU" in fine.what
     assert fine.level == "ok" and "pinned for the run" in fine.what
+    (pinned,) = format_findings(int(7e9), 8, "fsdp", "sharded", True, 128 * GiB)  # 78 GiB staged on 128
+    assert pinned.level == "error" and pinned.fix.startswith("more nodes")
 
 
 def test_lm_plan_scale_out_prints_gpus_host_memory_and_stalls(capsys):
-    cli.main(["plan", "--scale-out", "model=8b", "data.seq_len=2048", "--gpu", "h100_sxm", "a100_40gb"])
+    cli.main(
+        [
+            "plan",
+            "--scale-out",
+            "model=8b",
+            "data.seq_len=2048",
+            "data.vocab_size=32768",
+            "--gpu",
+            "h100_sxm",
+            "a100_40gb",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.startswith("8b: 7.25B parameters, a checkpoint of 81 GiB")
     rows = {

@@ -44,6 +44,8 @@ GATHER_GBPS = 10.0
 """Bandwidth into rank 0 when it gathers a full state dict, GB/s (a 100 Gb/s NIC, or NVLink within a node)."""
 STAGE_GBPS = 10.0
 """Device-to-pinned-host copy per GPU, GB/s (PCIe gen4/gen5 in practice)."""
+FULL_FILE_STALL_S = 30.0
+"""...and while its save stalls training at most this long (5% of the GPU time at a save every 10 minutes)."""
 FULL_FILE_HOST_SHARE = 0.25
 """The full file stays the better deal while its gathered copy takes at most this share of rank 0's host
 memory (the rest is the data loader's, the page cache's and the other ranks' on that node)."""
@@ -115,8 +117,8 @@ def save_plans(n_params: int, world: int, gpus_per_node: int = 8) -> list[SavePl
 
 def recommend_format(n_params: int, world: int, host_bytes: float | None) -> tuple[str, str]:
     """(`full` or `sharded`, why): the full file while its gathered copy takes at most a quarter of rank 0's
-    host memory (one file, resumable and readable anywhere); sharded with async saves past that, or when the
-    model is sharded over more than one node (rank 0's gather then crosses the network)."""
+    host memory, the model stays within one node and its save stalls training at most `FULL_FILE_STALL_S`
+    (one file, resumable and readable anywhere); sharded with async saves past any of these."""
     ckpt = n_params * CHECKPOINT_BYTES
     if world <= 1:
         return "full", "one process: nothing to shard"
@@ -130,8 +132,15 @@ def recommend_format(n_params: int, world: int, host_bytes: float | None) -> tup
             "sharded",
             f"{world} GPUs span nodes: rank 0's gather of {ckpt / GiB:.1f} GiB crosses the network",
         )
+    full, _, background = save_plans(n_params, world)
+    if full.stall_s > FULL_FILE_STALL_S:
+        return "sharded", (
+            f"the full file's save would hold every GPU ~{full.stall_s:.0f} s, an async sharded one "
+            f"~{background.stall_s:.1f} s"
+        )
     return "full", (
-        f"the gathered {ckpt / GiB:.1f} GiB fits rank 0's host memory: one file, readable anywhere"
+        f"the gathered {ckpt / GiB:.1f} GiB fits rank 0's host memory and saves in ~{full.stall_s:.0f} s: "
+        "one file, readable anywhere"
     )
 
 
