@@ -257,7 +257,10 @@ def read(path: Path) -> str:
 
 
 def last(root: Path, name: str) -> dict:
-    return torch.load(root / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    """The run's newest checkpoint, whole: a file, or a sharded folder assembled (`lm.checkpoint.files.read`)."""
+    from lm.checkpoint import files
+
+    return files.read(root / name / "checkpoints" / "last.ckpt")
 
 
 def assert_same(a, b, where: str = "") -> None:

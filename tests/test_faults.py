@@ -273,15 +273,21 @@ def test_checkpoint_dir_removed_under_a_running_process_is_recreated(root, data_
 
 
 @pytest.mark.faults_slow
+@pytest.mark.parametrize("layout", ["full", "sharded"])
 def test_s3_stopped_mid_run_and_restarted_finishes_with_the_latest_in_the_bucket(
-    root, data_cache, reference, s3_server, row
+    root, data_cache, reference, s3_server, row, layout
 ):
-    name = row.case = "s3_down_mid_run"
+    """The bucket goes down after step 6's upload and comes back at step 14: step 12's upload retries, then
+    the run finishes with its last step in the bucket. `sharded`: the same with FSDP2 on one process writing
+    sharded folders (bitwise equal to the plain run: measured), mirrored file by file."""
+    name = row.case = "s3_down_mid_run" + ("_sharded" if layout == "sharded" else "")
     (root / name).mkdir(parents=True)
+    sharded = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "checkpoint.format=sharded"]
     args = overrides(
         root,
         data_cache,
         name,
+        *(sharded if layout == "sharded" else []),
         f"checkpoint.remote=s3://{BUCKET}/runs",
         *fault(root / name, "pause", step=8, key="down"),  # after step 6's upload
         *fault(root / name, "pause", step=14, key="up"),  # step 12's upload met a dead server

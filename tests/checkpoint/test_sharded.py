@@ -115,12 +115,11 @@ def test_a_failed_sharded_write_leaves_the_previous_checkpoints_and_no_folder(tm
     assert files.loadable(tmp_path / "step-3.ckpt") is None
 
 
-def test_sharded_checkpoints_need_fsdp_and_a_local_disk(compose):
+def test_sharded_checkpoints_need_fsdp(compose):
     to_objects(compose(*TINY, "trainer=fsdp", "checkpoint.format=sharded"))
     with pytest.raises(ValueError, match="checkpoint.format=sharded.*trainer.strategy=auto.*trainer=fsdp"):
         to_objects(compose(*TINY, "checkpoint.format=sharded"))
-    with pytest.raises(ValueError, match="checkpoint.format=sharded with checkpoint.remote is not supported"):
-        to_objects(compose(*TINY, "trainer=fsdp", "checkpoint.format=sharded", "checkpoint.remote=s3://b/r"))
+    to_objects(compose(*TINY, "trainer=fsdp", "checkpoint.format=sharded", "checkpoint.remote=s3://b/r"))
     with pytest.raises(ValueError, match="checkpoint.format='zip' is unknown; use one of full, sharded"):
         to_objects(compose(*TINY, "checkpoint.format=zip"))
     with pytest.raises(ValueError, match="async_save=true.*checkpoint.format=sharded"):

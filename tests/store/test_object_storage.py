@@ -568,3 +568,44 @@ def test_an_upload_during_an_outage_is_retried_until_the_store_is_back(s3, tmp_p
     assert uploader.uploaded_step == 6 and uploader.failed is None
     assert pointer_steps(s3, f"{BUCKET}/outage/checkpoints") == [6]
     assert caplog.text.count("retrying for up to") == 1 and "succeeded after" in caplog.text
+
+
+def test_sharded_checkpoints_mirror_file_by_file_and_a_damaged_part_falls_back(s3, tmp_path):
+    """checkpoint.format=sharded with a bucket: each file of a folder is an object under one fresh prefix,
+    the pointer lists every part's size and sha256; a machine without the run downloads the newest folder
+    whole (a damaged part refuses it and the older folder is used); rotation deletes whole prefixes."""
+    from lm.checkpoint import files
+
+    from ..checkpoint.test_sharded import save
+
+    url = f"s3://{BUCKET}/sharded/checkpoints"
+    uploader = CheckpointUploader(RemoteCheckpoints(url, keep_last=2))
+    local = tmp_path / "run" / "checkpoints"
+    for step in (4, 8):
+        folder = save(local, step)
+        uploader.submit(folder, step)
+        shutil.rmtree(folder)  # rotation right after the submit: the open files are what uploads
+        assert uploader.wait(timeout=120) and uploader.failed is None, uploader.failed
+    store = uploader.store
+    newest = store.read_pointer()[0]
+    assert newest.step == 8 and [p["name"] for p in newest.parts] == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert newest.size == sum(p["size"] for p in newest.parts)
+
+    machine = tmp_path / "machine-a"
+    ckpt = find_resume_point(machine, remote=store)
+    assert ckpt is not None and files.is_sharded(ckpt.resolve()) and files.read(ckpt)["global_step"] == 8
+    assert store.holds(8, sum(p.stat().st_size for p in ckpt.resolve().iterdir())) is None
+
+    # One part of the newest folder damaged in the bucket: its sha256 fails, the folder is refused whole.
+    s3.pipe_file(f"{BUCKET}/sharded/checkpoints/{newest.file}/meta.pt", b"x" * newest.parts[2]["size"])
+    machine = tmp_path / "machine-b"
+    ckpt = find_resume_point(machine, remote=store)
+    assert files.read_meta(ckpt)["global_step"] == 4
+    assert not list((machine / "checkpoints").glob("*tmp*"))  # the refused download left nothing behind
+
+    # A third upload rotates the oldest folder away: every object under its prefix goes.
+    uploader.submit(save(local, 12), 12)
+    assert uploader.wait(timeout=120)
+    assert [e.step for e in store.read_pointer()] == [12, 8]
+    left = {p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/sharded/checkpoints", refresh=True)}
+    assert left == {POINTER, *(e.file for e in store.read_pointer())}

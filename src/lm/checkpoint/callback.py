@@ -79,6 +79,8 @@ class RunCheckpoint(ModelCheckpoint):
         """Rank 0, once a background save is complete and in place: `last.ckpt` moves to it, then rotation."""
         replace_symlink(path, Path(self.dirpath) / LAST)
         report_progress(f"saved {path}")
+        if self.uploader is not None:
+            self.uploader.submit(path, checkpoint_step(path) or 0)
         for old in rotate(Path(self.dirpath), self.cfg.keep_last, checkpoint_step(path) or 0):
             self.best_k_models.pop(str(old), None)
 
@@ -112,7 +114,8 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         step_file = checkpoint_step(Path(filepath)) is not None
-        if self.uploader is not None and trainer.is_global_zero and step_file:
+        # A background save uploads once it is complete (`completed`).
+        if self.uploader is not None and trainer.is_global_zero and step_file and self.background is None:
             self.uploader.submit(Path(filepath), trainer.global_step)
 
     def wait_for_upload(self) -> None:

@@ -4,7 +4,10 @@ to whichever region has the cheap GPU today instead of staying where its volume 
 Object stores have no rename and no symlink, but a single PUT is atomic: a reader sees the whole object or
 none of it. So a remote checkpoint folder holds immutable objects and one small pointer, written last:
 
-    <url>/step-<N>.<token>.ckpt     a checkpoint, uploaded once and never overwritten (the token is random)
+    <url>/step-<N>.<token>.ckpt     a checkpoint, uploaded once and never overwritten (the token is random);
+                                    a sharded one (checkpoint.format=sharded) is a prefix holding each file of
+                                    its folder as an object, every one listed in the pointer with its size and
+                                    sha256 (`Entry.parts`)
     <url>/latest.json               the pointer: the kept checkpoints, newest first, with step, size, sha256,
                                     and the run that wrote them (its id and identity)
     <url>/archive-<time>.json       a pointer set aside by `run.resume=false` (its checkpoints are kept)
@@ -25,8 +28,11 @@ data is mirrored by `lm.data.mirror`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import shutil
 import socket
 import threading
 import time
@@ -37,7 +43,17 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.checkpoint.files import LAST, checkpoint_step, is_step_object, loadable, remote_name, step_name
+from lm.checkpoint.files import (
+    LAST,
+    checkpoint_step,
+    is_sharded,
+    is_step_object,
+    loadable,
+    remote_name,
+    remove,
+    step_name,
+)
+from lm.checkpoint.formats import TMP_MARK
 from lm.checkpoint.local import replace_symlink
 from lm.config import CheckpointConfig, DataConfig, RunConfig
 from lm.model import ModelConfig
@@ -92,6 +108,9 @@ class Entry:
     step: int
     size: int
     sha256: str
+    """Of the object; for a sharded checkpoint, of its parts' `name sha256` lines."""
+    parts: list[dict[str, Any]] | None = None
+    """A sharded checkpoint's files under `<file>/`: [{"name", "size", "sha256"}]; None for one object."""
 
 
 class RemoteCheckpoints:
@@ -218,7 +237,28 @@ class RemoteCheckpoints:
                 return hash_stream(f, w)
 
         size, sha = self._retry(put, f"uploading step {step} to")
-        entry = Entry(name, step, size, sha)
+        return self._publish(Entry(name, step, size, sha))
+
+    def upload_folder(self, parts: dict[str, IO[bytes]], step: int) -> Entry:
+        """Upload a sharded checkpoint's files (open, so local rotation cannot take them away) under one fresh
+        prefix, then the pointer listing each with its size and sha256: a reader trusts the folder only whole."""
+        name = remote_name(step)
+        listed = []
+        for part, f in sorted(parts.items()):
+
+            def put(f: IO[bytes] = f, part: str = part) -> tuple[int, str]:
+                f.seek(0)
+                with self.fs.open(self._key(f"{name}/{part}"), "wb", block_size=CHUNK) as w:
+                    return hash_stream(f, w)
+
+            size, sha = self._retry(put, f"uploading step {step}'s {part} to")
+            listed.append({"name": part, "size": size, "sha256": sha})
+        digest = hashlib.sha256("".join(f"{p['name']} {p['sha256']}\n" for p in listed).encode()).hexdigest()
+        return self._publish(Entry(name, step, sum(p["size"] for p in listed), digest, listed))
+
+    def _publish(self, entry: Entry) -> Entry:
+        """The pointer with `entry` as the newest, then the deletion of what no pointer lists any more."""
+        step = entry.step
         # Listed steps beyond this one belong to an abandoned future (the run resumed from an older
         # checkpoint because a newer one was corrupt or lost): the run's present is this upload.
         kept = [entry, *(e for e in self.read_pointer() if e.step < step)]
@@ -236,8 +276,8 @@ class RemoteCheckpoints:
         names = [Path(p).name for p in self._retry(lambda: self.fs.ls(self.path, detail=False), "listing")]
         listed = {e.file for n in names if n.endswith(".json") for e in self.read_pointer(n)}
         for n in names:
-            if is_step_object(n) and n not in listed:
-                self._retry(partial(self.fs.rm_file, self._key(n)), f"deleting {n} from")
+            if is_step_object(n) and n not in listed:  # an object, or a sharded checkpoint's prefix
+                self._retry(partial(self.fs.rm, self._key(n), recursive=True), f"deleting {n} from")
 
     def archive_pointer(self) -> str | None:
         """`run.resume=false`: set the pointer aside as `archive-<time>.json` (its checkpoints stay)."""
@@ -259,8 +299,9 @@ class RemoteCheckpoints:
             newest = entries[0]
             if newest.step != step:
                 return f"{POINTER} names step {newest.step} as the newest"
-            there = self._retry(
-                lambda: self.fs.info(self._key(newest.file))["size"], f"checking {newest.file} in"
+            keys = [f"{newest.file}/{p['name']}" for p in newest.parts] if newest.parts else [newest.file]
+            there = sum(
+                self._retry(lambda k=k: self.fs.info(self._key(k))["size"], f"checking {k} in") for k in keys
             )
         except FileNotFoundError:
             return f"{newest.file}, which {POINTER} lists, is missing"
@@ -281,19 +322,41 @@ class RemoteCheckpoints:
                 "downloading %s/%s (step %d, %.1f MB)", self.url, entry.file, entry.step, entry.size / 1e6
             )
             try:
-                why = self._retry(
-                    partial(download_verified, self.fs, self._key(entry.file), dst, entry.size, entry.sha256),
-                    f"downloading {entry.file} from",
-                )
+                why = self.download_entry(entry, dst)
             except FileNotFoundError:
                 why = "the object is missing"
             if why is None and loads is not None and (why := loads(dst)) is not None:
-                dst.unlink()
+                remove(dst)
             if why is None:
                 return dst
             log.warning(
                 "remote checkpoint %s/%s is unusable (%s); trying an older one", self.url, entry.file, why
             )
+        return None
+
+    def download_entry(self, entry: Entry, dst: Path) -> str | None:
+        """One listed checkpoint to `dst`, verified; a sharded one part by part into `<dst>.tmp-download/`,
+        renamed to `dst` once every part verified. None, or why it was refused (nothing left behind)."""
+        if not entry.parts:
+            return self._retry(
+                partial(download_verified, self.fs, self._key(entry.file), dst, entry.size, entry.sha256),
+                f"downloading {entry.file} from",
+            )
+        tmp = dst.with_name(f"{dst.name}{TMP_MARK}download")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            for p in entry.parts:
+                key = self._key(f"{entry.file}/{p['name']}")
+                fetch = partial(download_verified, self.fs, key, tmp / p["name"], p["size"], p["sha256"])
+                if (why := self._retry(fetch, f"downloading {entry.file}/{p['name']} from")) is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return f"{p['name']}: {why}"
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if dst.exists():
+            remove(dst)
+        os.replace(tmp, dst)
         return None
 
 
@@ -330,10 +393,14 @@ class CheckpointUploader:
         return at once instead of waiting for the same hung upload again."""
 
     def submit(self, path: Path, step: int) -> None:
-        f = open(path, "rb")  # noqa: SIM115 (closed by the upload thread; open now to pin the file)
+        # Opened now to pin the file(s) against rotation; closed by the upload thread.
+        if is_sharded(path):
+            f: Any = {p.name: open(p, "rb") for p in sorted(path.iterdir()) if p.is_file()}  # noqa: SIM115
+        else:
+            f = open(path, "rb")  # noqa: SIM115
         with self._cond:
             if self._pending is not None:
-                self._pending[0].close()
+                close(self._pending[0])
                 log.info("step %d supersedes step %d before its upload began", step, self._pending[1])
             self._pending = (f, step)
             if self._thread is None or not self._thread.is_alive():
@@ -350,7 +417,9 @@ class CheckpointUploader:
                 self._pending, self._busy, self._in_flight = None, True, step
             t0 = time.monotonic()
             try:
-                entry = self.store.upload(f, step)
+                entry = (
+                    self.store.upload_folder(f, step) if isinstance(f, dict) else self.store.upload(f, step)
+                )
                 self.uploaded_step, self.failed = step, None
                 log.info(
                     "uploaded step %d to %s/%s (%.1f MB in %.1f s)",
@@ -363,7 +432,7 @@ class CheckpointUploader:
                     "save uploads again", step, self.store.url, type(e).__name__, e,
                 )  # fmt: skip
             finally:
-                f.close()
+                close(f)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -401,6 +470,12 @@ class CheckpointUploader:
         return True
 
 
+def close(f: IO[bytes] | dict[str, IO[bytes]]) -> None:
+    """Close a pinned checkpoint: one file, or a sharded checkpoint's files."""
+    for one in f.values() if isinstance(f, dict) else [f]:
+        one.close()
+
+
 def remote_checkpoints(
     c: CheckpointConfig, identity: dict[str, Any], run: RunConfig, run_dir: Path
 ) -> RemoteCheckpoints | None:
@@ -426,7 +501,9 @@ def remote_behind(remote: RemoteCheckpoints, run_dir: Path) -> str | None:
     last = run_dir / rundir.CHECKPOINTS / LAST
     if not last.exists():
         return None
-    step, size = checkpoint_step(last.resolve()), last.stat().st_size
+    target = last.resolve()
+    size = sum(p.stat().st_size for p in target.iterdir()) if is_sharded(target) else target.stat().st_size
+    step = checkpoint_step(target)
     why = remote.holds(step, size)
     rundir.write_record(
         run_dir / rundir.REMOTE, {"url": remote.url, "step": step, "holds": why is None, "why": why}

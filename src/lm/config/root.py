@@ -337,11 +337,6 @@ class LMConfig:
                 "is the one to write: use trainer=fsdp, or checkpoint.format=full (a sharded checkpoint "
                 "still resumes on any strategy)"
             )
-        if self.checkpoint.format == "sharded" and self.checkpoint.remote is not None:
-            raise ValueError(
-                "checkpoint.format=sharded with checkpoint.remote is not supported yet: the bucket mirror "
-                "uploads one file a checkpoint. Use checkpoint.format=full to mirror to a bucket"
-            )
         known = {s.name for s in d.mixture}
         for phase in self.phases.phases:
             unknown = sorted(set(phase.mixture or {}) - known)
