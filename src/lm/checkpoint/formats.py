@@ -117,14 +117,15 @@ class ShardedFolder:
     collective = True
     SUFFIX = f"{TMP_MARK}shards"
 
-    def save(self, checkpoint: dict[str, Any], path: Path) -> int:
+    @classmethod
+    def begin(cls, checkpoint: dict[str, Any], path: Path) -> tuple[bool, bool, Path, dict[str, Any]]:
+        """(distributed, rank 0, the empty temporary folder, the tensors DCP writes) for a write at `path`;
+        every rank returns once rank 0 has made the folder."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
 
         distributed = dist.is_available() and dist.is_initialized()
         rank0 = not distributed or dist.get_rank() == 0
-        tmp = path.with_name(path.name + self.SUFFIX)
+        tmp = path.with_name(path.name + cls.SUFFIX)
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # the remains of a write this run abandoned
             tmp.mkdir(parents=True)
@@ -132,6 +133,14 @@ class ShardedFolder:
             dist.barrier()
         tensors = {"state_dict": checkpoint["state_dict"]}
         tensors |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))}
+        return distributed, rank0, tmp, tensors
+
+    def save(self, checkpoint: dict[str, Any], path: Path) -> int:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        distributed, rank0, tmp, tensors = self.begin(checkpoint, path)
         try:
             with warnings.catch_warnings():  # one process without a process group: "assuming" it is meant
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -201,8 +210,6 @@ class AsyncShardedFolder(ShardedFolder):
         """Rank 0's callable(path) once a checkpoint is complete and in place (set by the save callback)."""
         self.stager: Any = None
         self.group: Any = None
-        self.staged_bytes = 0
-        """Host memory the staged copy holds on this rank (the doctor's memory model counts it)."""
 
     def save(self, checkpoint: dict[str, Any], path: Path) -> int:
         import torch.distributed as dist
@@ -210,21 +217,10 @@ class AsyncShardedFolder(ShardedFolder):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.wait()  # at most one in flight: its staging buffers are reused below
-        distributed = dist.is_available() and dist.is_initialized()
-        rank0 = not distributed or dist.get_rank() == 0
-        tmp = path.with_name(path.name + self.SUFFIX)
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        if self.stager is None:
-            cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        distributed, _, tmp, tensors = self.begin(checkpoint, path)
+        if self.stager is None:  # every rank together, at its first save
+            self.stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
             self.group = dist.new_group(backend="gloo") if distributed else None
-        if distributed:
-            dist.barrier()
-        tensors = {"state_dict": checkpoint["state_dict"]}
-        tensors |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))}
-        self.staged_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(tensors))
         future = dcp.async_save(
             tensors, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager
         )  # returns once the shards are staged: training may change the live tensors from here on
@@ -264,18 +260,6 @@ class AsyncShardedFolder(ShardedFolder):
         if self.on_complete is not None:
             self.on_complete(path)
         return size
-
-
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested state dict (a DTensor counts its local shard)."""
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensor_leaves(v)]
-    if isinstance(tree, list | tuple):
-        return [t for v in tree for t in tensor_leaves(v)]
-    if isinstance(tree, torch.Tensor):
-        local = getattr(tree, "to_local", None)
-        return [local() if local is not None else tree]
-    return []
 
 
 def first_os_error(e: Exception) -> OSError:
