@@ -2,6 +2,7 @@
 bf16 and fp32, interchangeable state dicts), the flash attention path, fused AdamW and auto's trial steps.
 Every test skips cleanly without a GPU (and the Liger ones without liger_kernel)."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -25,11 +26,11 @@ CUDA = torch.device("cuda")
 SMALL = ModelConfig(vocab_size=1000, n_layer=2, d_model=128, n_head=4, n_kv_head=2, max_seq_len=128)
 
 
-def pair(liger: bool, dtype: torch.dtype) -> tuple[LMModule, LMModule]:
+def pair(liger: bool, dtype: torch.dtype, model: ModelConfig = SMALL) -> tuple[LMModule, LMModule]:
     """An eager module and a second one (Liger or not) holding the same weights, on the GPU."""
     torch.manual_seed(0)
-    eager = LMModule(SMALL, {}).to(CUDA, dtype).train()
-    other = LMModule(SMALL, {}, liger=liger).to(CUDA, dtype).train()
+    eager = LMModule(model, {}).to(CUDA, dtype).train()
+    other = LMModule(model, {}, liger=liger).to(CUDA, dtype).train()
     other.load_state_dict(eager.state_dict(), strict=True)  # same keys: checkpoints are interchangeable
     return eager, other
 
@@ -52,11 +53,13 @@ def batch(size: int = 4, seq: int = 128) -> torch.Tensor:
 
 
 @needs_liger
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize(
     ("dtype", "loss_tol", "grad_rel"), [(torch.float32, 1e-4, 1e-3), (torch.bfloat16, 2e-2, 5e-2)]
 )
-def test_liger_matches_eager(dtype, loss_tol, grad_rel):
-    eager, liger = pair(True, dtype)
+def test_liger_matches_eager(dtype, loss_tol, grad_rel, qk_norm):
+    """With QK-norm (recipe=modern) Liger's RMSNorm also serves the per-head q/k norms, on (B, H, T, E)."""
+    eager, liger = pair(True, dtype, dataclasses.replace(SMALL, qk_norm=qk_norm))
     x = batch()
     loss_e, grads_e = loss_and_grads(eager, x)
     loss_l, grads_l = loss_and_grads(liger, x)
