@@ -186,9 +186,14 @@ def dense_doc_mask(doc_BT: torch.Tensor) -> torch.Tensor:
     return ((doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT).unsqueeze(1)
 
 
+@torch.compiler.disable
 def flex_doc_mask(doc_BT: torch.Tensor) -> BlockMask:
     """The same mask as `dense_doc_mask` as a flex_attention block mask (128 x 128 blocks, built on the
-    device from the mask function; no (T, T) tensor is kept)."""
+    device from the mask function; no (T, T) tensor is kept).
+
+    Built outside the compiled graph, so its block tensors enter flex_attention's lowering as fixed inputs:
+    created inside a whole-model compile, Inductor fails to lower flex_attention on them (torch 2.11 on an
+    H100: "convert FlexibleLayout to FixedLayout first"; 2.13 on a CPU: "No choices to select")."""
     B, T = doc_BT.shape
 
     def same_document_causal(b, h, q, kv):

@@ -248,3 +248,22 @@ def test_flex_on_cuda_matches_the_dense_mask_eager_and_compiled():
         model.compile()
         compiled = model(ids)[..., :100].float()
     assert torch.allclose(dense, flex, atol=3e-2) and torch.allclose(dense, compiled, atol=3e-2)
+
+
+@pytest.mark.slow
+def test_flex_under_a_whole_model_compile_matches_the_dense_mask_on_cpu():
+    """`kernels=compile` compiles the whole model: the block mask must be built outside that graph (inside it
+    Inductor could not lower flex_attention: torch 2.11 on an H100, 2.13 on this CPU). ~15 s of compile."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY, "max_seq_len": 256, "d_model": 256}, doc_mask=True))
+    model.eot_id = EOT
+    ids = torch.randint(1, 100, (2, 256), generator=torch.Generator().manual_seed(1))
+    ids[0, [30, 140]] = EOT
+    ids[1, 200] = EOT
+    with torch.no_grad():
+        model.flex = False
+        dense = model(ids)[..., :100]  # the padded vocabulary's logits are -inf
+        model.flex = True
+        model.compile()
+        compiled = model(ids)[..., :100]
+    assert float((dense - compiled).abs().max()) < 1e-4

@@ -136,13 +136,20 @@ class SelfTest:
     # -- the checks --------------------------------------------------------------------------------------
 
     def check(self, name: str, fn: Callable[[], tuple[str, str, str]]) -> bool:
-        """Run one check; an exception is its failure, with the message as what it saw."""
+        """Run one check; an exception is its failure, with the message as what it saw. Each check says on
+        stderr when it starts and how it ended, so a selftest stopped from outside still shows how far it got."""
+        print(f"lm selftest: {name} ...", file=sys.stderr, flush=True)
         started = time.monotonic()
         try:
             status, saw, fix = fn()
         except Exception as e:  # a check that breaks is a failed check, never a crashed selftest
             status, saw, fix = "fail", f"{type(e).__name__}: {e}"[:300], ""
         self.checks.append(Check(name, status, time.monotonic() - started, saw, fix))
+        print(
+            f"lm selftest: {name} {status.upper()} ({self.checks[-1].seconds:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         return status == "pass"
 
     def device(self) -> tuple[str, str, str]:
