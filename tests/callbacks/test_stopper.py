@@ -12,6 +12,7 @@ from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
 from lm.numbers.loss_law import ANNEAL_GAIN, ScheduleLaw, lam_for, schedule_forecast
 from lm.numbers.lr_schedule import multipliers
+from lm.run.references import read_reference
 from lm.run.report import forecast_section
 from lm.run.train import main
 
@@ -253,3 +254,45 @@ def test_the_report_renders_every_ending_and_reads_records_written_before_some_e
         "| the Chinchilla token count (20 x parameters) (step 4,000) | 2.500 (2.400-2.600) | $12.00 |" in new
     )
     assert "| a loss point now costs (training on before the cooldown) | | $9.00 |" in new
+
+
+def test_a_smaller_finished_run_is_the_forecasts_reference_and_a_mismatched_one_is_refused(
+    tiny_cfg, tmp_path
+):
+    """forecast_model=reference: a finished smaller run's curve, read from its run directory, moved onto this
+    run's points; forecast.json and the report name it. A reference with another data order is refused at
+    start, naming the key."""
+    common = ("trainer.val_every_steps=4", "optim.warmup_steps=2", "optim.total_steps=24", "phases.phases=[]")
+    main(tiny_cfg("trainer.max_steps=24", "run.name=ref", "model.d_model=32", "sampling=off", *common))
+    ref = tmp_path / "runs" / "ref"
+    curve = read_reference(ref).key
+    assert curve["tokens_per_step"] == 512 and curve["optim.warmup_fraction"] == round(2 / 24, 4)
+    main(
+        tiny_cfg(
+            "trainer.max_steps=12",  # half of the plan: the forecast reads the reference's end
+            "run.name=big",
+            "sampling=off",
+            "early_stopping.forecast_model=reference",
+            f"early_stopping.forecast_reference=[{ref}]",
+            *common,
+        )
+    )
+    run = tmp_path / "runs" / "big"
+    said = json.loads((run / "forecast.json").read_text())["reference"]
+    assert said["reference"] == str(ref) and said["fraction"] == pytest.approx(0.5)
+    assert "one reference" in said["interval_from"] and said["low"] < said["final_loss"] < said["high"]
+    ref_final = scalars(ref, "val/loss")[-1][1]
+    assert said["final_loss"] == pytest.approx(ref_final + said["offset"])
+    assert f"read off `{ref}`" in (run / "report.md").read_text()
+    with pytest.raises(ValueError, match=r"differs from this run in data.seed: 0 there, 1 here"):
+        main(
+            tiny_cfg(
+                "trainer.max_steps=4",
+                "run.name=other_order",
+                "data.seed=1",
+                "early_stopping.forecast_model=reference",
+                f"early_stopping.forecast_reference=[{ref}]",
+                *common,
+            )
+        )
+    assert not (tmp_path / "runs" / "other_order" / "checkpoints").exists()

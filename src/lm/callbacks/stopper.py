@@ -13,6 +13,7 @@ RunCheckpoint writes the final checkpoint, and the reason goes to the log, Tenso
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
 from lm.numbers.loss_prior import fit_forecast, read_priors
 from lm.numbers.lr_schedule import multipliers
+from lm.numbers.reference import Curve, ReferenceForecast
+from lm.numbers.reference import forecast as reference_forecast
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class EarlyStopper(Callback):
         consensus: Consensus | None = None,
         optim: OptimConfig | None = None,
         schedule_steps: int | None = None,
+        references: list[Curve] | None = None,
     ) -> None:
         self.cfg = cfg
         self.consensus = consensus or Consensus()
@@ -111,6 +115,9 @@ class EarlyStopper(Callback):
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
         self.priors = read_priors(cfg.forecast_prior) if cfg.forecast_prior else {}
         """Shape priors for the forecast (early_stopping.forecast_prior): read once, so a bad file fails at start."""
+        self.references = references or []
+        """Reference curves (early_stopping.forecast_reference), read and checked against the run at build."""
+        self.last_reference: ReferenceForecast | None = None
         self.last_schedule: ScheduleForecast | None = None
         self.last_choices: dict[str, Any] | None = None
         """The schedule-aware forecast in dollars at the last validation; stop.json keeps the one a stop saw."""
@@ -129,6 +136,7 @@ class EarlyStopper(Callback):
             self.best, self.since_best = smoothed, 0
         else:
             self.since_best += 1
+        self.last_reference = self.fit_reference()
         self.last_schedule = self.fit_schedule()
         self.last_choices = self.schedule_choices()
         return self.check()
@@ -175,7 +183,7 @@ class EarlyStopper(Callback):
         pts = [p for p in self.points if p.tokens >= self.cfg.forecast_skip_tokens]
         steps, losses = [p.step for p in pts], [p.loss for p in pts]
         plan_mult = multipliers(self.optim, self.schedule_steps, plan_steps)
-        if self.cfg.forecast_model == "schedule" and not self.priors:
+        if self.cfg.forecast_model in ("schedule", "reference") and not self.priors:
             law = fit_schedule_law(steps, losses, plan_mult, min_points=self.cfg.forecast_min_points)
         else:
             model, priors, n = self.cfg.forecast_model, self.priors, self.cfg.forecast_min_points
@@ -189,7 +197,20 @@ class EarlyStopper(Callback):
             chinchilla = ramp.steps_for_tokens(self.chinchilla_tokens)  # a ramp's first steps train fewer
         elif self.chinchilla_tokens and last.tokens > 0:  # tokens per step from the run itself
             chinchilla = math.ceil(self.chinchilla_tokens * step / last.tokens)
-        return schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps, chinchilla)
+        sf = schedule_forecast(law, self.optim, self.schedule_steps, step, cooldown, plan_steps, chinchilla)
+        if self.last_reference is not None:  # the plan's end read off the reference, not the law
+            sf = dataclasses.replace(sf, plan_end=self.last_reference.prediction)
+        return sf
+
+    def fit_reference(self) -> ReferenceForecast | None:
+        """The plan's final loss from the reference curves (lm.numbers.reference), when there are any."""
+        if not self.references or self.cfg.forecast_model not in ("reference", "auto"):
+            return None
+        plan_steps = max(self.plan_end_steps or self.schedule_steps or 0, self.points[-1].step)
+        if plan_steps <= 0:
+            return None
+        steps, losses = [p.step for p in self.points], [p.loss for p in self.points]
+        return reference_forecast(self.references, steps, losses, plan_steps)
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
@@ -371,8 +392,23 @@ class EarlyStopper(Callback):
             for name, value in values.items():
                 if value is not None and math.isfinite(value):
                     metrics[f"forecast/{name}"] = value
-            if trainer.is_global_zero:
-                rundir.write_record(self.forecast_path, {"schedule": c})
+        ref = self.last_reference
+        if ref is not None:
+            metrics["forecast/reference_final_loss"] = ref.prediction.loss
+            log.info(
+                "reference forecast: final loss %.3f [%.3f, %.3f] from %s (offset %+.3f at %.0f%% of the plan; "
+                "interval from %s)",
+                ref.prediction.loss,
+                ref.prediction.low,
+                ref.prediction.high,
+                ref.reference,
+                ref.offset,
+                100 * ref.fraction,
+                ref.interval_from,
+            )
+        if (c is not None or ref is not None) and trainer.is_global_zero:
+            record = {"schedule": c} | ({"reference": ref.record()} if ref is not None else {})
+            rundir.write_record(self.forecast_path, record)
         for name, value in metrics.items():
             pl_module.log(name, float(value), on_step=False, on_epoch=True)
 

@@ -222,16 +222,28 @@ class EarlyStoppingConfig:
     """Validation points before this many tokens stay out of the fit (the warm-up transient follows no law)."""
     forecast_model: str = "schedule"
     """The forecast's law (lm.numbers.loss_prior): `schedule` (Tissue et al. 2024), `multi_power` (Luo et al.
-    2025) or `auto` (the one that predicts the run's last points better; the interval covers both)."""
+    2025) or `auto` (the one that predicts the run's last points better; the interval covers both);
+    `reference`: the plan's final loss read off `forecast_reference` (lm.numbers.reference), the other
+    endings (cooling down now, twice the steps) from the schedule law. `auto` with a reference uses it too."""
+    forecast_reference: list[str] = field(default_factory=list)
+    """Finished runs (run directories) or recorded curves (JSON) with the same LR schedule shape, tokens per
+    step and data order, usually smaller models: the reference forecast maps their curves onto this run's.
+    A reference that differs in one of those is refused at start, naming the key."""
     forecast_prior: str | None = None
     """Shape prior for the forecast: a `calibration.json` of `lm plan --calibrate` or a law file with a
     `forecast_prior` mapping. null with forecast_model=schedule: the law as before (alpha free, the anneal
     gain's default prior)."""
 
     def __post_init__(self) -> None:
-        if self.forecast_model not in ("schedule", "multi_power", "auto"):
+        if self.forecast_model not in ("schedule", "multi_power", "auto", "reference"):
             raise ValueError(
-                f"early_stopping.forecast_model={self.forecast_model!r}: use schedule, multi_power or auto"
+                f"early_stopping.forecast_model={self.forecast_model!r}: use schedule, multi_power, auto or "
+                "reference"
+            )
+        if self.forecast_model == "reference" and not self.forecast_reference:
+            raise ValueError(
+                "early_stopping.forecast_model=reference needs early_stopping.forecast_reference=[runs/<name>] "
+                "(a finished run with the same schedule shape, tokens per step and data order)"
             )
         if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:
             raise ValueError(

@@ -46,6 +46,8 @@ from lm.engine.runtime import resolve_runtime
 from lm.interop import hf
 from lm.numbers import cost, run_plan
 from lm.numbers.memory import Workload
+from lm.numbers.reference import curve_key
+from lm.run.references import load_references
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -224,6 +226,10 @@ def stopper(
         consensus=consensus,
         optim=cfg.optim,
         schedule_steps=plan.schedule_steps,
+        references=load_references(
+            cfg.early_stopping.forecast_reference,
+            curve_key(cfg.optim, plan.schedule_steps, plan.tokens_per_step, cfg.data),
+        ),
     )
 
 

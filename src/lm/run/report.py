@@ -51,6 +51,7 @@ def write_report(run_dir: str | Path) -> Path:
     decided = (stop or {}).get("forecast")  # what the stopper saw when it decided, else the latest
     schedule = decided or (forecast or {}).get("schedule")
     text += stopping_section(stop, schedule) + forecast_section(schedule, measured, bool(decided))
+    text += reference_section((forecast or {}).get("reference"))
     text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
     path = run_dir / "report.md"
@@ -435,6 +436,24 @@ def forecast_section(sched: dict | None, measured: float | None, at_stop: bool) 
         lines += ["", f"Measured: the last validation loss was {measured:.3f}."]
     lines.append("")
     return "\n".join(lines)
+
+
+def reference_section(ref: dict | None) -> str:
+    """The reference-curve forecast (lm.numbers.reference): which run it read, the offset, the interval's source."""
+    if not ref:
+        return ""
+    unchecked = ref.get("unchecked_keys") or []
+    return (
+        f"\nReference forecast at {ref['fraction']:.0%} of the plan: final loss {ref['final_loss']:.3f} "
+        f"({ref['low']:.3f}-{ref['high']:.3f}), read off `{ref['reference']}` moved by {ref['offset']:+.3f}; "
+        f"the interval from {ref['interval_from']}."
+        + (
+            f" Not checked against the run (the reference does not record them): {', '.join(unchecked)}."
+            if unchecked
+            else ""
+        )
+        + "\n"
+    )
 
 
 def samples_section(records: list[dict]) -> str:

@@ -1,0 +1,203 @@
+"""The reference-curve forecast: a run's final loss read off a finished sibling's validation curve.
+
+A sibling run (usually a smaller model) trained with the same LR schedule, tokens per step and data order
+already carries what a law cannot fit from a few points: the drop its decay banked, and the data order's bumps,
+which adjacent sizes share (residual correlation 0.79-0.96 on lm's recorded curves). The forecast moves the
+reference's final loss by this run's offset from it at the newest validation seen:
+
+    forecast = L_ref(end) + (L_run(f) - L_ref(f))
+
+compared at the same fraction f of each run (the same step when their lengths match; across lengths at matched
+tokens per parameter, the collapse form of Qiu et al. 2025, "Scaling collapse reveals universal dynamics in
+compute-optimally trained neural networks"). The reference is interpolated linearly in f. With several
+references the one nearest this run at f (the smallest offset) is used.
+
+The 90% interval is empirical, never an in-sample fit: with two or more references, each is forecast from every
+other one at this run's fraction (leave-one-curve-out) and the interval's half-width is the 90th percentile of
+those errors; with one reference, the errors measured on lm's recorded curves (`RECORDED_ERRORS`) stand in, and
+the forecast says so. Either way the half-width is at least `NOISE`, one evaluation's noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lm.config import DataConfig, OptimConfig
+from lm.numbers.loss_law import Prediction
+
+NOISE = 0.01
+"""The least half-width of an interval: one in-run validation point's noise on the recorded curves (0.009-0.019)."""
+
+RECORDED_ERRORS = ((0.1, 0.249), (0.2, 0.107), (0.3, 0.119), (0.5, 0.115), (0.8, 0.085), (1.0, NOISE))
+"""(fraction of the run, largest |error| of the forecast) over every ordered pair of lm's recorded curves with
+the same schedule, length and batch (16 pairs of tiny/small/medium shapes, 0.2-10 tokens per parameter, scored on
+the in-run validation loss): experiments/2026-11-26-forecast-reference/bench.py writes them,
+tests/numbers/test_reference.py keeps them equal to what it measures. The interval of a forecast from one
+reference, interpolated in the fraction; before 10% the first value."""
+
+KEY_FIELDS = (
+    "optim.schedule",
+    "optim.warmup_fraction",
+    "optim.decay_fraction",
+    "optim.min_lr_ratio",
+    "tokens_per_step",
+    "data.seq_len",
+    "data.seed",
+)
+"""What a reference must share with the run: the LR schedule's shape (warm-up as a fraction of the run, so a
+reference of another length at matched tokens per parameter qualifies), the tokens of one optimizer step and the
+data order. A key that a recorded curve lacks is not compared, and the forecast lists it as unchecked."""
+
+
+def curve_key(
+    optim: OptimConfig, schedule_steps: int, tokens_per_step: int, data: DataConfig | None
+) -> dict[str, Any]:
+    """The key of a run's curve (KEY_FIELDS) from its config; without `data`, no data keys."""
+    key = {
+        "optim.schedule": optim.schedule,
+        "optim.warmup_fraction": round(optim.warmup_steps / max(1, schedule_steps), 4),
+        "optim.decay_fraction": optim.decay_fraction if optim.schedule == "wsd" else None,
+        "optim.min_lr_ratio": optim.min_lr_ratio,
+        "tokens_per_step": tokens_per_step,
+    }
+    if data is not None:
+        key |= {"data.seq_len": data.seq_len, "data.seed": data.seed}
+    return key
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One finished run's validation losses, by optimizer step, with its key and length."""
+
+    name: str
+    steps: np.ndarray
+    losses: np.ndarray
+    total_steps: int
+    key: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fractions(self) -> np.ndarray:
+        return self.steps / self.total_steps
+
+    @property
+    def final(self) -> float:
+        return float(self.losses[-1])
+
+    def at(self, fraction: float) -> float:
+        """The loss at a fraction of the run, interpolated linearly between validations."""
+        return float(np.interp(fraction, self.fractions, self.losses))
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Curve:
+        """From `lm.store.rundir.read_curve`'s mapping (name, steps, losses, total_steps, key)."""
+        steps, losses = np.asarray(record["steps"], float), np.asarray(record["losses"], float)
+        if len(steps) < 2 or len(steps) != len(losses) or not np.all(np.diff(steps) > 0):
+            raise ValueError(
+                f"reference curve {record['name']!r} needs at least 2 validation points at increasing steps; "
+                "validate the reference run more often (trainer.val_every_steps) or pick a finished run"
+            )
+        if steps[-1] < 0.95 * record["total_steps"]:
+            raise ValueError(
+                f"reference curve {record['name']!r} ends at step {int(steps[-1])} of {record['total_steps']}: "
+                "a reference must have finished its schedule (its final loss is what the forecast moves)"
+            )
+        return cls(record["name"], steps, losses, int(record["total_steps"]), dict(record.get("key") or {}))
+
+
+def mismatch(reference: Curve, run_key: dict[str, Any]) -> str | None:
+    """The first key on which the reference differs from the run, as a sentence; None when they match."""
+    for k in KEY_FIELDS:
+        if k in reference.key and k in run_key and reference.key[k] != run_key[k]:
+            return (
+                f"early_stopping.forecast_reference {reference.name!r} differs from this run in {k}: "
+                f"{reference.key[k]!r} there, {run_key[k]!r} here; a reference must share the LR schedule's "
+                "shape, the tokens per step and the data order"
+            )
+    return None
+
+
+def unchecked(references: list[Curve]) -> list[str]:
+    """The keys some reference does not record (not compared)."""
+    return [k for k in KEY_FIELDS if any(k not in r.key for r in references)]
+
+
+def offset_forecast(reference: Curve, fractions: np.ndarray, losses: np.ndarray) -> float:
+    """The run's final loss from one reference: its final plus the run's offset at the newest point."""
+    return reference.final + float(losses[-1]) - reference.at(float(fractions[-1]))
+
+
+def loo_errors(references: list[Curve], fraction: float) -> list[float]:
+    """Each reference forecast from every other one with its points up to `fraction`: the errors."""
+    errors = []
+    for target in references:
+        seen = target.fractions <= fraction + 1e-9
+        if not seen.any():
+            continue
+        for donor in references:
+            if donor is not target:
+                errors.append(
+                    offset_forecast(donor, target.fractions[seen], target.losses[seen]) - target.final
+                )
+    return errors
+
+
+def recorded_error(fraction: float) -> float:
+    xs, ys = zip(*RECORDED_ERRORS, strict=True)
+    return float(np.interp(fraction, xs, ys))
+
+
+@dataclass(frozen=True)
+class ReferenceForecast:
+    """The final loss from a reference, with the reference's name and where the interval comes from."""
+
+    prediction: Prediction
+    reference: str
+    offset: float
+    """This run's loss minus the reference's at the newest fraction."""
+    fraction: float
+    interval_from: str
+    """`leave-one-curve-out over N references` or `lm's recorded curves (one reference)`."""
+    unchecked: list[str]
+
+    def record(self) -> dict[str, Any]:
+        p = self.prediction
+        return {
+            "reference": self.reference,
+            "final_loss": p.loss,
+            "low": p.low,
+            "high": p.high,
+            "offset": self.offset,
+            "fraction": self.fraction,
+            "interval_from": self.interval_from,
+            "unchecked_keys": self.unchecked,
+        }
+
+
+def forecast(references: list[Curve], steps, losses, total_steps: int) -> ReferenceForecast | None:
+    """The run's final loss after `total_steps` from its validation points so far (None before the first)."""
+    if not references or len(steps) == 0:
+        return None
+    fractions = np.asarray(steps, float) / total_steps
+    losses = np.asarray(losses, float)
+    f = float(fractions[-1])
+    nearest = min(references, key=lambda r: abs(float(losses[-1]) - r.at(f)))
+    loss = offset_forecast(nearest, fractions, losses)
+    errors = loo_errors(references, f) if len(references) > 1 else []
+    if errors:
+        half = float(np.quantile(np.abs(errors), 0.9))
+        source = f"leave-one-curve-out over {len(references)} references ({len(errors)} forecasts)"
+    else:
+        half = recorded_error(f)
+        source = "lm's recorded curves (one reference: no curve of its own to leave out)"
+    half = max(half, NOISE)
+    return ReferenceForecast(
+        Prediction(loss, loss - half, loss + half),
+        nearest.name,
+        float(losses[-1]) - nearest.at(f),
+        f,
+        source,
+        unchecked(references),
+    )

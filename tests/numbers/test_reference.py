@@ -1,0 +1,122 @@
+"""The reference-curve forecast (lm.numbers.reference): the offset map, its empirical intervals, the key a
+reference must share, and the benchmark on held-out recorded curves that keeps score."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lm.config import DataConfig, OptimConfig
+from lm.numbers import reference
+from lm.numbers.reference import Curve, curve_key, forecast, mismatch
+from lm.run.references import load_references, read_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "experiments" / "2026-11-26-forecast-reference"
+
+
+def synthetic(name: str, level: float, total: int = 1000, every: int = 50, bump: float = 0.0) -> Curve:
+    steps = np.arange(every, total + 1, every, dtype=float)
+    losses = level + 3.0 * (steps / 10) ** -0.3 + bump * np.sin(steps / 37)
+    return Curve(name, steps, losses, total, {"optim.schedule": "wsd", "tokens_per_step": 512})
+
+
+def test_a_run_parallel_to_its_reference_is_forecast_exactly_with_the_recorded_interval():
+    ref = synthetic("small", 2.0, bump=0.05)  # the bumps are shared: the data order is the same
+    run = synthetic("large", 1.7, bump=0.05)
+    seen = run.steps <= 300
+    f = forecast([ref], run.steps[seen], run.losses[seen], run.total_steps)
+    assert f.prediction.loss == pytest.approx(run.final, abs=1e-12)
+    assert f.reference == "small" and f.offset == pytest.approx(-0.3) and f.fraction == pytest.approx(0.3)
+    half = (f.prediction.high - f.prediction.low) / 2
+    assert half == pytest.approx(reference.recorded_error(0.3)) and "recorded curves" in f.interval_from
+
+
+def test_several_references_give_a_leave_one_curve_out_interval_and_the_nearest_is_used():
+    refs = [synthetic("a", 2.3), synthetic("b", 2.0), synthetic("c", 1.9)]
+    run = synthetic("d", 1.8)
+    f = forecast(refs, run.steps[:6], run.losses[:6], 1000)
+    assert f.reference == "c"  # the smallest offset at the newest point
+    assert f.interval_from == "leave-one-curve-out over 3 references (6 forecasts)"
+    # Parallel curves: every leave-one-out error is 0, so the interval is the noise floor.
+    assert f.prediction.high - f.prediction.loss == pytest.approx(reference.NOISE)
+    # A reference whose gap to the others widens makes the interval wider than the floor.
+    widening = Curve("w", refs[0].steps, refs[0].losses + 0.2 * refs[0].fractions, 1000, refs[0].key)
+    g = forecast([*refs, widening], run.steps[:6], run.losses[:6], 1000)
+    assert g.prediction.high - g.prediction.loss > 0.1
+
+
+def test_curves_compare_at_the_same_fraction_when_their_lengths_differ():
+    short = synthetic("short", 2.0, total=500, every=25)
+    long = Curve("long", short.steps * 2, short.losses - 0.1, 1000, short.key)
+    f = forecast([short], long.steps[:4], long.losses[:4], 1000)
+    assert f.prediction.loss == pytest.approx(short.final - 0.1, abs=1e-12)
+
+
+def test_a_reference_that_differs_in_schedule_batch_or_data_order_is_refused_naming_the_key():
+    optim, data = OptimConfig(schedule="wsd", warmup_steps=50), DataConfig(seq_len=64, batch_size=8)
+    key = curve_key(optim, 1000, 512, data)
+    for field, value in [
+        ("optim.schedule", "cosine"),
+        ("optim.warmup_fraction", 0.1),
+        ("tokens_per_step", 1024),
+        ("data.seed", 1),
+    ]:
+        other = Curve("ref", np.array([500.0, 1000.0]), np.array([3.0, 2.5]), 1000, key | {field: value})
+        said = mismatch(other, key)
+        assert said and field in said and repr(value) in said
+    assert mismatch(Curve("ref", np.array([500.0, 1000.0]), np.array([3.0, 2.5]), 1000, key), key) is None
+    # Twice the steps with twice the warm-up: the same schedule shape (the collapse form).
+    assert curve_key(OptimConfig(schedule="wsd", warmup_steps=100), 2000, 512, data) == key
+
+
+def test_bad_reference_files_are_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="no such run directory or curve file"):
+        read_reference(tmp_path / "missing")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a JSON curve"):
+        read_reference(tmp_path / "bad.json")
+    unfinished = {"name": "u", "steps": [100, 200], "losses": [4.0, 3.5], "total_steps": 1000}
+    (tmp_path / "u.json").write_text(json.dumps(unfinished))
+    with pytest.raises(ValueError, match="must have finished its schedule"):
+        read_reference(tmp_path / "u.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.yaml"):
+        read_reference(tmp_path / "empty")
+
+
+def test_recorded_curves_load_with_their_key_and_refuse_another_schedule():
+    curves = ROOT / "tests" / "fixtures" / "curves"
+    wsd = read_reference(curves / "small_wsd_1000.json")
+    assert wsd.total_steps == 1000 and wsd.steps[-1] == 1000 and len(wsd.steps) == 10
+    assert wsd.key["optim.schedule"] == "wsd" and wsd.key["tokens_per_step"] == 512
+    assert "data.seed" in reference.unchecked([wsd])
+    cosine = read_reference(curves / "small_cosine_1000.json")
+    with pytest.raises(ValueError, match="optim.schedule: 'wsd' there, 'cosine' here"):
+        load_references([str(curves / "small_wsd_1000.json")], cosine.key)
+
+
+def bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference_bench", BENCH / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_one_reference_interval_is_what_the_benchmark_measures():
+    rows = bench().run(laws=False)["rows"]
+    measured = bench().recorded_errors(rows)
+    assert [tuple(x) for x in measured] == list(reference.RECORDED_ERRORS[: len(measured)])
+
+
+def test_the_benchmark_error_from_30_percent_does_not_grow():
+    """Fails when a change makes the committed benchmark's worst error from 30% of the run on larger."""
+    committed = json.loads((BENCH / "results.json").read_text())["summary"]
+    now = bench().summary(bench().run(laws=False)["rows"])
+    for key in ("set|30%", "set|50%", "set|80%", "pair|30%", "pair|50%", "pair|80%"):
+        assert now[key]["worst"] <= committed[key]["worst"] + 0.002, key
+        assert math.isfinite(now[key]["rms"])
