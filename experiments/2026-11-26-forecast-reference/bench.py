@@ -10,11 +10,18 @@ At 10/20/30/50/80% of the run a forecast sees the points before that fraction. P
 `RECORDED_ERRORS` that lm.numbers.reference's one-reference interval uses (the largest |error| of `pair`).
 
     python experiments/2026-11-26-forecast-reference/bench.py [--json experiments/2026-11-26-forecast-reference/results.json]
+
+`--ladder DIR` scores the held-out ladder that record_ladder.sh trains instead (4 shapes <= 3x apart at ~4 tokens
+per parameter, validation every 5%, the largest at 3 init seeds), read from its run directories: each target is
+forecast from the strictly smaller shapes (`smaller`, the case a user has) and from every other run (`others`).
+
+    python experiments/2026-11-26-forecast-reference/bench.py --ladder /tmp/ladder37 --json .../ladder.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,7 +32,8 @@ from lm.numbers import reference
 from lm.numbers.loss_law import fit_schedule_law
 from lm.numbers.loss_prior import fit_forecast
 from lm.numbers.lr_schedule import multipliers
-from lm.run.references import read_reference
+from lm.run.references import read_reference, typed
+from lm.store import rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 CURVES = ROOT / "tests" / "fixtures" / "curves"
@@ -33,8 +41,14 @@ FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
 METHODS = ("pair", "set", "schedule", "multi_power")
 
 
+LADDER = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
+"""record_ladder.sh's shapes by name prefix, with their non-embedding parameters (12 L d^2)."""
+
+
 def law_forecast(method: str, record: dict, steps, losses) -> reference.Prediction | None:
-    optim = OptimConfig(**{k: v for k, v in record["optim"].items() if k in OptimConfig.__dataclass_fields__})
+    optim = record["optim"]
+    if not isinstance(optim, OptimConfig):
+        optim = OptimConfig(**{k: v for k, v in optim.items() if k in OptimConfig.__dataclass_fields__})
     mult = multipliers(optim, record["total_steps"])
     if method == "schedule":
         law = fit_schedule_law(steps, losses, mult, min_points=3)
@@ -74,6 +88,80 @@ def run(laws: bool = True) -> dict:
     return {"rows": rows, "recorded_errors": recorded_errors(rows), "summary": summary(rows)}
 
 
+def read_ladder(root: Path) -> tuple[dict, dict]:
+    """The ladder's curves and optimizer settings, from its run directories or from curve JSON files that
+    `--save-curves` wrote (tests/fixtures/ladder37: the benchmark runs without retraining)."""
+    curves, records = {}, {}
+    for p in sorted(root.iterdir()):
+        if (p / rundir.CONFIG).is_file():
+            optim = typed(rundir.read_config(p), "optim", OptimConfig)
+        elif p.suffix == ".json":
+            optim = OptimConfig(**json.loads(p.read_text())["optim"])
+        else:
+            continue
+        curve = read_reference(p)
+        name = Path(curve.name).name
+        curves[name] = curve
+        records[name] = {"optim": optim, "total_steps": curve.total_steps}
+    return curves, records
+
+
+def save_curves(root: Path, out: Path) -> None:
+    """Each run directory of the ladder as one curve JSON (lm's own form, plus the optimizer settings)."""
+    out.mkdir(parents=True, exist_ok=True)
+    curves, records = read_ladder(root)
+    for name, c in curves.items():
+        record = {
+            "name": name,
+            "steps": [int(x) for x in c.steps],
+            "losses": [round(float(x), 5) for x in c.losses],
+            "total_steps": c.total_steps,
+            "key": c.key,
+            "optim": dataclasses.asdict(records[name]["optim"]),
+        }
+        (out / f"{name}.json").write_text(json.dumps(record) + "\n")
+
+
+def run_ladder(root: Path, laws: bool = True) -> dict:
+    """The ladder: each run forecast from the strictly smaller shapes and from every other run."""
+    curves, records = read_ladder(root)
+    size = {name: LADDER[name.split("_")[0]] for name in curves}
+    seeds = [c.final for n, c in curves.items() if n.startswith("d96")]
+    rows = []
+    for name, target in curves.items():
+        pools = {
+            "smaller": [c for n, c in curves.items() if size[n] < size[name]],
+            "others": [c for n, c in curves.items() if n != name],
+        }
+        for f in FRACTIONS:
+            seen = target.fractions <= f + 1e-9
+            steps, losses = target.steps[seen], target.losses[seen]
+            row = {"target": name, "fraction": f, "points": int(seen.sum()), "final": target.final}
+            for pool, refs in pools.items():
+                if not refs:
+                    continue
+                s = reference.forecast(refs, steps, losses, target.total_steps)
+                p = s.prediction
+                row[pool] = {
+                    "error": p.loss - target.final,
+                    "covered": p.low <= target.final <= p.high,
+                    "half": (p.high - p.low) / 2,
+                    "reference": Path(s.reference).name,
+                }
+            for law in ("schedule", "multi_power") if laws else ():
+                p = law_forecast(law, records[name], steps, losses) if seen.sum() >= 3 else None
+                if p is not None:
+                    row[law] = {"error": p.loss - target.final, "covered": p.low <= target.final <= p.high}
+            rows.append(row)
+    finals = {n: c.final for n, c in curves.items()}
+    return {
+        "rows": rows,
+        "finals": finals,
+        "seed_spread": float(np.std(seeds, ddof=1)) if len(seeds) > 1 else None,
+        "summary": summary(rows, ("smaller", "others", "schedule", "multi_power")),
+    }
+
+
 def recorded_errors(rows: list[dict]) -> list[list[float]]:
     out = []
     for f in FRACTIONS:
@@ -82,9 +170,9 @@ def recorded_errors(rows: list[dict]) -> list[list[float]]:
     return out
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], methods=METHODS) -> dict:
     out = {}
-    for method in METHODS:
+    for method in methods:
         for f in FRACTIONS:
             if method == "pair":
                 errs = [e for r in rows if r["fraction"] == f for e in r["pair"].values()]
@@ -107,8 +195,14 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ladder", type=Path)
+    ap.add_argument(
+        "--save-curves", type=Path, help="with --ladder: write its curves as JSON into this folder"
+    )
     args = ap.parse_args()
-    res = run()
+    if args.save_curves:
+        save_curves(args.ladder, args.save_curves)
+    res = run_ladder(args.ladder) if args.ladder else run()
     print("| method | fraction | forecasts | worst |err| | RMS | within 0.02 | 90% interval covers |")
     print("|---|---|---|---|---|---|---|")
     for k, v in res["summary"].items():
@@ -117,7 +211,15 @@ def main() -> None:
         print(
             f"| {method} | {f} | {v['n']} | {v['worst']:.3f} | {v['rms']:.3f} | {v['within_0.02']} | {cov} |"
         )
-    print("\nRECORDED_ERRORS =", tuple(tuple(x) for x in res["recorded_errors"]))
+    if "recorded_errors" in res:
+        print("\nRECORDED_ERRORS =", tuple(tuple(x) for x in res["recorded_errors"]))
+    else:
+        print(
+            "\nfinal losses:",
+            {n: round(v, 4) for n, v in res["finals"].items()},
+            "seed sd:",
+            res["seed_spread"],
+        )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

@@ -55,6 +55,7 @@ def test_untrained_loss_is_near_uniform():
     assert abs(loss.item() - math.log(cfg.padded_vocab_size)) < 0.1
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = Transformer(tiny())

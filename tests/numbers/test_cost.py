@@ -126,6 +126,7 @@ def check_rows(run_dir, rows):
         assert after["start_loss"] == before["end_loss"] and after["start_step"] == before["end_step"]
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_three_phases_priced_and_checked_against_the_logs(tiny_cfg, tmp_path):
     main(tiny_cfg(*RUN, "run.name=straight", "trainer.max_steps=30"))
     run = tmp_path / "runs/straight"
@@ -175,6 +176,7 @@ def test_report_is_written_at_the_end_and_by_the_cli(tiny_cfg, tmp_path, capsys)
     assert {"phases/text_summary", "report/text_summary"} <= set(acc.Tags()["tensors"])
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_an_unpriced_run_reports_hours_and_says_how_to_price_it(tiny_cfg, tmp_path):
     """A CPU run is priced at $0/h: its headline chart is loss against hours, not a column of points at $0."""
     main(tiny_cfg(PHASES, "trainer.val_every_steps=10", "trainer.max_steps=20"))

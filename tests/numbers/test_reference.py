@@ -120,3 +120,13 @@ def test_the_benchmark_error_from_30_percent_does_not_grow():
     for key in ("set|30%", "set|50%", "set|80%", "pair|30%", "pair|50%", "pair|80%"):
         assert now[key]["worst"] <= committed[key]["worst"] + 0.002, key
         assert math.isfinite(now[key]["rms"])
+
+
+def test_the_held_out_ladder_error_from_30_percent_does_not_grow():
+    """The ladder of record_ladder.sh (4 shapes <= 3x apart at ~4 tokens per parameter, 3 seeds of the largest),
+    replayed from its recorded curves: each run forecast only from runs that are not itself."""
+    committed = json.loads((BENCH / "ladder.json").read_text())["summary"]
+    result = bench().run_ladder(ROOT / "tests" / "fixtures" / "ladder37", laws=False)
+    assert result["seed_spread"] == pytest.approx(0.0131, abs=1e-3)  # the largest shape's 3 init seeds
+    for key in ("smaller|30%", "smaller|50%", "smaller|80%", "others|30%", "others|50%", "others|80%"):
+        assert result["summary"][key]["worst"] <= committed[key]["worst"] + 0.002, key

@@ -5,6 +5,8 @@ event reader at exit)."""
 import collections
 import re
 
+import pytest
+
 from tests import harness
 
 from ..conftest import TINY
@@ -20,6 +22,7 @@ def messages(text: str) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_a_run_prints_each_line_once_and_no_noise(tmp_path, data_cache):
     args = [*TINY, f"data.cache_dir={data_cache}", f"run.root={tmp_path}", "trainer.val_every_steps=10"]
     for steps in (20, 30):  # a fresh run, then its resume (the restored-checkpoint lines)

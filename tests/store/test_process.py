@@ -155,6 +155,7 @@ def test_a_process_stuck_on_the_way_out_is_ended_with_its_code_and_its_stacks(tm
 # -- 15b, 19.8: one trainer per run directory ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_a_second_trainer_on_a_live_run_is_refused_and_archives_nothing(tmp_path, data_cache):
     root, release = tmp_path / "runs", tmp_path / "release"
     run_dir = root / "live"

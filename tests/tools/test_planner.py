@@ -100,6 +100,7 @@ def test_bad_input_gets_a_clear_error(args, message, tmp_path, capsys):
     assert not list(tmp_path.glob("*.yaml"))  # nothing written
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_plan_never_overwrites_an_experiment_it_did_not_write(tmp_path, capsys):
     args = [
         "plan",
@@ -158,6 +159,7 @@ def test_the_estimate_measures_the_runs_tokenizer_and_a_prepared_corpus_is_exact
         assert abs(estimate.tokens - exact.tokens) < within * exact.tokens, (estimate, exact)
 
 
+@pytest.mark.slow  # 26-74 s on 2 cores: the README command stays under 10 min
 def test_a_small_corpus_is_not_planned_as_if_every_token_were_fresh(capsys, tmp_path):
     """The bundled corpus's 9.4M tokens and $150: no plan past ~47 epochs, and a plan past 4 says its cost."""
     corpus = 9_411_377
