@@ -1,4 +1,5 @@
-"""Helpers more than one test module uses: hashing, the S3 server (moto) and the bucket's checkpoint pointer.
+"""Helpers more than one test module uses: hashing, the S3 server (moto), the bucket's checkpoint pointer and
+loading an experiment's script as a module.
 
 Fixtures built on them (`root`, `s3_server`) are in conftest.py.
 """
@@ -6,6 +7,7 @@ Fixtures built on them (`root`, `s3_server`) are in conftest.py.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -14,6 +16,14 @@ from lm.checkpoint.remote import POINTER
 
 BUCKET = "lm-test"
 """The bucket `s3_server` makes (each module that asks for it gets a server of its own)."""
+
+
+def load_script(path: Path, name: str):
+    """An experiment's Python script (experiments/<date>-<topic>/*.py, not a package) imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sha256(data: bytes | Path) -> str:

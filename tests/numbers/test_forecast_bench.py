@@ -1,9 +1,10 @@
 """The forecast benchmark keeps score: replaying the recorded curves (no training), no forecast of the final
 loss from 30% of the run may get worse than experiments/2026-11-24-forecast-priors/results.json records."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from ..helpers import load_script
 
 FOLDER = Path(__file__).resolve().parents[2] / "experiments" / "2026-11-24-forecast-priors"
 SLACK = 0.002
@@ -11,10 +12,7 @@ SLACK = 0.002
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("forecast_bench", FOLDER / "forecast_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(FOLDER / "forecast_bench.py", "forecast_bench")
 
 
 def test_no_forecast_at_30_percent_is_worse_than_recorded():

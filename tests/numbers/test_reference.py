@@ -13,6 +13,8 @@ from lm.numbers import reference
 from lm.numbers.reference import Curve, curve_key, forecast, mismatch
 from lm.run.references import load_references, read_reference
 
+from ..helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "experiments" / "2026-11-26-forecast-reference"
 
@@ -99,12 +101,7 @@ def test_recorded_curves_load_with_their_key_and_refuse_another_schedule():
 
 
 def bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("reference_bench", BENCH / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / "bench.py", "reference_bench")
 
 
 def test_the_one_reference_interval_is_what_the_benchmark_measures():
