@@ -21,9 +21,11 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lm.checkpoint.checkpointer import find_resume_point
+from lm.config import TrainerConfig
 from lm.data.dataset import StepSampler, val_batches
 from lm.engine.activation_checkpointing import Decision, resolve
 from lm.engine.parallel import check_strategy, cluster_plugins
+from lm.numbers.run_plan import devices_per_node, world_size
 
 from ..conftest import CONF, TINY
 from ..conftest import train_in_process as train_here
@@ -308,6 +310,18 @@ def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
     check_strategy("ddp_spawn", 2, multirun=True)  # spawn does not re-run the command line
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "sweep")  # torchrun started the ranks: each runs the sweep
     check_strategy("ddp", 2, multirun=True)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    for devices in (-1, "-1", "2", [0, 1]):  # every spelling of several processes, as the plan counts them
+        with pytest.raises(ValueError, match="one command per sweep point"):
+            check_strategy("ddp", devices, multirun=True)
+
+
+def test_one_reading_of_trainer_devices_counts_the_ranks():
+    """lm.numbers.run_plan.devices_per_node serves the plan, the doctor and the multirun check alike."""
+    assert [devices_per_node(d, gpus=0) for d in (3, "2", [0, 1], "auto", -1, "-1")] == [3, 2, 2, 1, 1, 1]
+    assert [devices_per_node(d, gpus=4) for d in ("auto", -1, 1)] == [4, 4, 1]
+    trainer = TrainerConfig(accelerator="cpu", devices=2, num_nodes=3)
+    assert world_size(trainer) == 6 and world_size(trainer, cuda=True) == 6
 
 
 def test_a_rank_other_than_0_resumes_while_rank_0_repoints_last(tmp_path, monkeypatch):

@@ -75,6 +75,7 @@ def test_sampling_is_seeded_and_private():
     assert generate(model, [1, 2, 3], 30, temperature=1.0, seed=2) != a
 
 
+@pytest.mark.slow  # 17-23 s on 2 cores: headroom under the README command's 10 min
 def test_milestone_samples_of_a_real_run_and_lm_sample(tiny_cfg, tmp_path, capsys):
     common = [
         "trainer.val_every_steps=100",

@@ -253,6 +253,7 @@ def test_init_from_refuses_a_llama_for_an_unportable_or_different_lever(tiny_cfg
 # ------------------------------------------------------------------------------- a real run, every lever
 
 
+@pytest.mark.slow  # 17-23 s on 2 cores: headroom under the README command's 10 min
 def test_every_lever_at_once_trains_resumes_logs_z_loss_and_export_refuses_it(tiny_cfg, tmp_path):
     """Lightning, Hydra's schema, bf16, activation checkpointing and a resume with all the levers on; then
     `lm export` exits 78 naming the options no architecture carries, and writes nothing."""

@@ -200,6 +200,7 @@ def test_phase_labels_never_overlap():
     assert phase_labels([(0.5, "b"), (0.0, "a")], 1.0) == [(0.0, "a"), (0.5, "b")]
 
 
+@pytest.mark.slow  # 17-23 s on 2 cores: headroom under the README command's 10 min
 def test_mfu_is_unavailable_on_cpu_unless_a_peak_is_configured(tiny_cfg, tmp_path):
     main(tiny_cfg("trainer.max_steps=4", "trainer.val_every_steps=4", "trainer.log_every_n_steps=2"))
     tags = EventAccumulator(str(tmp_path / "runs/smoke/tb")).Reload().Tags()["scalars"]

@@ -521,6 +521,7 @@ class ResetStore(pl.Callback):
         self.done = True
 
 
+@pytest.mark.slow  # 17-23 s on 2 cores: headroom under the README command's 10 min
 def test_a_store_that_lost_its_data_ends_the_run_with_74_and_says_so(s3, tmp_path, data_cache):
     args = [
         *overrides(tmp_path, data_cache, "lost", "sampling=off", "trainer.max_steps=10"),

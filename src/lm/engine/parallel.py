@@ -19,6 +19,8 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
+from lm.numbers.run_plan import devices_per_node
+
 log = logging.getLogger(__name__)
 
 FSDP = "fsdp"
@@ -141,15 +143,8 @@ def check_strategy(strategy: str, devices, multirun: bool) -> None:
         )
     if not multirun or "spawn" in strategy or externally_launched():
         return
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if isinstance(devices, int):
-        n = devices
-    elif isinstance(devices, Iterable) and not isinstance(devices, str):
-        n = len(list(devices))
-    else:  # `auto`: every visible GPU
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    if n > 1 or devices == -1:
+    n = devices_per_node(devices, torch.cuda.device_count())
+    if n > 1 or str(devices).strip() == "-1":
         raise ValueError(
             f"a Hydra multirun (-m) cannot start {n if n > 1 else 'several'} processes per job with "
             f"trainer.strategy={strategy}: Lightning's launcher re-runs the command line for each rank, so "

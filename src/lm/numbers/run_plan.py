@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,19 +26,25 @@ from lm.numbers.loss_law import (
 )
 
 
-def world_size(trainer: TrainerConfig) -> int:
-    """Processes the job trains on: devices per node x nodes (`auto` and -1: every visible GPU, else 1)."""
-    devices = trainer.devices
+def devices_per_node(devices: Any, gpus: int) -> int:
+    """Processes per node that `trainer.devices` asks for: a count, a list of device ids, or `auto` / -1 (every
+    one of `gpus` visible GPUs, 1 without any). The one reading of trainer.devices: the plan, the doctor and
+    the multirun check (lm.engine.parallel) all count ranks with it."""
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         devices = int(devices)
-    gpus = torch.cuda.device_count() if trainer.accelerator in ("auto", "gpu", "cuda") else 0
-    if isinstance(devices, int):
-        per_node = (gpus or 1) if devices == -1 else devices
-    elif isinstance(devices, Iterable) and not isinstance(devices, str):
-        per_node = len(list(devices))
-    else:  # `auto`
-        per_node = gpus or 1
-    return per_node * trainer.num_nodes
+    if isinstance(devices, int) and devices >= 0:
+        return devices
+    if isinstance(devices, Iterable) and not isinstance(devices, str):
+        return len(list(devices))
+    return max(1, gpus)  # `auto` or -1
+
+
+def world_size(trainer: TrainerConfig, cuda: bool | None = None) -> int:
+    """Processes the job trains on: devices per node x nodes. `cuda` says whether the job's devices are GPUs
+    (default: the accelerator can be one); `auto` and -1 count the GPUs visible here."""
+    cuda = trainer.accelerator in ("auto", "gpu", "cuda") if cuda is None else cuda
+    gpus = torch.cuda.device_count() if cuda else 0
+    return devices_per_node(trainer.devices, gpus) * trainer.num_nodes
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm.base.exits import Refused
@@ -89,7 +88,7 @@ class Target:
     @property
     def world(self) -> int:
         """Processes of the job (trainer.devices x trainer.num_nodes)."""
-        return world_size(self.cfg.trainer.devices, self.cfg.trainer.num_nodes, self.cuda)
+        return run_plan.world_size(self.cfg.trainer, cuda=self.cuda)
 
 
 # -- the registry: each check hands a component its own sections ------------------------------------------
@@ -135,17 +134,6 @@ def check_checkpoint_format(t: Target) -> list[Finding]:
         c.checkpoint.async_save,
         host_memory_bytes(),
     )
-
-
-def world_size(devices, num_nodes: int, cuda: bool) -> int:
-    """Processes of the job: trainer.devices (a count, a list, or auto/-1: every visible GPU) x nodes."""
-    if isinstance(devices, str) and devices.lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, list | tuple):
-        devices = len(devices)
-    if not isinstance(devices, int) or devices < 0:
-        devices = max(1, torch.cuda.device_count()) if cuda and torch.cuda.is_available() else 1
-    return devices * num_nodes
 
 
 def check_pickles(t: Target, dataset=None) -> list[Finding]:
