@@ -127,3 +127,15 @@ def test_the_held_out_ladder_error_from_30_percent_does_not_grow():
     assert result["seed_spread"] == pytest.approx(0.0131, abs=1e-3)  # the largest shape's 3 init seeds
     for key in ("smaller|30%", "smaller|50%", "smaller|80%", "others|30%", "others|50%", "others|80%"):
         assert result["summary"][key]["worst"] <= committed[key]["worst"] + 0.002, key
+
+
+def test_the_cadence_line_appears_only_where_a_forecast_decides():
+    from lm.config import EarlyStoppingConfig
+
+    ref = EarlyStoppingConfig(forecast_model="reference", forecast_reference=["runs/small"])
+    (f,) = reference.cadence_findings(ref, plan_steps=1000, val_every_steps=100)
+    assert (
+        f.level == "warn" and f.fix == "trainer.val_every_steps=50" and "10.0% of the plan's 1,000" in f.what
+    )
+    assert reference.cadence_findings(ref, 1000, 50)[0].level == "ok"
+    assert reference.cadence_findings(EarlyStoppingConfig(), 1000, 100) == []

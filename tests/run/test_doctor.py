@@ -231,3 +231,17 @@ def test_the_tokens_line_says_how_often_the_corpus_repeats(tiny_cfg):
     assert capped * 512 == pytest.approx(WORTHWHILE_EPOCHS * corpus, abs=512)
     (fresh,) = run_plan.plan_findings(plan, 200_000, cuda=True, corpus=100 * plan.end.tokens)
     assert "epochs" not in fresh.what  # within one epoch: the line as before
+
+
+def test_a_forecasting_stopper_is_asked_for_a_validation_every_5_percent(compose):
+    _, found = findings(
+        compose, *PLAN_1B, "early_stopping.use_forecast=true", "trainer.val_every_steps=20000"
+    )
+    f = found["forecast"]
+    assert (
+        f.level == "warn" and f.fix == "trainer.val_every_steps=4500" and "a forecast at 30% sees 1" in f.what
+    )
+    _, found = findings(compose, *PLAN_1B, "early_stopping.use_forecast=true")  # every 500 of 90,000 steps
+    assert found["forecast"].level == "ok"
+    _, found = findings(compose, *PLAN_1B)  # no forecast decides anything: no line
+    assert "forecast" not in found

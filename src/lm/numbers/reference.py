@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import DataConfig, OptimConfig
+from lm.base.findings import Finding
+from lm.config import DataConfig, EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import Prediction
 
 NOISE = 0.01
@@ -201,3 +202,29 @@ def forecast(references: list[Curve], steps, losses, total_steps: int) -> Refere
         source,
         unchecked(references),
     )
+
+
+CADENCE = 0.05
+"""The validation interval, as a fraction of the plan, that the forecast benchmarks use: at 30% of the run a
+forecast sees 6 points (the recorded curves' one point per 10% gave it 3)."""
+
+
+def cadence_findings(stopping: EarlyStoppingConfig, plan_steps: int, val_every_steps: int) -> list[Finding]:
+    """The doctor's line on the validation cadence when the stopper forecasts (a reference forecast, or
+    `use_forecast`): one point per ~5% of the plan, else its early forecasts stand on one or two points."""
+    if stopping.forecast_model != "reference" and not stopping.use_forecast:
+        return []
+    share = val_every_steps / max(1, plan_steps)
+    seen = int(0.3 * plan_steps // max(1, val_every_steps))
+    what = f"validation every {val_every_steps:,} steps, {share:.1%} of the plan's {plan_steps:,}; a forecast at 30% sees {seen}"
+    if share <= CADENCE * 1.5:
+        return [Finding("forecast", "ok", what)]
+    return [
+        Finding(
+            "forecast",
+            "warn",
+            what,
+            gain="the forecast benchmarks validate every 5% of the run (experiments/2026-11-26-forecast-reference)",
+            fix=f"trainer.val_every_steps={max(1, round(CADENCE * plan_steps))}",
+        )
+    ]

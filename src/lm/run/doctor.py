@@ -36,7 +36,7 @@ from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
 from lm.interop.evaluation import evals_findings
 from lm.interop.hf import init_from_findings
-from lm.numbers import cost, memory, run_plan
+from lm.numbers import cost, memory, reference, run_plan
 from lm.store import rundir
 from lm.store.bench_file import measured_mfu
 
@@ -186,6 +186,10 @@ def check_optimizer(t: Target) -> list[Finding]:
     return optimizer_findings(t.cfg.model, t.cfg.optim)
 
 
+def check_forecast(t: Target) -> list[Finding]:
+    return reference.cadence_findings(t.cfg.early_stopping, t.plan.end_steps, t.cfg.trainer.val_every_steps)
+
+
 def check_tokenizer(t: Target) -> list[Finding]:
     return tokenizer_findings(t.run_dir, t.cfg.data, t.cfg.run.resume)
 
@@ -209,6 +213,7 @@ CHECKS: list[Callable[[Target], list[Finding]]] = [
     check_evals,
     check_init_from,
     check_optimizer,
+    check_forecast,
     check_tokenizer,
 ]
 
