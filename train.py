@@ -47,7 +47,10 @@ def fail(error: BaseException, code: int, cfg: DictConfig) -> None:
         raise JobFailed(one_line(error), code) from error
     if code == EXIT_CONFIG:
         forget_invocation(Path(HydraConfig.get().runtime.output_dir), Path(cfg.run.root) / cfg.run.name)
-    print(f"train.py: {readable(error)}", file=sys.stderr)
+    # One write that starts on a line of its own: a dying thread (TensorBoard's writer, when the run directory
+    # went away) may be printing its traceback at the same moment, and the summary must stay findable.
+    sys.stderr.write(f"\ntrain.py: {readable(error)}\n")
+    sys.stderr.flush()
     sys.exit(code)
 
 
