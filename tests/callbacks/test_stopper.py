@@ -154,6 +154,7 @@ def test_a_low_threshold_stops_a_real_run_early_and_the_report_says_why(tiny_cfg
     assert ckpt["global_step"] == 18
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_a_budget_cap_stops_within_one_step_of_the_budget(tiny_cfg, tmp_path):
     common = ["trainer.val_every_steps=50", "sampling=off", "cost.price_per_hour=3600"]  # dollars = seconds
     # Start-up alone costs seconds (more on a loaded machine): measure it, then cap a few seconds above it.
@@ -194,6 +195,7 @@ def test_bad_stopping_and_sampling_values_fail_before_anything_is_built(compose,
         to_objects(compose(override))
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_the_forecast_knows_the_schedule_and_prices_both_endings(tiny_cfg, tmp_path):
     """forecast.json and the report give "cool down now: loss X, $Y; continue to the plan's end: X', $Y'"."""
     main(

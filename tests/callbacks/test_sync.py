@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 from torch.overrides import TorchFunctionMode
 
 from lm.run import build
@@ -111,6 +112,7 @@ def test_training_steps_between_logging_steps_never_read_the_device(tiny_cfg, mo
     assert any(s in reads.reads for s in logging_steps)
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_ddp_ranks_agree_on_stops_without_reading_the_device_every_step(tmp_path, data_cache):
     """Two gloo ranks under torchrun, with every per-step agreement active (a stop signal, the throughput
     alarm past its baseline, a budget cap): no rank reads a device value between logging steps. Lightning's

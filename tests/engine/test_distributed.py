@@ -395,6 +395,7 @@ def test_ranks_that_would_resume_from_different_steps_stop_before_training(root,
     assert sorted(p.name for p in (root / "split0" / "single" / "checkpoints").iterdir()) == ckpts
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_a_stop_signal_to_one_rank_saves_the_same_step_on_both_and_exits_75(root, data_cache):
     """SIGUSR1 to rank 1 only, before step 0's forward: the ranks agree on it one step later (Consensus
     pipelines the agreement so no step waits on the device), both save step 2 together and exit 75 (each logs it just before exiting)."""

@@ -114,6 +114,7 @@ def test_optuna_sweeper_config_is_tpe_over_a_log_uniform_lr():
     assert sweeper.params["optim.lr"] == "tag(log, interval(1.0e-4, 3.0e-3))"
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_optuna_sweeper_runs_two_tpe_trials_into_the_summary(tmp_path, data_cache):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     overrides = [*TINY, f"run.root={tmp_path}", f"data.cache_dir={data_cache}", "run.name=tpe"]

@@ -87,6 +87,7 @@ def test_clipping_by_the_shared_norm_equals_lightnings(tiny_cfg, tmp_path, monke
     assert norms and min(norms) > 0.05  # the clip really bit
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_resumed_run_ends_with_the_same_weights(tiny_cfg, tmp_path):
     common = [
         "trainer.val_every_steps=10",
@@ -155,6 +156,7 @@ def test_extra_callbacks_are_instantiated_from_target_nodes(tiny_cfg, tmp_path):
     assert any(t.startswith("lr-AdamW") for t in tags)
 
 
+@pytest.mark.slow  # 14-22 s on 2 cores: headroom under the README command's 10 min
 def test_multirun_gives_one_run_directory_per_job(tmp_path, data_cache):
     overrides = [*TINY, f"run.root={tmp_path}", f"data.cache_dir={data_cache}", "trainer.max_steps=3"]
     overrides += ["trainer.val_every_steps=3"]
