@@ -87,6 +87,13 @@ class DataConfig:
     start 0.25 over 100 steps is batch_size/4 for steps 0-49, /2 for 50-99, full from 100); 0: no ramp."""
     batch_ramp_start: float = 0.25
     """The ramp's first share of batch_size (0 < start <= 1); each stage doubles it."""
+    seq_len_warmup_steps: int = 0
+    """Optimizer steps over which the training windows grow to seq_len in doubling stages, at equal tokens per
+    step (lm.numbers.batch_ramp.seq_len_warmup: start 0.25 over 100 steps cuts each window into 4 of
+    seq_len/4 for steps 0-49, 2 of seq_len/2 for 50-99); 0: full windows from the first step. Validation and
+    export are unchanged."""
+    seq_len_warmup_start: float = 0.25
+    """The warm-up's first share of seq_len: 1/2, 1/4, 1/8... (seq_len must divide by its inverse)."""
     val_fraction: float = 0.02
     """Share of documents held out for validation, chosen by a hash of each document's name."""
     max_bytes: int | None = None
@@ -145,6 +152,26 @@ class DataConfig:
                 "full-batch steps); set data.batch_ramp_steps=0"
             )
 
+    def check_seq_len_warmup(self) -> None:
+        """The sequence-length warm-up's keys: its windows must tile seq_len exactly, so a step's tokens and
+        targets are the full windows' own."""
+        if self.seq_len_warmup_steps < 0:
+            raise ValueError(
+                f"data.seq_len_warmup_steps={self.seq_len_warmup_steps} must be >= 0 (0 turns the warm-up off)"
+            )
+        start = self.seq_len_warmup_start
+        pieces = round(1 / start) if 0 < start <= 1 else 0
+        if pieces < 1 or pieces & (pieces - 1) or abs(start * pieces - 1) > 1e-9:
+            raise ValueError(
+                f"data.seq_len_warmup_start={self.seq_len_warmup_start} must be 1, 1/2, 1/4, 1/8...: the share "
+                "of data.seq_len the warm-up's first windows have"
+            )
+        if self.seq_len_warmup_steps and self.seq_len % pieces:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} does not divide into {pieces} windows of "
+                f"data.seq_len_warmup_start={start}; use a seq_len divisible by {pieces}"
+            )
+
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(
@@ -161,6 +188,7 @@ class DataConfig:
                 f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1"
             )
         self.check_ramp()
+        self.check_seq_len_warmup()
         if self.shard_bytes < 1 or (self.num_proc is not None and self.num_proc < 1):
             raise ValueError(
                 "data.shard_bytes and data.num_proc must be positive (num_proc null = every core)"

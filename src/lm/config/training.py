@@ -29,6 +29,10 @@ class OptimConfig:
     """Final learning rate as a fraction of the peak (end of the decay)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices; norms and biases are never decayed."""
+    cautious_weight_decay: bool = False
+    """Decay only the coordinates whose update has the parameter's sign (Chen et al. 2025, "Cautious weight
+    decay", arXiv:2510.12402): a parameter the step pulls away from 0 is not also pushed towards it. Both
+    optimizers, every decayed group (lm.engine.optim.cautious_decay); off: torch's decay, bitwise."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam betas."""
     eps: float = 1e-8

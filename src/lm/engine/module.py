@@ -18,6 +18,7 @@ from lm.engine import optim
 from lm.engine.kernels import apply_liger, check_liger_model
 from lm.engine.parallel import grad_norm, shard_model
 from lm.model import ModelConfig, Transformer
+from lm.numbers.batch_ramp import window_len_at
 from lm.numbers.lr_schedule import lr_lambda
 
 
@@ -33,6 +34,16 @@ def fused_linear_cross_entropy(
 def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
     """The eager loss, in fp32 (a bf16 log-softmax over 32K classes loses the small probabilities)."""
     return F.cross_entropy(logits_NV.float(), targets_N)
+
+
+def short_windows(window_BT1: torch.Tensor, length: int) -> torch.Tensor:
+    """Each window of T+1 tokens cut into T/length windows of length+1 (`data.seq_len_warmup_steps`): piece j
+    is tokens j·length .. (j+1)·length, so the pieces predict exactly the T targets of the window, each from
+    the context inside its piece only. A view of the batch when length == T."""
+    B, T = window_BT1.shape[0], window_BT1.shape[1] - 1
+    if length == T:
+        return window_BT1
+    return window_BT1.unfold(1, length + 1, length).reshape(B * (T // length), length + 1)
 
 
 def z_loss(logits_NV: torch.Tensor, coef: float) -> torch.Tensor:
@@ -64,6 +75,7 @@ class LMModule(pl.LightningModule):
         fp8: str | None = None,
         fp8_emulate: bool = False,
         eot_id: int | None = None,
+        window_stages: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -74,6 +86,9 @@ class LMModule(pl.LightningModule):
         self.model = Transformer(self.model_cfg)
         self.model.ac_every = ac_every
         self.model.eot_id = eot_id  # model.doc_mask's document boundary; setup() takes the data's
+        self.window_stages = window_stages
+        """`data.seq_len_warmup_steps`' (first step, window length) stages, a function of the global step
+        (so a resumed run cuts its windows as the uninterrupted one did); None: full windows throughout."""
         self.liger = liger
         if liger:
             check_liger_model(self.model_cfg)  # the doctor refused it already (exit 78); here for lm bench
@@ -141,6 +156,8 @@ class LMModule(pl.LightningModule):
         return ce + z_term, ce, z_term
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.window_stages is not None:
+            batch = short_windows(batch, window_len_at(self.window_stages, self.trainer.global_step))
         loss, ce, z_term = self.objective(batch)
         # Logger-only: it stays on the device until a logging step. A prog_bar metric would be copied to the
         # host (a device sync) at every batch end; lm's LossProgressBar reads it at logging steps instead.

@@ -110,8 +110,50 @@ def build(model: torch.nn.Module, cfg: OptimConfig, fused: bool) -> torch.optim.
     groups = [{"params": ps, **s} for ps, s in zip(split_params(model, cfg), settings, strict=True)]
     if cfg.name == "adamw":
         # The constructor's `fused` is what the checks and guards read (`optimizer.defaults`).
-        return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused)
-    return MuonWithAdamW(groups)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused)
+    else:
+        optimizer = MuonWithAdamW(groups)
+    if cfg.cautious_weight_decay:
+        cautious_decay(optimizer)
+    return optimizer
+
+
+def cautious_decay(optimizer: torch.optim.Optimizer) -> None:
+    """Make `optimizer`'s decoupled weight decay cautious (`optim.cautious_weight_decay`): x <- x - lr·u -
+    lr·wd·[u·x >= 0]·x, coordinate by coordinate, where u is the step's own update (Chen et al. 2025).
+
+    Any optimizer, fused kernels included: a pre-step hook sets each decayed group's `weight_decay` to 0 and
+    keeps its parameters as they were; the post-step hook reads the update off the change (x - x' = lr·u),
+    applies the decay where it has the parameter's sign, and restores the group's `weight_decay`, so the
+    state dict, the LR schedule and a resume see the configured value. The decay is torch's (lr·wd·x of the
+    weights before the step), masked. A step that updates nothing decays nothing, as torch's: parameters
+    without a gradient once the step ran (Lightning's closure computes them inside `step`; the non-finite
+    guard drops them), and a fused step its `found_inf` verdict skipped. Costs one copy of the decayed
+    parameters during the step."""
+    before: dict[int, tuple[float, list[torch.Tensor]]] = {}
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for i, group in enumerate(opt.param_groups):
+            if group["weight_decay"]:
+                before[i] = (group["weight_decay"], [p.detach().clone() for p in group["params"]])
+                group["weight_decay"] = 0.0
+
+    @torch.no_grad()
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        skipped = getattr(opt, "found_inf", None)  # the guards' verdict for a fused step (1.0: skipped)
+        for i, (decay, olds) in before.items():
+            group = opt.param_groups[i]
+            group["weight_decay"] = decay
+            for p, old in zip(group["params"], olds, strict=True):
+                if p.grad is None:
+                    continue
+                keep = (old - p).mul_(old) >= 0  # lr·u·x >= 0: the update has the parameter's sign
+                decayed = old.mul_(keep) if skipped is None else old.mul_(keep).mul_(1 - skipped)
+                p.sub_(decayed, alpha=group["lr"] * decay)
+        before.clear()
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -114,3 +114,25 @@ def ramp_of(data: DataConfig, accumulate: int = 1, world: int = 1) -> BatchRamp:
     return BatchRamp(
         data.batch_size, data.seq_len, accumulate, world, data.batch_ramp_steps, data.batch_ramp_start
     )
+
+
+def seq_len_warmup(data: DataConfig) -> tuple[tuple[int, int], ...]:
+    """(first step, window length) of each stage of `data.seq_len_warmup_steps`, the full seq_len last: the
+    batch ramp's doubling stages over the window length instead of the rows (start 0.25 over 100 steps:
+    seq_len/4 for steps 0..49, seq_len/2 for 50..99). One stage when off. Each window of a stage is cut into
+    seq_len/length pieces (`lm.engine.module.short_windows`), so every step trains the same tokens."""
+    ramp = BatchRamp(data.seq_len, steps=data.seq_len_warmup_steps, start=data.seq_len_warmup_start)
+    return ramp.stages
+
+
+def window_len_at(stages: tuple[tuple[int, int], ...], step: int) -> int:
+    """The training window length of optimizer step `step` under `seq_len_warmup`'s stages."""
+    return max((first, length) for first, length in stages if first <= step)[1]
+
+
+def describe_seq_len_warmup(stages: tuple[tuple[int, int], ...]) -> str:
+    """The warm-up in words for the run's plan line ('' when off)."""
+    if len(stages) == 1:
+        return ""
+    rows = " -> ".join(f"{t} from step {first:,}" for first, t in stages)
+    return f"sequence-length warm-up: windows of {rows} tokens"

@@ -17,7 +17,7 @@ import torch
 
 from lm.base.findings import Finding
 from lm.config import DataConfig, OptimConfig, PhaseConfig, TrainerConfig
-from lm.numbers.batch_ramp import BatchRamp, ramp_of
+from lm.numbers.batch_ramp import BatchRamp, describe_seq_len_warmup, ramp_of, seq_len_warmup
 from lm.numbers.loss_law import (
     CHINCHILLA_TOKENS_PER_PARAM,
     USEFUL_EPOCHS,
@@ -113,7 +113,9 @@ def resolve(
             steps, source = optim.total_steps, "optim.total_steps"
         if last is not None and last.end_step and last.end_step > steps:
             steps, source = last.end_step, f"phase '{last.name}' end_step"
-        ramped = f", {ramp.describe()}" if ramp.describe() else ""
+        ramped = "".join(
+            f", {d}" for d in (ramp.describe(), describe_seq_len_warmup(seq_len_warmup(data))) if d
+        )
         end = PlanEnd(
             ramp.tokens_through(steps), steps, f"{source}={steps:,} x {per_step:,} tokens/step{ramped}"
         )

@@ -45,6 +45,7 @@ from lm.engine.parallel import build_strategy, cluster_plugins
 from lm.engine.runtime import resolve_runtime
 from lm.interop import hf
 from lm.numbers import cost, run_plan
+from lm.numbers.batch_ramp import seq_len_warmup
 from lm.numbers.memory import Workload
 from lm.numbers.reference import curve_key
 from lm.run.references import load_references
@@ -113,6 +114,7 @@ def build_module(
         fp8=rt.fp8,
         fp8_emulate=cfg.precision.fp8_emulate,
         eot_id=eot_id,
+        window_stages=seq_len_warmup(cfg.data) if cfg.data.seq_len_warmup_steps else None,
     )
     if cfg.model.init_from is not None and init_from:
         hf.load_init_from(module.model)
