@@ -28,6 +28,7 @@ from lm.tools.ablate import (
     summarize,
     tokens_to_reach,
 )
+from lm.tools.ablate.spec import make_job
 
 from ..conftest import CONF, TINY
 
@@ -136,6 +137,30 @@ def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
     short: Job = jobs[2]
     assert "trainer.max_steps=180" in short.overrides and "optim.total_steps=180" in short.overrides
     assert "run.seed=0" in short.overrides and short.run_dir == tmp_path / "runs" / "v-f0.6-s0"
+
+
+def test_a_variant_may_set_overrides_per_shape(tmp_path):
+    """A lever whose setting scales with the run (a warm-up in steps) is given per shape: `all` for every
+    shape, then each shape's own, in that order after the shape's overrides."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "variants:\n  w:\n    all: [data.seq_len_warmup_start=0.25]\n    s1: [data.seq_len_warmup_steps=4]\n"
+        "  q: [model.qk_norm=true]\nshapes: {s1: [model.n_layer=1], s2: [model.n_layer=2]}\ntokens_per_param: 1\n"
+    )
+    spec = load_spec(path)
+    assert spec.arms["w"] == ["data.seq_len_warmup_start=0.25"]
+    assert spec.arm_overrides("w", "s1") == ["data.seq_len_warmup_start=0.25", "data.seq_len_warmup_steps=4"]
+    assert spec.arm_overrides("w", "s2") == spec.arm_overrides("w") == ["data.seq_len_warmup_start=0.25"]
+    assert spec.arm_overrides("q", "s1") == ["model.qk_norm=true"]
+    job = make_job(spec, tmp_path, "s1", ["model.n_layer=1"], "w", 0, {})
+    assert job.overrides[:3] == [
+        "model.n_layer=1",
+        "data.seq_len_warmup_start=0.25",
+        "data.seq_len_warmup_steps=4",
+    ]
+    path.write_text("variants:\n  w: {s3: [x=1]}\nshapes: {s1: [model.n_layer=1]}\ntokens_per_param: 1\n")
+    with pytest.raises(ValueError, match="variants.w.s3 names no shape"):
+        load_spec(path)
 
 
 # -- refusals -------------------------------------------------------------------------------------------

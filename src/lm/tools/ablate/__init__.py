@@ -246,7 +246,7 @@ def measure_step_times(campaign: Campaign, threads: int | None) -> dict[str, dic
     """Each shape's arms' step times, kept in `<out>/[<shape>/]step_times.json`."""
     spec, times = campaign.spec, {}
     for shape, extra in campaign.ladder.items():
-        arms = {arm: [*spec.base, *extra, *overrides] for arm, overrides in spec.arms.items()}
+        arms = {arm: [*spec.base, *extra, *spec.arm_overrides(arm, shape)] for arm in spec.arms}
         times[shape] = cached_step_times(
             arms, campaign.out / "runs" / shape if shape else campaign.out, threads
         )
@@ -273,9 +273,9 @@ def ablate(
         except Exception as e:
             raise ValueError(f"{spec_path}: {where}the config is refused: {one_line(e)}") from e
         shapes[shape] = {}
-        for arm, overrides in spec.arms.items():
+        for arm in spec.arms:
             try:
-                shapes[shape][arm] = arm_shape([*spec.base, *ladder[shape], *overrides])
+                shapes[shape][arm] = arm_shape([*spec.base, *ladder[shape], *spec.arm_overrides(arm, shape)])
                 for f in spec.fractions.get(arm, []):
                     fraction_steps(shapes[shape][arm], f)
             except (

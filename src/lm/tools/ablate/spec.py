@@ -9,6 +9,10 @@ A spec is YAML; every key but `variants` is optional:
     variants:
       qk_norm: [model.qk_norm=true]
       modern: [model.qk_norm=true, optim=muon]
+      seq_warmup:                # overrides that differ by shape: `all` for every shape, then each shape's
+        all: [data.seq_len_warmup_start=0.25]
+        s64: [data.seq_len_warmup_steps=40]
+        s128: [data.seq_len_warmup_steps=160]
     fractions:                   # shorter runs of a variant (each with its own LR decay), at its best LR
       qk_norm: [0.6, 0.8]
     lr:                          # each arm at its own best LR (a 1-D grid per arm, log-spaced)
@@ -76,6 +80,7 @@ class Spec:
 
     name: str
     variants: dict[str, list[str]]
+    """Each variant's overrides at every shape."""
     base: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     baseline: list[str] = field(default_factory=list)
@@ -89,11 +94,17 @@ class Spec:
     validations: int = 10
     warmup_fraction: float | None = None
     extrapolate_to: list[str] = field(default_factory=lambda: ["+experiment=plan_1b"])
+    per_shape: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """A variant's further overrides at one shape ({variant: {shape: overrides}})."""
 
     @property
     def arms(self) -> dict[str, list[str]]:
-        """The baseline and every variant, each with its own overrides."""
+        """The baseline and every variant, each with the overrides it has at every shape."""
         return {BASELINE: self.baseline, **self.variants}
+
+    def arm_overrides(self, arm: str, shape: str = SINGLE) -> list[str]:
+        """An arm's overrides at `shape`: those of every shape, then the shape's own."""
+        return [*self.arms[arm], *self.per_shape.get(arm, {}).get(shape, [])]
 
     @property
     def shape_names(self) -> list[str]:
@@ -130,9 +141,13 @@ def load_spec(path: Path) -> Spec:
     shapes = raw.get("shapes") or {}
     if not isinstance(shapes, dict):
         raise ValueError(f"{path}: `shapes` must map each shape's name to its overrides")
+    by_shape = {str(k): v for k, v in variants.items() if isinstance(v, dict)}
     spec = Spec(
         name=str(raw.get("name") or path.stem),
-        variants={str(k): overrides_list(v, f"variants.{k}") for k, v in variants.items()},
+        variants={
+            str(k): overrides_list(v.get("all") if isinstance(v, dict) else v, f"variants.{k}")
+            for k, v in variants.items()
+        },
         base=overrides_list(raw.get("base"), "base"),
         seeds=seed_list(raw.get("seeds", 3)),
         baseline=overrides_list(raw.get("baseline"), "baseline"),
@@ -146,6 +161,10 @@ def load_spec(path: Path) -> Spec:
         validations=int(raw.get("validations", 10)),
         warmup_fraction=float(raw["warmup_fraction"]) if raw.get("warmup_fraction") is not None else None,
         extrapolate_to=overrides_list(raw.get("extrapolate_to", ["+experiment=plan_1b"]), "extrapolate_to"),
+        per_shape={
+            arm: {str(k): overrides_list(v, f"variants.{arm}.{k}") for k, v in own.items() if k != "all"}
+            for arm, own in by_shape.items()
+        },
     )
     check_spec(spec, path)
     return spec
@@ -199,6 +218,13 @@ def check_spec(spec: Spec, path: Path) -> None:
             raise ValueError(f"{path}: name {name!r} may hold only letters, digits and _ . +")
     if BASELINE in spec.variants:
         raise ValueError(f"{path}: `{BASELINE}` is the baseline's name; set its overrides with `baseline:`")
+    for arm, own in spec.per_shape.items():
+        for shape in own:
+            if shape not in spec.shapes:
+                raise ValueError(
+                    f"{path}: variants.{arm}.{shape} names no shape; a variant's mapping has `all` and the "
+                    f"shapes {sorted(spec.shapes)}"
+                )
     for name, fractions in spec.fractions.items():
         if name not in spec.arms:
             raise ValueError(f"{path}: fractions.{name} names no variant; variants: {sorted(spec.arms)}")
@@ -351,7 +377,8 @@ def make_job(
     job.run_dir = root / job.name
     extra = [] if fraction == 1.0 else [f"trainer.max_steps={steps}", f"optim.total_steps={steps}"]
     job.overrides = [
-        *spec.base, *shape_overrides, *spec.arms[arm], *(f"{k}={v:g}" for k, v in lr.items()), *extra,
+        *spec.base, *shape_overrides, *spec.arm_overrides(arm, shape), *(f"{k}={v:g}" for k, v in lr.items()),
+        *extra,
         f"run.seed={seed}", f"run.root={root}", f"run.name={job.name}",
     ]  # fmt: skip
     return job
