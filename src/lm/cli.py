@@ -33,6 +33,8 @@ lm plan (--usd N | --target-loss L | --hours H) [--gpu G ...] [--corpus-tokens N
                             rank model x GPU plans for a budget; write the best as conf/experiment/<name>.yaml
         [--calibrate [--calibrate-shapes 2x64,3x96] [--calibrate-steps 100,300]] [--law calibration.json]
                             fit the loss law to short runs on this corpus first, or use a fitted one
+        [--sibling]         also write <name>_sibling.yaml (half the width, same tokens/param, ~6% of the
+                            cost): run it first, and the plan forecasts its final loss from its curve
 lm plan --scale-out model=8b [--gpu G ...]
                             past one GPU: how many GPUs, host memory and save stall per checkpoint format
 """
@@ -222,7 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from lm.config import compose, conf_dir, to_objects
     from lm.numbers.cost import load_catalog
     from lm.store.atomic import write_atomic
-    from lm.tools import budget
+    from lm.tools import budget, sibling
 
     cfg = to_objects(compose(args.overrides))
     if args.scale_out:
@@ -265,8 +267,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     out = Path(args.out_dir) / f"{args.name}.yaml"
     budget.check_overwrite(out)
-    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus))
+    made = sibling.make_sibling(plans[0], law, corpus.tokens, cfg.data.seq_len) if args.sibling else None
+    sibling_out = Path(args.out_dir) / f"{args.name}_sibling.yaml"
+    if made is not None:
+        budget.check_overwrite(sibling_out)  # both refused before either is written
+    extra = sibling.reference_lines(sibling_out.stem) if made is not None else []
+    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus, extra=extra))
     print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
+    if made is not None:
+        text = sibling.sibling_yaml(*made, sibling_out.stem, args.name, command, corpus)
+        write_atomic(sibling_out, text)
+        print(f"wrote {sibling_out}: {sibling.describe(made[0], plans[0], sibling_out.stem)}")
+    elif args.sibling:
+        print(
+            f"no sibling: {plans[0].preset} has no half-width shape (one head, or grouped heads that would not divide)"
+        )
 
 
 def plan_law(args: argparse.Namespace, cfg: LMConfig) -> tuple[ChinchillaLaw, float | None]:
@@ -550,6 +565,12 @@ def add_plan(verbs) -> None:
     p.add_argument("--top", type=int, default=10, help="plans to show (10)")
     p.add_argument("--name", default="planned", help="experiment name (default: planned)")
     p.add_argument("--out-dir", default="conf/experiment", help="where the experiment file goes")
+    p.add_argument(
+        "--sibling",
+        action="store_true",
+        help="also write <name>_sibling.yaml, the plan at half the width and the same tokens per parameter "
+        "(~6%% of its cost), and name its run as the plan's forecast reference",
+    )
     p.add_argument("--calibrate", action="store_true", help="fit the loss law to short runs on this corpus")
     p.add_argument("--calibrate-shapes", default="2x64,2x128,4x128", help="n_layer x d_model of those runs")
     p.add_argument("--calibrate-steps", default="100,300", help="training steps of each shape")

@@ -5,6 +5,7 @@ spend, an unknown GPU or a streamed corpus not prepared get a clear error."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from lm.cli import main as lm
@@ -12,8 +13,10 @@ from lm.config import conf_dir, to_objects
 from lm.data import prepare
 from lm.data.manifest import MANIFEST, TOKENIZER, load_manifest
 from lm.numbers.cost import load_catalog
+from lm.numbers.loss_law import BESIROGLU
+from lm.numbers.reference import Curve, curve_key, mismatch
 from lm.run.train import main
-from lm.tools import budget
+from lm.tools import budget, sibling
 
 CPU = load_catalog(conf_dir())["cpu"]
 
@@ -177,3 +180,49 @@ def test_a_small_corpus_is_not_planned_as_if_every_token_were_fresh(capsys, tmp_
     assert "Muennighoff et al. 2023" in out
     written = (tmp_path / "planned.yaml").read_text()
     assert "repetition costs" in written
+
+
+@pytest.mark.slow  # ~40 s alone: three real runs, the sibling's 78 steps validated 20 times
+def test_the_sibling_shares_the_forecasts_key_and_becomes_the_plans_reference(tiny_cfg, tmp_path, caplog):
+    """`lm plan --sibling`: the plan at half the width and the same tokens per parameter, step and schedule
+    shape. Before the sibling has run, the plan trains and says the reference is missing; once it has, the
+    plan's forecast reads the sibling's curve, and forecast.json names it."""
+    cfg = to_objects(tiny_cfg())
+    (plan,) = tiny_plans(cfg, budget.Goal(usd=0.2), tokens_per_sec=20_000.0, price=100.0)
+    small, warmup = sibling.make_sibling(plan, BESIROGLU, 1_000_000, cfg.data.seq_len)
+    assert small.model.head_dim == plan.model.head_dim and small.model.d_model * 2 == plan.model.d_model
+    assert (small.tokens_per_step, small.micro_batch, small.accumulate) == (
+        plan.tokens_per_step,
+        plan.micro_batch,
+        plan.accumulate,
+    )
+    per_param = lambda p: p.tokens / p.params  # noqa: E731
+    assert per_param(small) == pytest.approx(per_param(plan), abs=plan.tokens_per_step / small.params)
+    assert small.usd_on_demand < plan.usd_on_demand / 4
+    experiments = tmp_path / "extra" / "experiment"
+    experiments.mkdir(parents=True)
+    name = "lm_test_sibling_plan"
+    (experiments / f"{name}.yaml").write_text(
+        budget.experiment_yaml(plan, name, "lm plan", extra=sibling.reference_lines(f"{name}_sibling"))
+    )
+    (experiments / f"{name}_sibling.yaml").write_text(
+        sibling.sibling_yaml(small, warmup, f"{name}_sibling", name, "lm plan", None)
+    )
+    search = (f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "sampling=off", "data.num_workers=0")
+    big_cfg, small_cfg = (
+        to_objects(tiny_cfg(*search, f"+experiment={n}")) for n in (name, f"{name}_sibling")
+    )
+    assert small_cfg.model.d_model == small.model.d_model and small_cfg.trainer.max_steps == small.steps
+    keys = [
+        curve_key(c.optim, c.optim.total_steps, c.data.batch_size * c.data.seq_len, c.data)
+        for c in (big_cfg, small_cfg)
+    ]
+    assert mismatch(Curve("sibling", np.array([1, 2]), np.array([1.0, 1.0]), 2, keys[1]), keys[0]) is None
+    with caplog.at_level("WARNING", logger="lm.run.references"):
+        main(tiny_cfg(*search, f"+experiment={name}", "trainer.max_steps=3"))
+    assert "no such run directory" in caplog.text and f"{name}_sibling" in caplog.text
+    main(tiny_cfg(*search, f"+experiment={name}_sibling"))
+    main(tiny_cfg(*search, f"+experiment={name}", f"trainer.max_steps={plan.steps * 3 // 10}"))
+    said = json.loads((tmp_path / "runs" / name / "forecast.json").read_text())["reference"]
+    assert said["reference"] == str(tmp_path / "runs" / f"{name}_sibling")
+    assert said["fraction"] == pytest.approx(0.3, abs=0.05)

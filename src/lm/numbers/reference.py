@@ -108,10 +108,21 @@ class Curve:
         return cls(record["name"], steps, losses, int(record["total_steps"]), dict(record.get("key") or {}))
 
 
+WARMUP_TOLERANCE = 0.1
+"""How far (relative) a reference's warm-up fraction may be from the run's: a warm-up rounded to whole steps
+at another length (45 of 905 steps against 169 of 3,385) is the same schedule shape."""
+
+
+def same(k: str, a: Any, b: Any) -> bool:
+    if k == "optim.warmup_fraction" and isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= WARMUP_TOLERANCE * max(a, b)
+    return a == b
+
+
 def mismatch(reference: Curve, run_key: dict[str, Any]) -> str | None:
     """The first key on which the reference differs from the run, as a sentence; None when they match."""
     for k in KEY_FIELDS:
-        if k in reference.key and k in run_key and reference.key[k] != run_key[k]:
+        if k in reference.key and k in run_key and not same(k, reference.key[k], run_key[k]):
             return (
                 f"early_stopping.forecast_reference {reference.name!r} differs from this run in {k}: "
                 f"{reference.key[k]!r} there, {run_key[k]!r} here; a reference must share the LR schedule's "

@@ -231,6 +231,7 @@ def stopper(
         references=load_references(
             cfg.early_stopping.forecast_reference,
             curve_key(cfg.optim, plan.schedule_steps, plan.tokens_per_step, cfg.data),
+            required=cfg.early_stopping.forecast_model == "reference",
         ),
     )
 

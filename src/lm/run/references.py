@@ -4,6 +4,7 @@ recorded curve (JSON), read into `lm.numbers.reference.Curve` with the key it mu
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from lm.config import DataConfig, OptimConfig
 from lm.numbers.reference import Curve, curve_key, mismatch
 from lm.store import rundir
+
+log = logging.getLogger(__name__)
 
 VAL_TAG = "val/loss"
 
@@ -79,9 +82,24 @@ def recorded_curve(record: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def load_references(paths: list[str], run_key: dict[str, Any]) -> list[Curve]:
-    """Every reference, each refused (ValueError naming the key) when it does not share the run's key."""
-    curves = [read_reference(p) for p in paths]
+def load_references(paths: list[str], run_key: dict[str, Any], required: bool = True) -> list[Curve]:
+    """Every reference, each refused (ValueError naming the key) when it does not share the run's key.
+
+    `required=False` (`forecast_model` other than `reference`: `lm plan --sibling` names a sibling that may
+    not have run yet): a reference that is not there, or has not finished, is left out with a warning that
+    says how to make it; one that differs from the run is still refused."""
+    curves = []
+    for path in paths:
+        try:
+            curves.append(read_reference(path))
+        except ValueError as e:
+            if required or Path(path).is_file():  # a curve file that does not read is a mistake
+                raise
+            log.warning(
+                "%s; the forecast goes without it (train the reference run to its end first, e.g. "
+                "`python train.py +experiment=<plan>_sibling`, for a forecast from its curve)",
+                e,
+            )
     for curve in curves:
         problem = mismatch(curve, run_key)
         if problem:

@@ -525,10 +525,25 @@ def check_overwrite(path: Path) -> None:
         )
 
 
-def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize | None = None) -> str:
+def warmup_steps(steps: int) -> int:
+    """The LR warm-up of a plan of `steps`: 5% of it, at most 2,000 steps."""
+    return max(1, min(2000, steps // 20))
+
+
+def experiment_yaml(
+    p: BudgetPlan,
+    name: str,
+    command: str,
+    corpus: CorpusSize | None = None,
+    *,
+    warmup: int | None = None,
+    model_fields: dict[str, int | None] | None = None,
+    extra: list[str] = (),  # type: ignore[assignment]
+) -> str:
     """The plan as a sparse experiment file with phases (warm-up, stable, decay); `corpus`: its size, an
-    estimate said so, in a comment."""
-    warmup = max(1, min(2000, p.steps // 20))
+    estimate said so, in a comment. `warmup`: the LR warm-up (default `warmup_steps`); `model_fields`: the
+    preset's fields this plan changes (a sibling's shape); `extra`: further lines (whole sections)."""
+    warmup = warmup if warmup is not None else warmup_steps(p.steps)
     decay_start = max(warmup + 1, p.steps - int(DECAY_FRACTION * p.steps))
     phases = [("warm-up", warmup), ("stable", decay_start), ("decay", p.steps)]
     phases = [(n, s) for n, s in phases if s <= p.steps]
@@ -555,6 +570,11 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         "",
         "run:",
         f"  name: {name}",
+        *(
+            ["model:", *(f"  {k}: {'null' if v is None else v}" for k, v in model_fields.items())]
+            if model_fields
+            else []
+        ),
         "data:",
         f"  batch_size: {p.micro_batch}",
         f"  seq_len: {p.model.max_seq_len}",
@@ -574,5 +594,6 @@ def experiment_yaml(p: BudgetPlan, name: str, command: str, corpus: CorpusSize |
         "phases:",
         "  phases:",
         *(f"    - {{name: {n}, end_step: {s}}}" for n, s in phases),
+        *extra,
     ]
     return "\n".join(lines) + "\n"
