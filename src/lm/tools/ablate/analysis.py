@@ -257,7 +257,8 @@ def summarize(
     base_tokens = base_shape.tokens_through(base_shape.steps)
     base_usd = modelled_usd(base_tokens, base_shape.flops_per_token, spec, gpu)
     rows = []
-    for arm, overrides in spec.arms.items():
+    for arm in spec.arms:
+        overrides = spec.arm_overrides(arm, shape_name)
         mine = {s: v for s, v in finals(results, arm).items() if math.isfinite(v)}
         if not mine:
             continue
