@@ -127,6 +127,7 @@ def test_the_plan_line_names_the_warmup(compose):
     assert plan.end.tokens == 100 * plan.tokens_per_device_step  # equal tokens: the warm-up adds none
 
 
+@pytest.mark.slow  # ~9 s: four real runs
 @pytest.mark.usefixtures("one_thread")
 def test_warmup_and_cautious_decay_train_and_resume_bit_for_bit(tiny_cfg, tmp_path):
     """Both levers through real runs: the warm-up's short windows raise the early training loss (less
