@@ -43,6 +43,8 @@ METHODS = ("pair", "set", "schedule", "multi_power")
 
 LADDER = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
 """record_ladder.sh's shapes by name prefix, with their non-embedding parameters (12 L d^2)."""
+LADDER |= {"e24": 13_824, "e36": 31_104, "e52": 64_896, "e72": 186_624}
+"""record_ladder20.sh's (~20 tokens per parameter)."""
 
 
 def law_forecast(method: str, record: dict, steps, losses) -> reference.Prediction | None:
@@ -126,7 +128,8 @@ def run_ladder(root: Path, laws: bool = True) -> dict:
     """The ladder: each run forecast from the strictly smaller shapes and from every other run."""
     curves, records = read_ladder(root)
     size = {name: LADDER[name.split("_")[0]] for name in curves}
-    seeds = [c.final for n, c in curves.items() if n.startswith("d96")]
+    largest = max(size.values())
+    seeds = [c.final for n, c in curves.items() if size[n] == largest]
     rows = []
     for name, target in curves.items():
         pools = {

@@ -6,11 +6,12 @@ low. With two smaller shapes A < B the drift of their own gap can scale the targ
 gap_BT(f) x gap_AB(1) / gap_AB(f). Prints the worst |error| and RMS at each fraction for both maps, each target
 forecast from its two nearest strictly smaller shapes (seed 0 of a shape first).
 
-    python experiments/2026-11-26-forecast-reference/scaled_gap.py
+    python experiments/2026-11-26-forecast-reference/scaled_gap.py [LADDER_DIR]   # default tests/fixtures/ladder37
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,14 @@ from lm.run.references import read_reference
 
 ROOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "ladder37"
 SIZE = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
+SIZE |= {"e24": 13_824, "e36": 31_104, "e52": 64_896, "e72": 186_624}  # record_ladder20.sh's
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
 
 
 def main() -> None:
-    curves = {p.stem: read_reference(p) for p in sorted(ROOT.glob("*.json"))}
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
+    paths = sorted(p for p in root.iterdir() if p.suffix == ".json" or (p / "config.yaml").is_file())
+    curves = {p.stem: read_reference(p) for p in paths}
     shape = {n: n.split("_")[0] for n in curves}
     errors: dict[str, dict[float, list[tuple[str, float]]]] = {"offset": {}, "scaled gap": {}}
     for name, target in curves.items():
