@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from lm.store import rundir
 ROOT = Path(__file__).resolve().parents[2]
 CURVES = ROOT / "tests" / "fixtures" / "curves"
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
-METHODS = ("pair", "set", "schedule", "multi_power")
+METHODS = ("pair", "set", "pair_ratio", "set_ratio", "schedule", "multi_power")
+"""`*_ratio`: the same forecasts with `early_stopping.forecast_reference_map=ratio` (lm.numbers.reference.MAPS)."""
 
 
 LADDER = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
@@ -72,22 +74,30 @@ def run(laws: bool = True) -> dict:
             steps, losses = target.steps[seen], target.losses[seen]
             fr = target.fractions[seen]
             row = {"target": name, "fraction": f, "points": int(seen.sum()), "final": target.final}
-            row["pair"] = {r.name: reference.offset_forecast(r, fr, losses) - target.final for r in refs}
-            s = reference.forecast(refs, steps, losses, target.total_steps) if refs else None
-            if s is not None:
-                p = s.prediction
-                row["set"] = {
-                    "error": p.loss - target.final,
-                    "covered": p.low <= target.final <= p.high,
-                    "half": (p.high - p.low) / 2,
-                    "reference": s.reference,
+            for how, tag in (("offset", ""), ("ratio", "_ratio")):
+                row["pair" + tag] = {
+                    r.name: reference.offset_forecast(r, fr, losses, how) - target.final for r in refs
                 }
+                s = reference.forecast(refs, steps, losses, target.total_steps, how) if refs else None
+                if s is not None:
+                    p = s.prediction
+                    row["set" + tag] = {
+                        "error": p.loss - target.final,
+                        "covered": p.low <= target.final <= p.high,
+                        "half": (p.high - p.low) / 2,
+                        "reference": s.reference,
+                    }
             for law in ("schedule", "multi_power") if laws else ():
                 p = law_forecast(law, records[name], steps, losses) if seen.sum() >= 3 else None
                 if p is not None:
                     row[law] = {"error": p.loss - target.final, "covered": p.low <= target.final <= p.high}
             rows.append(row)
-    return {"rows": rows, "recorded_errors": recorded_errors(rows), "summary": summary(rows)}
+    return {
+        "rows": rows,
+        "recorded_errors": recorded_errors(rows),
+        "recorded_ratio_errors": recorded_errors(rows, "pair_ratio"),
+        "summary": summary(rows),
+    }
 
 
 def read_ladder(root: Path) -> tuple[dict, dict]:
@@ -140,12 +150,14 @@ def run_ladder(root: Path, laws: bool = True) -> dict:
             seen = target.fractions <= f + 1e-9
             steps, losses = target.steps[seen], target.losses[seen]
             row = {"target": name, "fraction": f, "points": int(seen.sum()), "final": target.final}
-            for pool, refs in pools.items():
+            for (pool, refs), (how, tag) in itertools.product(
+                pools.items(), (("offset", ""), ("ratio", "_ratio"))
+            ):
                 if not refs:
                     continue
-                s = reference.forecast(refs, steps, losses, target.total_steps)
+                s = reference.forecast(refs, steps, losses, target.total_steps, how)
                 p = s.prediction
-                row[pool] = {
+                row[pool + tag] = {
                     "error": p.loss - target.final,
                     "covered": p.low <= target.final <= p.high,
                     "half": (p.high - p.low) / 2,
@@ -161,14 +173,16 @@ def run_ladder(root: Path, laws: bool = True) -> dict:
         "rows": rows,
         "finals": finals,
         "seed_spread": float(np.std(seeds, ddof=1)) if len(seeds) > 1 else None,
-        "summary": summary(rows, ("smaller", "others", "schedule", "multi_power")),
+        "summary": summary(
+            rows, ("smaller", "others", "smaller_ratio", "others_ratio", "schedule", "multi_power")
+        ),
     }
 
 
-def recorded_errors(rows: list[dict]) -> list[list[float]]:
+def recorded_errors(rows: list[dict], method: str = "pair") -> list[list[float]]:
     out = []
     for f in FRACTIONS:
-        errs = [abs(e) for r in rows if r["fraction"] == f for e in r["pair"].values()]
+        errs = [abs(e) for r in rows if r["fraction"] == f for e in r[method].values()]
         out.append([f, round(max(errs), 3)])
     return out
 
@@ -177,8 +191,8 @@ def summary(rows: list[dict], methods=METHODS) -> dict:
     out = {}
     for method in methods:
         for f in FRACTIONS:
-            if method == "pair":
-                errs = [e for r in rows if r["fraction"] == f for e in r["pair"].values()]
+            if method.startswith("pair"):
+                errs = [e for r in rows if r["fraction"] == f for e in r[method].values()]
                 cov = []
             else:
                 picked = [r[method] for r in rows if r["fraction"] == f and method in r]
@@ -216,6 +230,7 @@ def main() -> None:
         )
     if "recorded_errors" in res:
         print("\nRECORDED_ERRORS =", tuple(tuple(x) for x in res["recorded_errors"]))
+        print("RECORDED_RATIO_ERRORS =", tuple(tuple(x) for x in res["recorded_ratio_errors"]))
     else:
         print(
             "\nfinal losses:",

@@ -36,6 +36,25 @@ def test_a_run_parallel_to_its_reference_is_forecast_exactly_with_the_recorded_i
     assert half == pytest.approx(reference.recorded_error(0.3)) and "recorded curves" in f.interval_from
 
 
+def test_the_ratio_map_forecasts_a_run_proportional_to_its_reference_exactly():
+    """`forecast_reference_map=ratio`: a run whose loss is a fixed share of the reference's (the collapse form,
+    irreducible loss 0) is forecast exactly, where the offset map keeps the early gap and misses."""
+    ref = synthetic("small", 2.0, bump=0.05)
+    run = Curve("large", ref.steps, 0.9 * ref.losses, ref.total_steps, ref.key)
+    seen = run.steps <= 300
+    ratio = forecast([ref], run.steps[seen], run.losses[seen], run.total_steps, "ratio")
+    offset = forecast([ref], run.steps[seen], run.losses[seen], run.total_steps)
+    assert ratio.prediction.loss == pytest.approx(run.final, abs=1e-12)
+    assert offset.prediction.loss < run.final - 0.02  # the gap at 30% is larger than at the end
+    assert ratio.record()["map"] == "ratio" and offset.record()["map"] == "offset"
+    half = (ratio.prediction.high - ratio.prediction.low) / 2
+    assert half == pytest.approx(reference.recorded_error(0.3, "ratio"))
+    from lm.config import EarlyStoppingConfig
+
+    with pytest.raises(ValueError, match="forecast_reference_map='scaled': use offset or ratio"):
+        EarlyStoppingConfig(forecast_reference_map="scaled")
+
+
 def test_several_references_give_a_leave_one_curve_out_interval_and_the_nearest_is_used():
     refs = [synthetic("a", 2.3), synthetic("b", 2.0), synthetic("c", 1.9)]
     run = synthetic("d", 1.8)
@@ -108,6 +127,8 @@ def test_the_one_reference_interval_is_what_the_benchmark_measures():
     rows = bench().run(laws=False)["rows"]
     measured = bench().recorded_errors(rows)
     assert [tuple(x) for x in measured] == list(reference.RECORDED_ERRORS[: len(measured)])
+    ratio = bench().recorded_errors(rows, "pair_ratio")
+    assert [tuple(x) for x in ratio] == list(reference.RECORDED_RATIO_ERRORS[: len(ratio)])
 
 
 def test_the_benchmark_error_from_30_percent_does_not_grow():
@@ -127,6 +148,19 @@ def test_the_held_out_ladder_error_from_30_percent_does_not_grow():
     assert result["seed_spread"] == pytest.approx(0.0131, abs=1e-3)  # the largest shape's 3 init seeds
     for key in ("smaller|30%", "smaller|50%", "smaller|80%", "others|30%", "others|50%", "others|80%"):
         assert result["summary"][key]["worst"] <= committed[key]["worst"] + 0.002, key
+
+
+def test_the_20_tokens_per_parameter_ladder_error_from_30_percent_does_not_grow():
+    """record_ladder20.sh's ladder (4 shapes <= 2.5x apart at ~20 tokens per parameter, 3 seeds of the largest),
+    both maps: there the ratio map's worst error from 30% is about half the offset's."""
+    committed = json.loads((BENCH / "ladder20.json").read_text())["summary"]
+    result = bench().run_ladder(ROOT / "tests" / "fixtures" / "ladder20", laws=False)
+    assert result["seed_spread"] == pytest.approx(0.0162, abs=1e-3)
+    for method in ("smaller", "smaller_ratio", "others", "others_ratio"):
+        for f in ("30%", "50%", "80%"):
+            key = f"{method}|{f}"
+            assert result["summary"][key]["worst"] <= committed[key]["worst"] + 0.002, key
+    assert result["summary"]["smaller_ratio|30%"]["worst"] < 0.5 * result["summary"]["smaller|30%"]["worst"]
 
 
 def test_the_cadence_line_appears_only_where_a_forecast_decides():

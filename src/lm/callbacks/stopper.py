@@ -210,7 +210,7 @@ class EarlyStopper(Callback):
         if plan_steps <= 0:
             return None
         steps, losses = [p.step for p in self.points], [p.loss for p in self.points]
-        return reference_forecast(self.references, steps, losses, plan_steps)
+        return reference_forecast(self.references, steps, losses, plan_steps, self.cfg.forecast_reference_map)
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 

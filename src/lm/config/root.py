@@ -229,6 +229,10 @@ class EarlyStoppingConfig:
     """Finished runs (run directories) or recorded curves (JSON) with the same LR schedule shape, tokens per
     step and data order, usually smaller models: the reference forecast maps their curves onto this run's.
     A reference that differs in one of those is refused at start, naming the key."""
+    forecast_reference_map: str = "offset"
+    """How a reference's curve is moved onto the run (lm.numbers.reference.MAPS): `offset` keeps the run's gap
+    to it, `ratio` its loss as a share of the reference's (the gap shrinks as both fall; half the offset's error
+    from 30% of the run at ~20 tokens per parameter, worse at ~4: experiments/2026-11-26-forecast-reference)."""
     forecast_prior: str | None = None
     """Shape prior for the forecast: a `calibration.json` of `lm plan --calibrate` or a law file with a
     `forecast_prior` mapping. null with forecast_model=schedule: the law as before (alpha free, the anneal
@@ -239,6 +243,10 @@ class EarlyStoppingConfig:
             raise ValueError(
                 f"early_stopping.forecast_model={self.forecast_model!r}: use schedule, multi_power, auto or "
                 "reference"
+            )
+        if self.forecast_reference_map not in ("offset", "ratio"):
+            raise ValueError(
+                f"early_stopping.forecast_reference_map={self.forecast_reference_map!r}: use offset or ratio"
             )
         if self.forecast_model == "reference" and not self.forecast_reference:
             raise ValueError(

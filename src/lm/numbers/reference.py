@@ -38,6 +38,8 @@ the same schedule, length and batch (16 pairs of tiny/small/medium shapes, 0.2-1
 the in-run validation loss): experiments/2026-11-26-forecast-reference/bench.py writes them,
 tests/numbers/test_reference.py keeps them equal to what it measures. The interval of a forecast from one
 reference, interpolated in the fraction; before 10% the first value."""
+RECORDED_RATIO_ERRORS = ((0.1, 0.113), (0.2, 0.161), (0.3, 0.166), (0.5, 0.154), (0.8, 0.099), (1.0, NOISE))
+"""The same for the `ratio` map."""
 
 KEY_FIELDS = (
     "optim.schedule",
@@ -136,12 +138,27 @@ def unchecked(references: list[Curve]) -> list[str]:
     return [k for k in KEY_FIELDS if any(k not in r.key for r in references)]
 
 
-def offset_forecast(reference: Curve, fractions: np.ndarray, losses: np.ndarray) -> float:
-    """The run's final loss from one reference: its final plus the run's offset at the newest point."""
-    return reference.final + float(losses[-1]) - reference.at(float(fractions[-1]))
+MAPS = ("offset", "ratio")
+"""How a reference's curve is moved onto the run (`early_stopping.forecast_reference_map`): `offset` keeps the
+run's gap to the reference (L_run(1) = L_ref(1) + L_run(f) - L_ref(f)); `ratio` keeps the run's loss as a share of
+the reference's (L_run(1) = L_run(f) x L_ref(1) / L_ref(f)), so the gap shrinks as both curves fall: the collapse
+form (Qiu et al. 2025) with the irreducible loss at 0. Measured (experiments/2026-11-26-forecast-reference): at
+~20 tokens per parameter the ratio halves the offset's error from 30% of the run (worst 0.082 against 0.208); at
+~4 tokens per parameter and on the unmatched recorded curves it is worse (0.272 against 0.165, 0.166 against
+0.119). `offset` stays the default."""
 
 
-def loo_errors(references: list[Curve], fraction: float) -> list[float]:
+def offset_forecast(
+    reference: Curve, fractions: np.ndarray, losses: np.ndarray, how: str = "offset"
+) -> float:
+    """The run's final loss from one reference, moved by the run's newest point (`MAPS`)."""
+    at = reference.at(float(fractions[-1]))
+    if how == "ratio":
+        return float(losses[-1]) * reference.final / at
+    return reference.final + float(losses[-1]) - at
+
+
+def loo_errors(references: list[Curve], fraction: float, how: str = "offset") -> list[float]:
     """Each reference forecast from every other one with its points up to `fraction`: the errors."""
     errors = []
     for target in references:
@@ -150,14 +167,13 @@ def loo_errors(references: list[Curve], fraction: float) -> list[float]:
             continue
         for donor in references:
             if donor is not target:
-                errors.append(
-                    offset_forecast(donor, target.fractions[seen], target.losses[seen]) - target.final
-                )
+                forecast = offset_forecast(donor, target.fractions[seen], target.losses[seen], how)
+                errors.append(forecast - target.final)
     return errors
 
 
-def recorded_error(fraction: float) -> float:
-    xs, ys = zip(*RECORDED_ERRORS, strict=True)
+def recorded_error(fraction: float, how: str = "offset") -> float:
+    xs, ys = zip(*(RECORDED_ERRORS if how == "offset" else RECORDED_RATIO_ERRORS), strict=True)
     return float(np.interp(fraction, xs, ys))
 
 
@@ -173,6 +189,8 @@ class ReferenceForecast:
     interval_from: str
     """`leave-one-curve-out over N references` or `lm's recorded curves (one reference)`."""
     unchecked: list[str]
+    how: str = "offset"
+    """The map (`MAPS`)."""
 
     def record(self) -> dict[str, Any]:
         p = self.prediction
@@ -185,24 +203,28 @@ class ReferenceForecast:
             "fraction": self.fraction,
             "interval_from": self.interval_from,
             "unchecked_keys": self.unchecked,
+            "map": self.how,
         }
 
 
-def forecast(references: list[Curve], steps, losses, total_steps: int) -> ReferenceForecast | None:
-    """The run's final loss after `total_steps` from its validation points so far (None before the first)."""
+def forecast(
+    references: list[Curve], steps, losses, total_steps: int, how: str = "offset"
+) -> ReferenceForecast | None:
+    """The run's final loss after `total_steps` from its validation points so far (None before the first),
+    each reference moved onto the run by `how` (`MAPS`)."""
     if not references or len(steps) == 0:
         return None
     fractions = np.asarray(steps, float) / total_steps
     losses = np.asarray(losses, float)
     f = float(fractions[-1])
     nearest = min(references, key=lambda r: abs(float(losses[-1]) - r.at(f)))
-    loss = offset_forecast(nearest, fractions, losses)
-    errors = loo_errors(references, f) if len(references) > 1 else []
+    loss = offset_forecast(nearest, fractions, losses, how)
+    errors = loo_errors(references, f, how) if len(references) > 1 else []
     if errors:
         half = float(np.quantile(np.abs(errors), 0.9))
         source = f"leave-one-curve-out over {len(references)} references ({len(errors)} forecasts)"
     else:
-        half = recorded_error(f)
+        half = recorded_error(f, how)
         source = "lm's recorded curves (one reference: no curve of its own to leave out)"
     half = max(half, NOISE)
     return ReferenceForecast(
@@ -212,6 +234,7 @@ def forecast(references: list[Curve], steps, losses, total_steps: int) -> Refere
         f,
         source,
         unchecked(references),
+        how,
     )
 
 

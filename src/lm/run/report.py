@@ -445,7 +445,8 @@ def reference_section(ref: dict | None) -> str:
     unchecked = ref.get("unchecked_keys") or []
     return (
         f"\nReference forecast at {ref['fraction']:.0%} of the plan: final loss {ref['final_loss']:.3f} "
-        f"({ref['low']:.3f}-{ref['high']:.3f}), read off `{ref['reference']}` moved by {ref['offset']:+.3f}; "
+        f"({ref['low']:.3f}-{ref['high']:.3f}), read off `{ref['reference']}` moved by {ref['offset']:+.3f}"
+        f"{' (the ratio map)' if ref.get('map') == 'ratio' else ''}; "
         f"the interval from {ref['interval_from']}."
         + (
             f" Not checked against the run (the reference does not record them): {', '.join(unchecked)}."
