@@ -46,7 +46,7 @@ METHODS = ("pair", "set", "pair_ratio", "set_ratio", "schedule", "multi_power")
 LADDER = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
 """record_ladder.sh's shapes by name prefix, with their non-embedding parameters (12 L d^2)."""
 LADDER |= {"e24": 13_824, "e36": 31_104, "e52": 64_896, "e72": 186_624}
-"""record_ladder20.sh's (~20 tokens per parameter)."""
+"""record_ladder.sh's at ~20 tokens per parameter (its second argument `20`)."""
 
 
 def law_forecast(method: str, record: dict, steps, losses) -> reference.Prediction | None:

@@ -20,7 +20,7 @@ from lm.run.references import read_reference
 
 ROOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "ladder37"
 SIZE = {"d32": 24_576, "d52": 64_896, "d72": 186_624, "d96": 442_368}
-SIZE |= {"e24": 13_824, "e36": 31_104, "e52": 64_896, "e72": 186_624}  # record_ladder20.sh's
+SIZE |= {"e24": 13_824, "e36": 31_104, "e52": 64_896, "e72": 186_624}  # record_ladder.sh ... 20
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.8)
 
 

@@ -151,7 +151,7 @@ def test_the_held_out_ladder_error_from_30_percent_does_not_grow():
 
 
 def test_the_20_tokens_per_parameter_ladder_error_from_30_percent_does_not_grow():
-    """record_ladder20.sh's ladder (4 shapes <= 2.5x apart at ~20 tokens per parameter, 3 seeds of the largest),
+    """`record_ladder.sh DIR 20`'s ladder (4 shapes <= 2.5x apart at ~20 tokens per parameter, 3 seeds of the largest),
     both maps: there the ratio map's worst error from 30% is about half the offset's."""
     committed = json.loads((BENCH / "ladder20.json").read_text())["summary"]
     result = bench().run_ladder(ROOT / "tests" / "fixtures" / "ladder20", laws=False)
