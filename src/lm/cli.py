@@ -265,23 +265,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     budget.check_goal(goal, plans, gpus, law)
     print(budget.render(plans, args.top, corpus))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
-    out = Path(args.out_dir) / f"{args.name}.yaml"
-    budget.check_overwrite(out)
-    made = sibling.make_sibling(plans[0], law, corpus.tokens, cfg.data.seq_len) if args.sibling else None
-    sibling_out = Path(args.out_dir) / f"{args.name}_sibling.yaml"
-    if made is not None:
-        budget.check_overwrite(sibling_out)  # both refused before either is written
-    extra = sibling.reference_lines(sibling_out.stem) if made is not None else []
-    write_atomic(out, budget.experiment_yaml(plans[0], args.name, command, corpus, extra=extra))
-    print(f"wrote {out} (plan 1): python train.py +experiment={args.name}")
-    if made is not None:
-        text = sibling.sibling_yaml(*made, sibling_out.stem, args.name, command, corpus)
-        write_atomic(sibling_out, text)
-        print(f"wrote {sibling_out}: {sibling.describe(made[0], plans[0], sibling_out.stem)}")
-    elif args.sibling:
-        print(
-            f"no sibling: {plans[0].preset} has no half-width shape (one head, or grouped heads that would not divide)"
-        )
+    files = sibling.plan_files(plans[0], args.name, command, corpus, law, cfg.data.seq_len, args.sibling)
+    for path in files:  # every file refused before any is written
+        budget.check_overwrite(Path(args.out_dir) / path)
+    for path, (text, said) in files.items():
+        write_atomic(Path(args.out_dir) / path, text)
+        print(f"wrote {Path(args.out_dir) / path}{said}")
 
 
 def plan_law(args: argparse.Namespace, cfg: LMConfig) -> tuple[ChinchillaLaw, float | None]:

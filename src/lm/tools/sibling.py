@@ -143,3 +143,32 @@ def describe(sibling: BudgetPlan, plan: BudgetPlan, name: str) -> str:
         f"{sibling.steps:,} steps, ~{sibling.hours:.2f} h, {usd}{share}); the plan then forecasts its final "
         "loss from the sibling's curve (early_stopping.forecast_reference)"
     )
+
+
+def plan_files(
+    plan: BudgetPlan,
+    name: str,
+    command: str,
+    corpus: CorpusSize,
+    law: ChinchillaLaw,
+    seq_len: int,
+    with_sibling: bool,
+) -> dict[str, tuple[str, str]]:
+    """`lm plan`'s experiment files by file name: (text, what the terminal says after "wrote <path>"). With
+    `with_sibling`, the plan names its sibling as its forecast reference and the sibling's file comes too; a
+    model without a half-width shape is said so and the plan is written alone."""
+    made = make_sibling(plan, law, corpus.tokens, seq_len) if with_sibling else None
+    sibling_name = f"{name}_sibling"
+    extra = reference_lines(sibling_name) if made is not None else []
+    missing = with_sibling and made is None
+    note = f"\nno sibling: {plan.preset} has no half-width shape (one head, or grouped heads that would not divide)"
+    files = {
+        f"{name}.yaml": (
+            experiment_yaml(plan, name, command, corpus, extra=extra),
+            f" (plan 1): python train.py +experiment={name}" + (note if missing else ""),
+        )
+    }
+    if made is not None:
+        text = sibling_yaml(*made, sibling_name, name, command, corpus)
+        files[f"{sibling_name}.yaml"] = (text, f": {describe(made[0], plan, sibling_name)}")
+    return files
