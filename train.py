@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lm.base.exits import EXIT_CONFIG, JobFailed, exit_code, one_line, readable, unwritable
+from lm.base.exits import EXIT_CONFIG, JobFailed, Refused, exit_code, one_line, readable, unwritable
 from lm.config import register_configs
 from lm.run.hydra_checks import INVOCATION
 from lm.store.atomic import unwritable_cause, unwritable_fix
@@ -34,10 +34,10 @@ def main(cfg: DictConfig) -> float | None:
 
     try:
         return train_main(cfg)
-    except (ValueError, OSError, SystemExit) as e:
+    except (Refused, OSError, SystemExit) as e:
         code = exit_code(e)
         if code is None:
-            raise  # a crash (exit 1) or a rollback (75): `lm supervise` restarts; a sweep stops
+            raise  # a crash (exit 1, with its traceback) or a rollback (75): `lm supervise` restarts
         fail(e, code, cfg)
 
 

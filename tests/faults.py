@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from lm.checkpoint.formats import TMP_MARK
@@ -42,12 +43,15 @@ class Fault(pl.Callback):
     - `sigkill` | `sigterm_group` | `sigkill_in_save` | `sigkill_random` (a seeded moment up to `seconds`
       after set-up) | `sigkill_after_upload` (once a checkpoint is on object storage);
     - `raise`: an exception from this callback (a bug in any callback); `raise_in_val`, in validation;
+      `value_error`: a library's ValueError (numpy's reshape), the kind a user's own callback meets;
       `raise_always`: at `step` in every process, however often it is restarted (a crash a restart cannot fix),
       after `seconds` (a slow start-up);
     - `pause`: wait at the step until `<marker>.go` exists, so the test acts from outside meanwhile (stops
       the S3 server, removes a folder);
     - `sigkill_in_shard_write` | `disk_full_in_shard_write`: while a rank writes its shards of a sharded
       checkpoint (checkpoint.format=sharded; in the background thread with checkpoint.async_save);
+      `hold_shard_write`: the background write of the checkpoint of step `step` waits until training has
+      ended a step `seconds` later (the save completes after the run moved on, as a slow disk makes it);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
       `disk_full`: the same failure simulated inside torch.save, on any filesystem;
     - `nan` | `nan_always` | `drop_grads` | `slow`: numerics and a slow host.
@@ -76,7 +80,7 @@ class Fault(pl.Callback):
             "fill_disk_in_save",
         ):
             self.wrap_save(trainer)
-        if self.action in ("sigkill_in_shard_write", "disk_full_in_shard_write"):
+        if self.action in ("sigkill_in_shard_write", "disk_full_in_shard_write", "hold_shard_write"):
             self.wrap_shard_write()
         if self.action == "sigkill_random" and not self.marker.exists():
             # A kill at a random moment (in a step, in validation, in a checkpoint write, in data loading).
@@ -93,6 +97,14 @@ class Fault(pl.Callback):
 
         def write_data(writer, plan, planner):
             step = int(Path(str(writer.path)).name.split("-")[1].split(".")[0])
+            if fault.action == "hold_shard_write":
+                if step == fault.step:
+                    release = fault.marker.with_suffix(".go")
+                    for _ in range(600):  # at most a minute: the run releases it far sooner
+                        if release.exists():
+                            break
+                        time.sleep(0.1)
+                return original(writer, plan, planner)
             if step < fault.step or not fault.fire():
                 return original(writer, plan, planner)
             shard = Path(str(writer.path)) / f"__{int(os.environ.get('RANK', '0'))}_0.distcp"
@@ -175,7 +187,7 @@ class Fault(pl.Callback):
         if self.action == "raise_always" and trainer.global_step == self.step:
             time.sleep(self.seconds)
             raise RuntimeError(f"injected fault: a crash at step {self.step}, in every process")
-        at_step = ("sigkill", "sigterm_group", "nan", "drop_grads", "raise", "pause")
+        at_step = ("sigkill", "sigterm_group", "nan", "drop_grads", "raise", "value_error", "pause")
         sig = stop_signal(self.action, None)
         if not (sig or self.action in at_step) or trainer.global_step != self.step or not self.fire():
             return
@@ -183,6 +195,8 @@ class Fault(pl.Callback):
             os.kill(os.getpid(), sig)  # mid-step: the forward and backward are still to run
         elif self.action == "raise":
             raise RuntimeError(f"injected fault: a callback raised at step {self.step}")
+        elif self.action == "value_error":
+            np.arange(3).reshape(2, 2)  # ValueError: cannot reshape array of size 3 into shape (2,2)
         elif self.action == "pause":
             self.hold()
         elif self.action == "sigterm_group":
@@ -204,6 +218,11 @@ class Fault(pl.Callback):
     def poison(self, pl_module) -> None:
         loss = type(pl_module).loss
         pl_module.loss = lambda batch: loss(pl_module, batch) * float("nan")  # this step only
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # After every callback's on_validation_epoch_end (the stopper's decision): the held write may finish.
+        if self.action == "hold_shard_write" and trainer.global_step >= self.step + self.seconds:
+            self.marker.with_suffix(".go").touch()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.__dict__.pop("loss", None)

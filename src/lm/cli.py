@@ -49,6 +49,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lm.base.exits import Refused
+
 if TYPE_CHECKING:
     from lm.config import LMConfig
     from lm.numbers.loss_law import ChinchillaLaw
@@ -171,7 +173,7 @@ def cmd_ablate(args: argparse.Namespace) -> None:
 
     try:
         code = ablate(args.spec, args.out, args.parallel, args.threads, args.timeout, args.report_only)
-    except (ValueError, FileNotFoundError) as e:  # a spec or a variant refused: nothing ran
+    except (Refused, FileNotFoundError) as e:  # a spec or a variant refused: nothing ran
         print(f"lm ablate: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     if code:
@@ -301,7 +303,7 @@ def cmd_supervise(args: argparse.Namespace) -> None:
 
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
-        raise ValueError("nothing to supervise; usage: lm supervise [options] -- python train.py [overrides]")
+        raise Refused("nothing to supervise; usage: lm supervise [options] -- python train.py [overrides]")
     sys.exit(
         supervise(
             cmd,
@@ -380,7 +382,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             license=args.license,
             **{k: v for k, v in given.items() if v is not None},
         )
-    except ValueError as e:  # a refusal naming its fix (an option no architecture carries, --out exists): 78
+    except Refused as e:  # a refusal naming its fix (an option no architecture carries, --out exists): 78
         print(f"lm export: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     quoted = shlex.quote(str(out))  # pasted into a shell as printed, spaces and all
@@ -591,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (Refused, FileNotFoundError, ImportError) as e:  # a crash keeps its traceback
         sys.exit(f"lm {args.verb}: {e}")
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from lm.base.exits import Refused
+
 MLP_NAMES = ("swiglu", "relu2_gated", "relu2")
 """The values of `model.mlp` (`MLPS` builds them)."""
 
@@ -89,30 +91,28 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(
+            raise Refused(
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "pick n_head so that head_dim = d_model / n_head is a whole number (64 or 128 is typical)"
             )
         if self.n_head % self.kv_heads:
-            raise ValueError(
+            raise Refused(
                 f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}; "
                 "grouped-query attention shares each key/value head among n_head / n_kv_head query heads"
             )
         if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim={self.head_dim} must be even for rotary embeddings; change model.n_head"
-            )
+            raise Refused(f"head_dim={self.head_dim} must be even for rotary embeddings; change model.n_head")
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "max_seq_len", "vocab_multiple"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+                raise Refused(f"model.{name}={getattr(self, name)} must be a positive integer")
         if self.mlp not in MLP_NAMES:
-            raise ValueError(f"model.mlp={self.mlp!r} is unknown; use one of {', '.join(MLP_NAMES)}")
+            raise Refused(f"model.mlp={self.mlp!r} is unknown; use one of {', '.join(MLP_NAMES)}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise ValueError(
+            raise Refused(
                 f"model.logit_softcap={self.logit_softcap} must be > 0 (15 to 30 is usual), or null"
             )
         if not self.z_loss >= 0:
-            raise ValueError(f"model.z_loss={self.z_loss} must be >= 0 (1e-4 is usual; 0 turns it off)")
+            raise Refused(f"model.z_loss={self.z_loss} must be >= 0 (1e-4 is usual; 0 turns it off)")
 
     @property
     def head_dim(self) -> int:

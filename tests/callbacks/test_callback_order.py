@@ -1,12 +1,13 @@
-"""The run's callbacks run in the order their `priority` gives (lm.callbacks.order), which is the order the
-run listed them in before order was data: the cost meter before its readers, the consensus after its voters,
-`cfg.callbacks` after lm's own, the checkpoint callback and the progress bar last."""
+"""The run's callbacks run in the order `build_callbacks` lists them, written there with the reasons: the resume
+check and RunState's keeper first, the cost meter before its readers, the consensus after its voters,
+`cfg.callbacks` after lm's own and before the saver, the progress bar last. No `priority` integers."""
 
-import lightning.pytorch as pl
+import ast
+from pathlib import Path
+
 import pytest
 
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.order import DEFAULT_PRIORITY, by_priority
 from lm.config import to_objects
 from lm.engine.activation_checkpointing import Decision
 from lm.engine.module import LMModule
@@ -44,25 +45,25 @@ def callback_names(cfg, run_dir, deferred: bool = False) -> list[str]:
         (
             [],
             False,
-            ["ResumeCheck", "CostMeter", "PhaseTracker", "MilestoneSampler", *GUARDS, "KeepTokenizer",
+            ["ResumeCheck", "KeepRunState", "CostMeter", "PhaseTracker", "MilestoneSampler", *GUARDS, "KeepTokenizer",
              "RunCheckpoint"],
         ),
         (
             ["sampling=off", "phases.phases=[]", "trainer.enable_progress_bar=true"],
             False,
-            ["ResumeCheck", "CostMeter", *GUARDS, "KeepTokenizer", "RunCheckpoint", "LossProgressBar"],
+            ["ResumeCheck", "KeepRunState", "CostMeter", *GUARDS, "KeepTokenizer", "RunCheckpoint", "LossProgressBar"],
         ),
         (
             ["phases=smoke", "evals=small", "trainer.enable_progress_bar=true", LR, TIMER],
             True,
-            ["ResumeCheck", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "MilestoneSampler",
+            ["ResumeCheck", "KeepRunState", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "MilestoneSampler",
              "BenchmarkEvaluator", *GUARDS, "KeepTokenizer", "LearningRateMonitor", "Timer", "RunCheckpoint",
              "LossProgressBar"],
         ),
         (
             [TIMER, LR, "sampling=off"],
             True,
-            ["ResumeCheck", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", *GUARDS, "KeepTokenizer", "Timer",
+            ["ResumeCheck", "KeepRunState", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", *GUARDS, "KeepTokenizer", "Timer",
              "LearningRateMonitor", "RunCheckpoint"],
         ),
     ],
@@ -71,18 +72,12 @@ def test_callbacks_run_in_the_order_the_run_listed_them(tiny_cfg, tmp_path, over
     assert callback_names(tiny_cfg(*overrides), tmp_path, deferred) == expected
 
 
-def test_a_callback_of_ones_own_takes_its_place_from_its_priority():
-    class Early(pl.Callback):
-        priority = 195  # between the ResumeCheck (200) and the CostMeter (190)
-
-    class Plain(pl.Callback):
-        pass
-
-    first, second = Plain(), Plain()
-    meter = CostMeter(
-        tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=0.0, log_every=1
-    )
-    ordered = by_priority([first, meter, second, Early()])
-    assert [type(c).__name__ for c in ordered] == ["Early", "CostMeter", "Plain", "Plain"]
-    assert ordered[2] is first and ordered[3] is second  # equal priorities keep their listed order
-    assert DEFAULT_PRIORITY < 10  # below every lm callback that runs at step boundaries
+def test_no_callback_orders_itself_by_a_priority_integer():
+    src = Path(__file__).resolve().parents[2] / "src" / "lm"
+    found = [
+        f"{path.relative_to(src)}:{node.lineno}"
+        for path in src.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "priority" for t in node.targets)
+    ]
+    assert found == []

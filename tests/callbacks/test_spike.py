@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED
+from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Refused
 from lm.callbacks.spike import SpikeDetector
+from lm.checkpoint.run_state import RunState
 from lm.config import GuardConfig
 from lm.data.dataset import StepSampler
 from lm.run import build
@@ -36,7 +37,7 @@ def spike_fault(root: Path, action: str, step: int, count: int = 1, rank: int | 
 
 
 def guard_state(ckpt: dict) -> dict:
-    return next(v for k, v in ckpt["callbacks"].items() if k.startswith("SpikeGuard"))
+    return ckpt["run_state"]["guards"]
 
 
 # -- the detector and the sampler, on synthetic numbers --------------------------------------------------
@@ -77,18 +78,20 @@ def test_detector_rolls_back_on_max_spikes_within_its_window_only():
 
 
 def test_detector_state_round_trips_and_null_factor_never_fires():
-    detector = SpikeDetector(2.0, 5, 3)
+    run = RunState()
+    detector = SpikeDetector(2.0, 5, 3, run.guards)
     feed(detector, [3.0] * 5 + [40.0])
-    restored = SpikeDetector(2.0, 5, 3)
-    restored.load_state_dict(detector.state_dict())
+    again = RunState()
+    restored = SpikeDetector(2.0, 5, 3, again.guards)
+    again.load(run.snapshot())  # in place: the detector holding the section sees the restored window
     assert feed(restored, [40.0], start=6) == feed(detector, [40.0], start=6)
     assert not any(spike for _, spike, _ in feed(SpikeDetector(None, 5, 3), [3.0] * 5 + [1e6]))
 
 
 def test_spot_config_refuses_a_factor_that_flags_ordinary_losses():
-    with pytest.raises(ValueError, match=r"spot.spike_factor=0.9 .* above 1 .* spot.spike_factor=null"):
+    with pytest.raises(Refused, match=r"spot.spike_factor=0.9 .* above 1 .* spot.spike_factor=null"):
         GuardConfig(spike_factor=0.9)
-    with pytest.raises(ValueError, match="window of at least 3"):
+    with pytest.raises(Refused, match="window of at least 3"):
         GuardConfig(spike_window=2)
 
 
@@ -116,7 +119,7 @@ def test_healthy_run_counts_zero_spikes_and_reports_them(root, data_cache):
     name = "healthy"
     assert train(overrides(root, data_cache, name, *SPIKES)) == 0
     state = guard_state(last(root, name))
-    assert state["detector"]["spikes"] == 0 and len(state["detector"]["losses"]) == 5  # armed, silent
+    assert state["spikes"] == 0 and len(state["spike_losses"]) == 5  # armed, silent
     assert "| loss spikes skipped | 0 " in (root / name / "report.md").read_text()
 
 
@@ -131,7 +134,7 @@ def test_single_spike_is_skipped_like_dropping_that_steps_gradients(root, data_c
         (root / name).mkdir(parents=True)
         assert train(overrides(root, data_cache, name, *SPIKES, f"optim.fused={fused}", *faults)) == 0
     ckpt = last(root, skipped)
-    assert guard_state(ckpt)["detector"]["spikes"] == 1
+    assert guard_state(ckpt)["spikes"] == 1
     assert_same(ckpt["state_dict"], last(root, dropped)["state_dict"], "weights")
     assert_same(ckpt["optimizer_states"], last(root, dropped)["optimizer_states"], "optimizer")
     assert "| loss spikes skipped | 1 " in (root / skipped / "report.md").read_text()
@@ -152,7 +155,7 @@ def test_spikes_from_bad_data_roll_back_skip_that_data_and_resume_exactly(root, 
     final = last(root, name)
     assert final["global_step"] == 20
     assert guard_state(final)["skip_windows"] == [[6, 11]]
-    assert guard_state(final)["detector"]["spikes"] == 0
+    assert guard_state(final)["spikes"] == 0
     assert "skipped the data of steps 6-11" in (root / name / "report.md").read_text()
 
     # Resuming again from a later checkpoint reproduces the weights bit for bit: the skip is in the
@@ -191,7 +194,7 @@ def test_armed_guard_skips_a_spike_without_reading_the_device_between_logging_st
     with reads:
         lm_train.main(cfg)
     assert not sync.hot_reads(reads.reads), f"host reads inside training steps: {sync.hot_reads(reads.reads)}"
-    assert guard_state(last(root, cfg.run.name))["detector"]["spikes"] == 1
+    assert guard_state(last(root, cfg.run.name))["spikes"] == 1
 
 
 @pytest.mark.slow
@@ -219,5 +222,5 @@ def test_a_spike_on_one_rank_is_skipped_by_every_rank(root, data_cache):
     ]
     assert train(distributed.overrides(root, data_cache, "one", *one)) == 0
     ckpt = distributed.last(root / "ddp-spike")
-    assert guard_state(ckpt)["detector"]["spikes"] == 1
+    assert guard_state(ckpt)["spikes"] == 1
     distributed.assert_close_weights(ckpt["state_dict"], distributed.last(root / "one")["state_dict"])

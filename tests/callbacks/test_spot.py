@@ -8,10 +8,11 @@ import signal
 import pytest
 import torch
 
-from lm.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from lm.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_SAVE_FAILED, Refused
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.checkpoint.formats import TMP_MARK
 from lm.checkpoint.local import AtomicCheckpointIO, CheckpointSaveError, check_run_fits
+from lm.checkpoint.run_state import RunState, from_checkpoint
 from lm.tools.supervise import backoff_s, supervise
 
 from ..conftest import TINY
@@ -153,7 +154,7 @@ def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
     with pytest.raises(CheckpointSaveError, match="GiB free"):
         io.save_checkpoint({"x": torch.zeros(1)}, tmp_path / "step-1.ckpt")
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=r"keeping 3 of ~.* GiB each .* lower checkpoint.keep_last"):
+    with pytest.raises(Refused, match=r"keeping 3 of ~.* GiB each .* lower checkpoint.keep_last"):
         check_run_fits(tmp_path / "ckpts", ckpt_bytes=free // 3, keep_last=3)
     check_run_fits(tmp_path / "ckpts", ckpt_bytes=1000, keep_last=3)
 
@@ -169,8 +170,7 @@ def test_nan_loss_step_is_skipped_without_touching_weights_or_optimizer(root, da
         assert train(args) == 0
     ckpt = last(root, skipped)
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
-    guard = next(v for k, v in ckpt["callbacks"].items() if k.startswith("NonFiniteGuard"))
-    assert guard["skipped"] == 1
+    assert ckpt["run_state"]["guards"]["skipped"] == 1
     # Skipping equals dropping that step's gradients: nothing else about the run changes.
     assert_same(ckpt["state_dict"], last(root, dropped)["state_dict"], "weights")
     assert_same(ckpt["optimizer_states"], last(root, dropped)["optimizer_states"], "optimizer")
@@ -282,10 +282,12 @@ def test_resume_candidates_are_ordered_by_step_number_not_by_name(tmp_path):
 def test_nonfinite_guard_checkpoint_keeps_a_streak_of_skipped_steps():
     """A save inside a streak of skipped steps (2 of 3 before a rollback) resumes inside it, as the
     uninterrupted run would: the third in a row still rolls back."""
-    saved = NonFiniteGuard(max_in_a_row=3)
-    saved.skipped, saved.in_a_row = 5, 2
-    resumed = NonFiniteGuard(max_in_a_row=3)
-    resumed.load_state_dict(saved.state_dict())
-    assert (resumed.skipped, resumed.in_a_row) == (5, 2)
-    resumed.load_state_dict({"skipped": 4})  # a checkpoint written before the streak was saved
-    assert (resumed.skipped, resumed.in_a_row) == (4, 0)
+    state, again = RunState(), RunState()
+    saved = NonFiniteGuard(max_in_a_row=3, run_state=state)
+    saved.guards.skipped, saved.guards.in_a_row = 5, 2
+    resumed = NonFiniteGuard(max_in_a_row=3, run_state=again)
+    again.load(state.snapshot())
+    assert (resumed.guards.skipped, resumed.guards.in_a_row) == (5, 2)
+    # A checkpoint written before the streak was saved (its state in the guard's callback key, before RunState).
+    again.load(from_checkpoint({"callbacks": {"NonFiniteGuard": {"skipped": 4}}}))
+    assert (resumed.guards.skipped, resumed.guards.in_a_row) == (4, 0)

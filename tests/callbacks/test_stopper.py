@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from lm.base.exits import Refused
 from lm.callbacks.stopper import EarlyStopper
 from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
@@ -141,7 +142,7 @@ def test_a_low_threshold_stops_a_real_run_early_and_the_report_says_why(tiny_cfg
     assert stop["criterion"] == "max_usd_per_loss_point" and stop["decided_at_step"] == 15
     assert stop["cooldown"] == [15, 2] and stop["stopped"] and stop["step"] == 18
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["global_step"] == 18 and ckpt["lr_cooldown"] == (15, 2)
+    assert ckpt["global_step"] == 18 and ckpt["run_state"]["lr_cooldown"] == [15, 2]
     lrs = [v for _, v in scalars(run, "train/lr")]
     assert lrs[-1] == pytest.approx(1e-3 * 0.1) and lrs[15] == pytest.approx(1e-3)
     report = (run / "report.md").read_text()
@@ -191,7 +192,7 @@ def test_a_budget_cap_stops_within_one_step_of_the_budget(tiny_cfg, tmp_path):
     ],
 )
 def test_bad_stopping_and_sampling_values_fail_before_anything_is_built(compose, override, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(Refused, match=message):
         to_objects(compose(override))
 
 
@@ -286,7 +287,7 @@ def test_a_smaller_finished_run_is_the_forecasts_reference_and_a_mismatched_one_
     ref_final = scalars(ref, "val/loss")[-1][1]
     assert said["final_loss"] == pytest.approx(ref_final + said["offset"])
     assert f"read off `{ref}`" in (run / "report.md").read_text()
-    with pytest.raises(ValueError, match=r"differs from this run in data.seed: 0 there, 1 here"):
+    with pytest.raises(Refused, match=r"differs from this run in data.seed: 0 there, 1 here"):
         main(
             tiny_cfg(
                 "trainer.max_steps=4",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.callbacks.run_tokenizer import tokenizer_findings
 from lm.checkpoint.local import rotate
 from lm.config import DataConfig, OptimConfig
@@ -169,7 +169,7 @@ def test_a_damaged_run_tokenizer_is_restored_from_the_data_or_refused_naming_bot
         str(run_dir / rundir.TOKENIZER) in finding.what and str(tmp_path / "tokenizer.json") in finding.what
     )
     damaged = (run_dir / rundir.TOKENIZER).read_bytes()
-    with pytest.raises(ValueError, match="cannot restore it"):
+    with pytest.raises(Refused, match="cannot restore it"):
         rundir.keep_tokenizer(run_dir, tmp_path / "tokenizer.json", "<|endoftext|>", 0, resumed=True)
     assert (run_dir / rundir.TOKENIZER).read_bytes() == damaged  # refused: left as it was
 
@@ -229,7 +229,7 @@ def test_a_changed_window_cut_or_order_on_resume_is_refused_by_name(tiny_cfg, tm
     main(tiny_cfg(*RUN, "trainer.max_steps=5"))
     run = tmp_path / "runs/smoke"
     before = files(run)
-    with pytest.raises(ValueError, match="was trained on another data stream") as refused:
+    with pytest.raises(Refused, match="was trained on another data stream") as refused:
         main(tiny_cfg(*RUN, "trainer.max_steps=10", override))
     assert named in str(refused.value) and "model.init_from" in str(refused.value)
     assert exit_code(refused.value) == EXIT_CONFIG

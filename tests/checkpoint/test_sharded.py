@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.base.exits import CheckpointSaveError
+from lm.base.exits import CheckpointSaveError, Refused
 from lm.checkpoint import files
 from lm.checkpoint.checkpointer import find_resume_point, remove_all_temporaries
 from lm.checkpoint.formats import SHARDED, ShardedFolder
@@ -117,12 +117,12 @@ def test_a_failed_sharded_write_leaves_the_previous_checkpoints_and_no_folder(tm
 
 def test_sharded_checkpoints_need_fsdp(compose):
     to_objects(compose(*TINY, "trainer=fsdp", "checkpoint.format=sharded"))
-    with pytest.raises(ValueError, match="checkpoint.format=sharded.*trainer.strategy=auto.*trainer=fsdp"):
+    with pytest.raises(Refused, match="checkpoint.format=sharded.*trainer.strategy=auto.*trainer=fsdp"):
         to_objects(compose(*TINY, "checkpoint.format=sharded"))
     to_objects(compose(*TINY, "trainer=fsdp", "checkpoint.format=sharded", "checkpoint.remote=s3://b/r"))
-    with pytest.raises(ValueError, match="checkpoint.format='zip' is unknown; use one of full, sharded"):
+    with pytest.raises(Refused, match="checkpoint.format='zip' is unknown; use one of full, sharded"):
         to_objects(compose(*TINY, "checkpoint.format=zip"))
-    with pytest.raises(ValueError, match="async_save=true.*checkpoint.format=sharded"):
+    with pytest.raises(Refused, match="async_save=true.*checkpoint.format=sharded"):
         to_objects(compose(*TINY, "checkpoint.async_save=true"))
 
 

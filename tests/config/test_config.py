@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from lm.base.exits import Refused
 from lm.config import to_objects
 
 from ..conftest import CONF
@@ -137,7 +138,7 @@ def test_a_typo_inside_an_experiment_file_fails_at_compose_time(tmp_path):
     ],
 )
 def test_values_that_clash_fail_before_anything_is_built(compose, override, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(Refused, match=message.replace("(", r"\(").replace(".", r"\.")):
         to_objects(compose(override))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.data import (
     EOT,
     DataConfig,
@@ -252,7 +252,7 @@ def test_truncated_bin_is_reported(data_dir, tmp_path):
     shutil.copytree(data_dir, copy)
     with open(copy / "train-00000.bin", "r+b") as f:
         f.truncate(os.path.getsize(copy / "train-00000.bin") - 100)
-    with pytest.raises(ValueError, match=r"train-00000\.bin has .* bytes .* truncated .* delete"):
+    with pytest.raises(Refused, match=r"train-00000\.bin has .* bytes .* truncated .* delete"):
         load_manifest(copy)
 
 
@@ -271,7 +271,7 @@ def test_a_same_size_corrupt_shard_is_refused_by_its_hash(data_dir, tmp_path):
     copy, shard = damaged_copy(data_dir, tmp_path)
     manifest = load_manifest(copy)  # sizes only: it passes
     for mode in ("cached", "full"):
-        with pytest.raises(ValueError, match=rf"{shard} does not match the sha256 .* rerun `lm prepare`"):
+        with pytest.raises(Refused, match=rf"{shard} does not match the sha256 .* rerun `lm prepare`"):
             verify_shards(copy, manifest, mode)
     verify_shards(copy, manifest, "size")  # the per-window check is what is left (below)
 
@@ -280,7 +280,7 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused(data_dir, tmp_path
     copy = Path(shutil.copytree(data_dir, tmp_path / data_dir.name))
     manifest = load_manifest(copy)
     manifest["splits"]["val"]["shards"][0]["sha256"] = "0" * 64
-    with pytest.raises(ValueError, match=r"val-00000\.bin does not match the sha256"):
+    with pytest.raises(Refused, match=r"val-00000\.bin does not match the sha256"):
         verify_shards(copy, manifest, "cached")
 
 
@@ -288,13 +288,11 @@ def test_ids_outside_the_vocabulary_are_refused_naming_the_shard(data_dir, tmp_p
     copy, shard = damaged_copy(data_dir, tmp_path)
     manifest = load_manifest(copy)
     manifest["splits"]["train"]["shards"][0]["sha256"] = file_sha256(shard)  # a consistent, wrong manifest
-    with pytest.raises(ValueError, match=rf"{shard} holds token id 65000, outside the vocabulary of 512"):
+    with pytest.raises(Refused, match=rf"{shard} holds token id 65000, outside the vocabulary of 512"):
         verify_shards(copy, manifest, "full")
     # Unverified (data.verify=size), the window that holds one is refused when it is read, never an IndexError.
     windows = TokenWindows([shard], 64, manifest["dtype"], vocab_size=manifest["vocab_size"])
-    with pytest.raises(
-        ValueError, match=rf"{shard} holds token id 65000 at or above the vocabulary size 512"
-    ):
+    with pytest.raises(Refused, match=rf"{shard} holds token id 65000 at or above the vocabulary size 512"):
         windows[0]
 
 
@@ -312,10 +310,10 @@ def test_cached_verification_reads_a_shard_once_until_it_changes(data_dir, tmp_p
     ids.tofile(shard)
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     verify_shards(copy, manifest, "cached")
-    with pytest.raises(ValueError, match="does not match the sha256"):
+    with pytest.raises(Refused, match="does not match the sha256"):
         verify_shards(copy, manifest, "full")
     shard.touch()  # a new mtime: `cached` reads the shard again
-    with pytest.raises(ValueError, match="does not match the sha256"):
+    with pytest.raises(Refused, match="does not match the sha256"):
         verify_shards(copy, manifest, "cached")
 
 
@@ -330,7 +328,7 @@ def test_a_folder_without_a_manifest_is_a_refusal_naming_it(data_dir, tmp_path):
 def test_the_data_module_refuses_damaged_data_before_training(cfg, data_dir, tmp_path):
     copy, shard = damaged_copy(data_dir, tmp_path)
     tokens = dataclasses.replace(cfg, source="tokens", dir=str(copy))
-    with pytest.raises(ValueError, match=rf"{shard} does not match the sha256"):
+    with pytest.raises(Refused, match=rf"{shard} does not match the sha256"):
         LMDataModule(tokens).check_prepared()
     intact = Path(shutil.copytree(data_dir, tmp_path / "intact"))
     LMDataModule(dataclasses.replace(tokens, dir=str(intact))).check_prepared()  # it passes, and is recorded
@@ -339,16 +337,16 @@ def test_the_data_module_refuses_damaged_data_before_training(cfg, data_dir, tmp
 
 def test_seq_len_longer_than_split(data_dir, manifest):
     n = manifest["splits"]["val"]["tokens"]
-    with pytest.raises(ValueError, match=rf"val-00000\.bin has {n} tokens.*lower data\.seq_len"):
+    with pytest.raises(Refused, match=rf"val-00000\.bin has {n} tokens.*lower data\.seq_len"):
         TokenWindows(shard_paths(data_dir, manifest, "val"), n, manifest["dtype"])
 
 
 def test_config_errors(cfg):
-    with pytest.raises(ValueError, match="data.source 'foo' is unknown"):
+    with pytest.raises(Refused, match="data.source 'foo' is unknown"):
         prepare(dataclasses.replace(cfg, source="foo"))
-    with pytest.raises(ValueError, match="data.val_fraction"):
+    with pytest.raises(Refused, match="data.val_fraction"):
         prepare(dataclasses.replace(cfg, val_fraction=0.0))
-    with pytest.raises(ValueError, match="data.vocab_size=100 is too small"):
+    with pytest.raises(Refused, match="data.vocab_size=100 is too small"):
         prepare(dataclasses.replace(cfg, vocab_size=100))
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from lm.base.exits import Refused
 from lm.cli import main as lm_main
 from lm.data import (
     DataConfig,
@@ -172,11 +173,11 @@ def test_prepared_folder_refuses_another_corpus(tmp_path, texts, tokenizer_file)
         (corpus / f"{i}.txt").write_text(text)
     cfg = text_cfg(tmp_path, str(corpus), tokenizer=str(tokenizer_file), dir=str(tmp_path / "out"))
     prepare(cfg)
-    with pytest.raises(ValueError, match="different corpus or config .* choose another data.dir"):
+    with pytest.raises(Refused, match="different corpus or config .* choose another data.dir"):
         prepare(dataclasses.replace(cfg, val_fraction=0.3))
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/notes.txt").write_text("precious")
-    with pytest.raises(ValueError, match="not empty and was not written by `lm prepare`"):
+    with pytest.raises(Refused, match="not empty and was not written by `lm prepare`"):
         prepare(dataclasses.replace(cfg, dir=str(tmp_path / "mine")))
     assert (tmp_path / "mine/notes.txt").read_text() == "precious"
 
@@ -229,16 +230,16 @@ def test_bad_inputs_are_skipped_and_named(tmp_path, texts, tokenizer_file):
 def test_path_errors(tmp_path, tokenizer_file):
     with pytest.raises(FileNotFoundError, match=r"data.paths '.*nowhere.txt' does not exist"):
         prepare(text_cfg(tmp_path, str(tmp_path / "nowhere.txt")))
-    with pytest.raises(ValueError, match=r"data.paths '.*\*\.jsonl' matched no files"):
+    with pytest.raises(Refused, match=r"data.paths '.*\*\.jsonl' matched no files"):
         prepare(text_cfg(tmp_path, str(tmp_path / "*.jsonl")))
-    with pytest.raises(ValueError, match="data=text needs data.paths"):
+    with pytest.raises(Refused, match="data=text needs data.paths"):
         prepare(DataConfig(source="text"))
 
 
 def test_wrong_text_field_is_an_error(tmp_path, texts, tokenizer_file):
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"content": t, "id": i}) + "\n" for i, t in enumerate(texts[:40])))
-    with pytest.raises(ValueError, match=r"no record has a string field 'text' \(fields seen: content, id\)"):
+    with pytest.raises(Refused, match=r"no record has a string field 'text' \(fields seen: content, id\)"):
         prepare(text_cfg(tmp_path, str(path), tokenizer=str(tokenizer_file)))
     manifest = load_manifest(
         prepare(
@@ -253,7 +254,7 @@ def test_wrong_text_field_is_an_error(tmp_path, texts, tokenizer_file):
 def test_nothing_usable_is_an_error_not_an_empty_dataset(tmp_path, tokenizer_file):
     (tmp_path / "a.txt").write_text("")
     (tmp_path / "b.txt").write_bytes(b"\0\1\2")
-    with pytest.raises(ValueError, match=r"the train split is empty: 0 train documents, 2 skipped \(binary"):
+    with pytest.raises(Refused, match=r"the train split is empty: 0 train documents, 2 skipped \(binary"):
         prepare(text_cfg(tmp_path, str(tmp_path / "*.txt"), tokenizer=str(tokenizer_file)))
 
 
@@ -301,10 +302,10 @@ def test_training_refuses_shards_from_another_tokenizer(tmp_path, prepared, text
     cfg = DataConfig(source="tokens", dir=str(prepared), tokenizer=str(other), vocab_size=VOCAB, seq_len=32)
     theirs = load_manifest(prepared)["tokenizer_sha256"]
     with pytest.raises(
-        ValueError, match=rf"tokenizer mismatch: .*sha256 {theirs}, .*sha256 {file_sha256(other)}"
+        Refused, match=rf"tokenizer mismatch: .*sha256 {theirs}, .*sha256 {file_sha256(other)}"
     ):
         LMDataModule(cfg).setup("fit")
-    with pytest.raises(ValueError, match="vocab_size=300 but data.vocab_size=299"):
+    with pytest.raises(Refused, match="vocab_size=300 but data.vocab_size=299"):
         LMDataModule(dataclasses.replace(cfg, tokenizer=None, vocab_size=299)).setup("fit")
 
     dm = LMDataModule(dataclasses.replace(cfg, tokenizer=str(prepared / "tokenizer.json"), num_workers=0))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.cli import main as lm
 from lm.config import DataConfig, MixtureSource, PhaseConfig, compose, to_objects
 from lm.data import load_manifest, prepare
@@ -130,18 +130,18 @@ def test_validation_batches_are_one_source_each_in_weighted_turns():
 
 
 def test_bad_mixture_configs_are_refused_naming_the_fix():
-    with pytest.raises(ValueError, match="exactly one of dir"):
+    with pytest.raises(Refused, match="exactly one of dir"):
         MixtureSource("web", 1.0)
-    with pytest.raises(ValueError, match="distinct source names"):
+    with pytest.raises(Refused, match="distinct source names"):
         DataConfig(mixture=[MixtureSource("a", dir="x"), MixtureSource("a", dir="y")])
-    with pytest.raises(ValueError, match="on_exhausted"):
+    with pytest.raises(Refused, match="on_exhausted"):
         DataConfig(on_exhausted="wrap")
-    with pytest.raises(ValueError, match="val/loss/<name>"):
+    with pytest.raises(Refused, match="val/loss/<name>"):
         MixtureSource("web text", dir="x")
-    with pytest.raises(ValueError, match="must be >= 0"):
+    with pytest.raises(Refused, match="must be >= 0"):
         PhaseConfig("anneal", end_step=10, mixture={"web": -1})
     with pytest.raises(
-        ValueError, match=r"phase 'anneal' sets mixture weights of \['wbe'\].*its sources: \['code', 'web'\]"
+        Refused, match=r"phase 'anneal' sets mixture weights of \['wbe'\].*its sources: \['code', 'web'\]"
     ):
         to_objects(compose(["data=mixture", "phases.phases=[{name:anneal,end_step:10,mixture:{wbe:1}}]"]))
 
@@ -198,7 +198,7 @@ def mixture_cfg(
 def test_a_source_of_another_tokenizer_is_refused_naming_both(corpora):
     dm = MixtureDataModule(mixture_cfg(corpora, names=("web", "alien"), weights=(1, 1)))
     with pytest.raises(
-        ValueError,
+        Refused,
         match=r"'web' and 'alien' were tokenized differently.*sha256 [0-9a-f]{64}.*sha256 [0-9a-f]{64}",
     ):
         dm.check_prepared()
@@ -207,7 +207,7 @@ def test_a_source_of_another_tokenizer_is_refused_naming_both(corpora):
 def test_a_run_on_sources_of_two_tokenizers_exits_78_before_its_run_directory_exists(corpora, tmp_path):
     overrides = mixture_overrides(corpora, tmp_path, "run.name=alien", "trainer.max_steps=2")
     overrides = [o.replace(f"'{corpora['math']}'", f"'{corpora['alien']}'") for o in overrides]
-    with pytest.raises(ValueError, match="'web' and 'math' were tokenized differently") as refusal:
+    with pytest.raises(Refused, match="'web' and 'math' were tokenized differently") as refusal:
         train_in_process(overrides)
     assert exit_code(refusal.value) == EXIT_CONFIG
     assert not (tmp_path / "runs/alien/checkpoints").exists()
@@ -215,7 +215,7 @@ def test_a_run_on_sources_of_two_tokenizers_exits_78_before_its_run_directory_ex
 
 def test_an_empty_source_is_refused_naming_it(corpora):
     dm = MixtureDataModule(mixture_cfg(corpora, names=("web", "tiny"), weights=(1, 1)))
-    with pytest.raises(ValueError, match="source 'tiny' .* has \\d+ train tokens, fewer than one window"):
+    with pytest.raises(Refused, match="source 'tiny' .* has \\d+ train tokens, fewer than one window"):
         dm.check_prepared()
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from lm.base.exits import Refused
 from lm.checkpoint.checkpointer import find_resume_point
 from lm.config import TrainerConfig
 from lm.data.dataset import StepSampler, val_batches
@@ -131,7 +132,7 @@ def test_the_ranks_of_a_step_see_the_windows_of_one_process_with_the_global_batc
     ranks = [val_batches(50, B, W, r) for r in range(W)]
     assert len(ranks[0]) == len(ranks[1]) == 50 // (W * B)  # whole global batches: the same forwards per rank
     assert [a + b for a, b in zip(*ranks)] == one[: len(ranks[0])]
-    with pytest.raises(ValueError, match="fewer than one global batch"):
+    with pytest.raises(Refused, match="fewer than one global batch"):
         val_batches(5, B, W, 0)
 
 
@@ -294,7 +295,7 @@ def test_sbatch_script_requeues_after_spotguards_sigusr1_save_and_ends_when_done
 
 
 def test_lightnings_fsdp1_names_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="use trainer=fsdp"):
+    with pytest.raises(Refused, match="use trainer=fsdp"):
         check_strategy("fsdp_cpu_offload", 1, multirun=False)
     check_strategy("fsdp", 2, multirun=False)
     check_strategy("ddp", 2, multirun=False)
@@ -303,7 +304,7 @@ def test_lightnings_fsdp1_names_are_refused_with_the_fix():
 def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
     for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(key)
-    with pytest.raises(ValueError, match="one command per sweep point"):
+    with pytest.raises(Refused, match="one command per sweep point"):
         check_strategy("ddp", 2, multirun=True)
     check_strategy("ddp", 2, multirun=False)  # one run: Lightning's launcher is the way
     check_strategy("ddp", 1, multirun=True)  # one process per job: nothing is re-run
@@ -312,7 +313,7 @@ def test_a_sweep_cannot_start_processes_with_lightnings_launcher(monkeypatch):
     check_strategy("ddp", 2, multirun=True)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     for devices in (-1, "-1", "2", [0, 1]):  # every spelling of several processes, as the plan counts them
-        with pytest.raises(ValueError, match="one command per sweep point"):
+        with pytest.raises(Refused, match="one command per sweep point"):
             check_strategy("ddp", devices, multirun=True)
 
 

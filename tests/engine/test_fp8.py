@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.config import DataConfig, GpuConfig
 from lm.engine import fp8
 from lm.engine.module import LMModule
@@ -66,14 +66,14 @@ def test_fp8_is_refused_where_it_cannot_run_or_pay(cuda, planned, gpu, compile, 
     if refusal is None:
         fp8.check_fp8("tensorwise", False, cuda, planned, gpu, compile)
         return
-    with pytest.raises(ValueError, match=refusal):
+    with pytest.raises(Refused, match=refusal):
         fp8.check_fp8("tensorwise", False, cuda, planned, gpu, compile)
     fp8.check_fp8(None, False, cuda, planned, gpu, compile)  # off: nothing to refuse
 
 
 def test_fp8_on_a_cpu_exits_78_before_the_run_directory_exists(tmp_path, data_cache):
     root = tmp_path / "runs"
-    with pytest.raises(ValueError, match="this run is on a CPU") as refusal:
+    with pytest.raises(Refused, match="this run is on a CPU") as refusal:
         train(
             ["trainer=cpu", "precision=fp8", f"run.root={root}", f"data.cache_dir={data_cache}", "run.name=x"]
         )

@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lm.base.exits import Refused
 from lm.config import register_configs, to_objects
 from lm.engine.activation_checkpointing import allowed_bytes, candidates, resolve
 from lm.engine.fp8 import check_fp8
@@ -59,7 +60,7 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
             assert cfg.kernels.liger == expected("kernels", "liger")
             # What a CPU run does with it: fp16 and Liger are refused with their fix, the rest resolve.
             if cfg.precision.mode == "16-mixed":
-                with pytest.raises(ValueError, match="needs a CUDA GPU"):
+                with pytest.raises(Refused, match="needs a CUDA GPU"):
                     resolve_precision(cfg.precision.mode, cuda=False, bf16=False)
             else:
                 assert resolve_precision(cfg.precision.mode, cuda=False, bf16=False) in (
@@ -69,10 +70,10 @@ def test_every_knob_combination_composes_and_resolves_on_a_cpu():
                 )
             assert cfg.precision.fp8 == expected("precision", "fp8")
             if cfg.precision.fp8:  # FP8 needs FP8 tensor cores
-                with pytest.raises(ValueError, match="this run is on a CPU"):
+                with pytest.raises(Refused, match="this run is on a CPU"):
                     check_fp8(cfg.precision.fp8, False, False, False, cfg.gpu, cfg.kernels.compile)
             if cfg.kernels.liger:
-                with pytest.raises(ValueError, match="kernels=eager or kernels=compile"):
+                with pytest.raises(Refused, match="kernels=eager or kernels=compile"):
                     check_liger(cfg.kernels.liger, cuda=False)
             else:
                 check_liger(cfg.kernels.liger, cuda=False)
@@ -120,7 +121,7 @@ def test_liger_on_a_cpu_is_refused_before_anything_is_prepared(tiny_cfg, tmp_pat
     cache = tmp_path / "fresh-cache"
     cfg = tiny_cfg(f"kernels={kernels}", f"data.cache_dir={cache}")
     with pytest.raises(
-        ValueError, match=r"kernels\.liger=true needs a CUDA GPU.*kernels=eager or kernels=compile"
+        Refused, match=r"kernels\.liger=true needs a CUDA GPU.*kernels=eager or kernels=compile"
     ):
         main(cfg)
     assert not cache.exists()  # no tokenizer trained, no shards written
@@ -148,7 +149,7 @@ def test_liger_refusal_exits_78_from_the_command_line(tmp_path, data_cache):
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger_kernel is installed")
 def test_liger_on_cuda_without_the_package_names_the_install():
-    with pytest.raises(ValueError, match=r"pip install -e '\.\[gpu\]'"):
+    with pytest.raises(Refused, match=r"pip install -e '\.\[gpu\]'"):
         check_liger(True, cuda=True)
 
 
@@ -249,7 +250,7 @@ def test_auto_skips_out_of_memory_trials_and_refuses_when_nothing_fits():
     ]
 
     with pytest.raises(
-        ValueError, match=r"not even checkpointing every block fits.*data\.batch_size.*accumulate"
+        Refused, match=r"not even checkpointing every block fits.*data\.batch_size.*accumulate"
     ):
         resolve(0, True, 4, probe=measure, budget_bytes=1000)
 
@@ -261,7 +262,7 @@ def test_auto_without_a_device_limit_is_off_and_configured_values_stand():
 
 
 def test_free_memory_reserve_is_validated(compose):
-    with pytest.raises(ValueError, match="activation_checkpointing.free_memory_reserve"):
+    with pytest.raises(Refused, match="activation_checkpointing.free_memory_reserve"):
         to_objects(
             compose("activation_checkpointing=auto", "activation_checkpointing.free_memory_reserve=1.5")
         )

@@ -10,6 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from lm.base.exits import Refused
 from lm.checkpoint.resume_check import check_resumable
 from lm.config import POLAR_EXPRESS_STEPS, OptimConfig, to_objects
 from lm.engine import optim
@@ -168,11 +169,11 @@ def test_polar_express_steps_keep_torchs_momentum_decay_and_lr_scale():
 
 def test_ns_coefficients_are_checked_with_the_choices_and_the_step_limit_named():
     with pytest.raises(
-        ValueError, match=r"optim.ns_coefficients='cubic' is unknown; use one of quintic, polar_express"
+        Refused, match=r"optim.ns_coefficients='cubic' is unknown; use one of quintic, polar_express"
     ):
         OptimConfig(name="muon", ns_coefficients="cubic")
     with pytest.raises(
-        ValueError, match=r"optim.ns_steps=6 with optim.ns_coefficients=polar_express.*ns_steps<=5"
+        Refused, match=r"optim.ns_steps=6 with optim.ns_coefficients=polar_express.*ns_steps<=5"
     ):
         OptimConfig(name="muon", ns_coefficients="polar_express", ns_steps=6)
     assert len(optim.POLAR_EXPRESS) == POLAR_EXPRESS_STEPS  # the limit is the table's length
@@ -213,7 +214,7 @@ def test_a_polar_express_run_trains_and_resumes_bit_for_bit(tiny_cfg, tmp_path, 
 
 def test_an_unknown_optimizer_is_refused_with_the_choices(compose):
     to_objects(compose(*TINY, "optim=muon", "trainer=fsdp"))  # Muon shards (tests/engine/test_muon_fsdp.py)
-    with pytest.raises(ValueError, match="optim.name='sgd' is unknown"):
+    with pytest.raises(Refused, match="optim.name='sgd' is unknown"):
         to_objects(compose(*TINY, "optim=muon", "optim.name=sgd"))
 
 
@@ -348,5 +349,5 @@ def test_resuming_with_the_other_optimizer_is_refused_with_the_fix(tmp_path):
     path = tmp_path / "last.ckpt"
     torch.save({"global_step": 5, "hyper_parameters": {"model": asdict(model), "optim": {"lr": 1e-3}}}, path)
     check_resumable(path, model, "adamw")  # a checkpoint from before optim.name: AdamW's
-    with pytest.raises(ValueError, match=r"optim=adamw, this config has optim=muon.*set optim=adamw"):
+    with pytest.raises(Refused, match=r"optim=adamw, this config has optim=muon.*set optim=adamw"):
         check_resumable(path, model, "muon")

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+from lm.base.exits import Refused
 from lm.config import DataConfig, OptimConfig, to_objects
 from lm.engine import optim
 from lm.engine.module import short_windows
@@ -111,7 +112,7 @@ def test_the_warmup_doubles_the_window_in_even_stages_and_is_refused_by_name_whe
         (dict(seq_len=18, seq_len_warmup_steps=5), "does not divide into 4 windows"),
         (dict(seq_len_warmup_steps=-1), "seq_len_warmup_steps=-1 must be >= 0"),
     ]:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(Refused, match=match):
             DataConfig(**bad)
 
 

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 
 from lm import cli
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.config import register_configs, to_objects
 from lm.data import load_manifest, load_tokenizer, shard_paths
 from lm.data.bytes import token_byte_lengths
@@ -105,7 +105,7 @@ def test_val_bpb_is_the_validation_nats_over_the_bytes_of_text(tiny_cfg, tmp_pat
 
 def test_evals_without_lm_eval_are_refused_before_the_run_starts(tiny_cfg, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the eval extra were not installed
-    with pytest.raises(ValueError, match=r"evals .*pip install -e '\.\[eval\]'"):
+    with pytest.raises(Refused, match=r"evals .*pip install -e '\.\[eval\]'"):
         main(tiny_cfg("evals.tasks=[tiny_mc]", f"evals.include_path={TASKS}"))
     assert not (tmp_path / "runs" / "smoke").exists()
 
@@ -164,7 +164,7 @@ def test_the_doctor_refuses_a_task_whose_data_is_out_of_reach(tmp_path, tiny_cfg
     assert "allenai/ai2_arc" in errors[0] and "the Hub cannot be reached" in errors[0]
     (tasks / "tiny_mc.jsonl").unlink()
     with pytest.raises(
-        ValueError, match=r"task local_a's data cannot be had here: FileNotFoundError"
+        Refused, match=r"task local_a's data cannot be had here: FileNotFoundError"
     ) as refused:
         main(tiny_cfg("evals.tasks=[local_a]", f"evals.include_path={tasks}"))
     assert exit_code(refused.value) == EXIT_CONFIG and not (tmp_path / "runs" / "smoke").exists()

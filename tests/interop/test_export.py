@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.cli import main as lm
 from lm.config import register_configs, to_objects
 from lm.data import LMDataModule
@@ -123,13 +123,13 @@ def test_the_run_keeps_one_tokenizer_and_refuses_another_on_resume(tmp_path):
     rundir.keep_tokenizer(run_dir, first, "<|endoftext|>", 0, resumed=True)  # a resume with the same one
     assert (run_dir / rundir.TOKENIZER).read_bytes() == first.read_bytes()
     assert rundir.read_tokenizer(run_dir)["eot_id"] == 0
-    with pytest.raises(ValueError, match="data.tokenizer=.*run/tokenizer.json"):
+    with pytest.raises(Refused, match="data.tokenizer=.*run/tokenizer.json"):
         rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 0, resumed=True)
     # A fresh start in the directory (nothing to resume) trains with, and keeps, its new tokenizer.
     rundir.keep_tokenizer(run_dir, other, "<|endoftext|>", 3, resumed=False)
     assert rundir.read_tokenizer(run_dir)["eot_id"] == 3
     (run_dir / rundir.TOKENIZER).write_text("edited")
-    with pytest.raises(ValueError, match="sha256 differs"):
+    with pytest.raises(Refused, match="sha256 differs"):
         rundir.read_tokenizer(run_dir)
 
 
@@ -269,11 +269,11 @@ def source_folder(folder: Path, model_cfg: ModelConfig, **fields) -> Path:
 def test_init_from_another_architecture_is_refused_naming_the_field(tiny_cfg, tmp_path):
     model = tiny_lm(vocab_size=512, n_layer=2, d_model=64, n_head=4, max_seq_len=64)
     to_hf_model(model, eos_id=0).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ValueError, match="holds no tokenizer.json; set data.tokenizer"):
+    with pytest.raises(Refused, match="holds no tokenizer.json; set data.tokenizer"):
         to_objects(tiny_cfg(f"model.init_from={tmp_path / 'hf'}"))
     words = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a"))
     words.save(str(tmp_path / "hf" / "tokenizer.json"))
-    with pytest.raises(ValueError, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
+    with pytest.raises(Refused, match=r"model.n_layer=3 but its num_hidden_layers=2") as refused:
         main(tiny_cfg(f"model.init_from={tmp_path / 'hf'}", "model.n_layer=3"))
     assert exit_code(refused.value) == EXIT_CONFIG
     assert not (tmp_path / "runs" / "smoke").exists()  # no run directory, no lock: refused at preflight
@@ -459,7 +459,7 @@ def test_init_from_a_model_lm_cannot_express_is_refused_before_the_run_directory
     changes, message = UNEXPRESSIBLE[field]
     model_cfg = to_objects(tiny_cfg()).model
     folder = source_folder(tmp_path / "hf", model_cfg, **changes)
-    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+    with pytest.raises(Refused, match=re.escape(message)) as refused:
         main(tiny_cfg(f"model.init_from={folder}"))
     assert exit_code(refused.value) == EXIT_CONFIG and "doctor refuses" in str(refused.value)
     assert not (tmp_path / "runs" / "smoke").exists()  # no run directory, no .lock

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from lm.base.exits import Refused
 from lm.cli import main as lm
 from lm.interop.generate import complete, generate
 from lm.interop.hf import load_run
@@ -48,7 +49,7 @@ def test_generation_stops_at_the_context_and_at_the_stop_token():
     assert len(generate(model, list(range(40)), 100)) == 48 - 40
     first = generate(model, [1, 2, 3], 1)[0]
     assert generate(model, [1, 2, 3], 30, stop_id=first) == [first]
-    with pytest.raises(ValueError, match="shorten the prompt"):
+    with pytest.raises(Refused, match="shorten the prompt"):
         generate(model, list(range(48)), 5)
 
 

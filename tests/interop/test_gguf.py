@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lm.base.exits import Refused
 from lm.cli import main as lm
 from lm.data.stdlib import stdlib_documents
 from lm.data.tokenizer import EOT, EOT_ID
@@ -152,7 +153,7 @@ def test_gated_relu2_is_refused_naming_the_transformers_export_and_swiglu(levers
     """No llama.cpp architecture computes lm's gated ReLU² MLP (its llama and qwen3 gate with SiLU): a GGUF
     would give other logits, so the refusal names the two ways out."""
     check_gguf_portable(ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, qk_norm=True))
-    with pytest.raises(ValueError, match=r"--format gguf cannot carry model\.mlp=relu2_gated") as refused:
+    with pytest.raises(Refused, match=r"--format gguf cannot carry model\.mlp=relu2_gated") as refused:
         check_gguf_portable(ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, **levers))
     assert "--format hf" in str(refused.value) and "model.mlp=swiglu" in str(refused.value)
 
@@ -173,14 +174,14 @@ def test_truncate_writes_the_real_rows_as_the_hf_export(tokenizer_json, tmp_path
     assert set(reader.fields["tokenizer.ggml.token_type"].contents()[400:]) == {gguf.TokenType.UNUSED}
     assert "general.license" not in reader.fields
     assert {t.name: t for t in reader.tensors}["output.weight"].shape.tolist() == [64, 410]
-    with pytest.raises(ValueError, match="not this run's tokenizer"):
+    with pytest.raises(Refused, match="not this run's tokenizer"):
         write_gguf(opened(tiny_lm(vocab_size=300), tokenizer_json, tmp_path), tmp_path / "x.gguf",
                    dtype="fp32", vocab="truncate", license=None)  # fmt: skip
 
 
 def test_a_tokenizer_that_is_not_lms_byte_level_bpe_is_refused_naming_the_way_out(tmp_path):
     words = Tokenizer(WordLevel({EOT: 0, "a": 1}, unk_token="a"))
-    with pytest.raises(ValueError, match="convert_hf_to_gguf.py"):
+    with pytest.raises(Refused, match="convert_hf_to_gguf.py"):
         gguf_vocabulary(json.loads(words.to_str()))
 
 

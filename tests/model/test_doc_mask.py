@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lm.model
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.cli import main as lm_cli
 from lm.engine.kernels import check_liger_model
 from lm.engine.module import LMModule
@@ -119,7 +119,7 @@ def test_gradients_of_a_document_reach_only_its_own_tokens():
 def test_the_module_takes_the_datas_end_of_text_and_refuses_without_one():
     batch = torch.randint(1, 100, (2, 17), generator=torch.Generator().manual_seed(1))
     module = LMModule(ModelConfig(**TINY, doc_mask=True), {})
-    with pytest.raises(ValueError, match=r"model\.doc_mask=true needs the end-of-text id") as refused:
+    with pytest.raises(Refused, match=r"model\.doc_mask=true needs the end-of-text id") as refused:
         module.loss(batch)
     assert exit_code(refused.value) == EXIT_CONFIG
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(eot_id=7, tokenizer=None))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lm.base.exits import Refused
 from lm.model import ModelConfig, Transformer, apply_rope, rope_tables
 
 
@@ -128,5 +129,5 @@ def test_scaled_init_on_residual_projections():
     [dict(n_head=5), dict(n_kv_head=3), dict(n_layer=0)],
 )
 def test_bad_shapes_fail_with_the_key_named(bad):
-    with pytest.raises(ValueError, match="model\\."):
+    with pytest.raises(Refused, match="model\\."):
         tiny(**bad)

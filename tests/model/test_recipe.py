@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lm.base.exits import EXIT_CONFIG, exit_code
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.config import to_objects
 from lm.engine.kernels import check_liger_model
 from lm.engine.module import LMModule
@@ -148,7 +148,7 @@ def test_liger_refuses_the_levers_its_kernels_cannot_serve():
         ("logit_softcap", "model.logit_softcap=2.0"),
         ("z_loss", "model.z_loss=0.01"),
     ]:
-        with pytest.raises(ValueError, match=rf"kernels\.liger=true cannot serve {re.escape(name)}") as e:
+        with pytest.raises(Refused, match=rf"kernels\.liger=true cannot serve {re.escape(name)}") as e:
             check_liger_model(ModelConfig(**TINY, **LEVERS[lever]))
         assert exit_code(e.value) == EXIT_CONFIG
 
@@ -156,7 +156,7 @@ def test_liger_refuses_the_levers_its_kernels_cannot_serve():
 def test_liger_with_relu2_is_refused_at_preflight(tiny_cfg, tmp_path):
     """Before the CPU check (which would refuse Liger here anyway) and before any data or run directory."""
     cache = tmp_path / "fresh-cache"
-    with pytest.raises(ValueError, match=r"kernels\.liger=true cannot serve model\.mlp=relu2 "):
+    with pytest.raises(Refused, match=r"kernels\.liger=true cannot serve model\.mlp=relu2 "):
         main(tiny_cfg("kernels=liger", "model.mlp=relu2", f"data.cache_dir={cache}"))
     assert not cache.exists() and not (tmp_path / "runs").exists()
 
@@ -230,7 +230,7 @@ def test_portable_levers_export_with_parity_and_come_back_through_init_from(case
 )
 def test_an_option_no_architecture_carries_is_refused_by_export_naming_it(levers, name):
     with pytest.raises(
-        ValueError, match=rf"cannot be exported to a transformers architecture: {re.escape(name)}"
+        Refused, match=rf"cannot be exported to a transformers architecture: {re.escape(name)}"
     ):
         to_hf_model(tiny_lm(**levers), eos_id=0)
 
@@ -245,7 +245,7 @@ def test_init_from_refuses_a_llama_for_an_unportable_or_different_lever(tiny_cfg
         ("model.mlp=relu2_gated", "its hidden_act='silu' but lm's decoder has hidden_act='relu2' (model.mlp"),
         ("model.logit_softcap=15", "cannot carry model.logit_softcap=15.0"),
     ]:
-        with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        with pytest.raises(Refused, match=re.escape(message)) as refused:
             main(tiny_cfg(f"model.init_from={folder}", override))
         assert exit_code(refused.value) == EXIT_CONFIG, override
 
@@ -307,7 +307,7 @@ def test_gguf_refuses_what_llama_cpps_graphs_would_drop(lever, name):  # qk_norm
     from lm.tools.export_gguf import check_gguf_portable
 
     check_gguf_portable(ModelConfig(**TINY, z_loss=1e-4, zero_init_proj=True))  # training-only: a plain Llama
-    with pytest.raises(ValueError, match=rf"--format gguf cannot carry {re.escape(name)}"):
+    with pytest.raises(Refused, match=rf"--format gguf cannot carry {re.escape(name)}"):
         check_gguf_portable(ModelConfig(**TINY, **LEVERS[lever]))
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 
-from lm.base.exits import EXIT_PREEMPTED
+from lm.base.exits import EXIT_PREEMPTED, Refused
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig, conf_dir, to_objects
@@ -96,12 +96,12 @@ def test_the_plan_counts_the_ramp():
     ],
 )
 def test_bad_ramp_keys_are_refused_by_name(key, value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(Refused, match=match):
         DataConfig(**{"batch_ramp_steps": 10, key: value})
 
 
 def test_a_mixture_refuses_the_ramp():
-    with pytest.raises(ValueError, match="not supported with data.mixture.*data.batch_ramp_steps=0"):
+    with pytest.raises(Refused, match="not supported with data.mixture.*data.batch_ramp_steps=0"):
         DataConfig(batch_ramp_steps=10, mixture=[MixtureSource("a", dir="x")])
 
 

@@ -8,7 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.base.exits import Refused
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.run_state import KeepRunState
 from lm.config import CostConfig, GpuConfig, PhaseConfig
 from lm.model import ModelConfig
 from lm.numbers import cost
@@ -85,7 +87,7 @@ def test_peaks_and_prices():
     assert cost.peak_flops(h100, "32-true", False) is None  # no catalogued fp32 peak: no MFU, not a guess
     assert cost.price_per_hour(h100, CostConfig(pricing="spot")) == 1.49
     assert cost.price_per_hour(h100, CostConfig(price_per_hour=0.5)) == 0.5
-    with pytest.raises(ValueError, match="no spot price for gpu=a40"):
+    with pytest.raises(Refused, match="no spot price for gpu=a40"):
         cost.price_per_hour(cost.load_catalog(CONF)["a40"], CostConfig(pricing="spot"))
     assert cost.price_per_hour(GpuConfig(name="unknown"), CostConfig()) is None
     assert cost.usd(3600, 2.0, 8) == 16.0
@@ -101,7 +103,7 @@ def test_phase_at_is_a_pure_lookup():
     assert [phase_at(s, 0, phases) for s in (0, 199, 200)] == [0, 0, 1]
     assert phase_at(500, 999, phases) == 1 and phase_at(500, 1000, phases) == 2
     assert phase_at(900, 10**6, phases) == 3  # past the plan
-    with pytest.raises(ValueError, match="exactly one of end_step or end_tokens"):
+    with pytest.raises(Refused, match="exactly one of end_step or end_tokens"):
         PhaseConfig("bad")
 
 
@@ -242,7 +244,8 @@ def meter_resumed_from(tmp_path, ckpt_seconds: dict, ckpt_step: int, ledger_seco
         tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=3.6, log_every=1,
         run_dir=tmp_path,
     )  # fmt: skip
-    meter.load_state_dict({"seconds": ckpt_seconds, "tokens": 0, "step": ckpt_step, "restarts": 0})
+    saved = {"seconds": ckpt_seconds, "tokens": 0, "step": ckpt_step, "restarts": 0}
+    KeepRunState(meter).on_load_checkpoint(None, None, {"run_state": {"meter": saved}})  # as a resume does
     return meter.state.seconds
 
 

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from lm.base.exits import Refused
 from lm.callbacks.stopper import EarlyStopper
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleLaw, fit_schedule_law, lam_for
@@ -127,11 +128,11 @@ def test_the_stopper_forecasts_from_a_calibration_file_and_says_which_prior(tmp_
 def test_a_file_without_a_prior_and_an_unknown_model_are_refused(tmp_path):
     path = tmp_path / "law.json"
     path.write_text(json.dumps({"law": {"E": 1.0}, "rmse": 0.01}))
-    with pytest.raises(ValueError, match="no forecast prior in it.*lm plan --calibrate"):
+    with pytest.raises(Refused, match="no forecast prior in it.*lm plan --calibrate"):
         read_priors(path)
-    with pytest.raises(ValueError, match="unreadable"):
+    with pytest.raises(Refused, match="unreadable"):
         read_priors(tmp_path / "missing.json")
-    with pytest.raises(ValueError, match="forecast_model='power'"):
+    with pytest.raises(Refused, match="forecast_model='power'"):
         EarlyStoppingConfig(forecast_model="power")
 
 

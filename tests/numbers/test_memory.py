@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lm.base.exits import Refused
 from lm.model import ModelConfig, Transformer
 from lm.numbers import memory
 from lm.numbers.memory import estimate, fits
@@ -87,7 +88,7 @@ def Transformer_params(cfg: ModelConfig) -> int:
 
 
 def test_bad_precision_is_named():
-    with pytest.raises(ValueError, match="bf16-mixed"):
+    with pytest.raises(Refused, match="bf16-mixed"):
         estimate(ModelConfig(), batch_size=1, seq_len=8, precision="auto")
 
 

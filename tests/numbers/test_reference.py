@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lm.base.exits import Refused
 from lm.config import DataConfig, OptimConfig
 from lm.numbers import reference
 from lm.numbers.reference import Curve, curve_key, forecast, mismatch
@@ -51,7 +52,7 @@ def test_the_ratio_map_forecasts_a_run_proportional_to_its_reference_exactly():
     assert half == pytest.approx(reference.recorded_error(0.3, "ratio"))
     from lm.config import EarlyStoppingConfig
 
-    with pytest.raises(ValueError, match="forecast_reference_map='scaled': use offset or ratio"):
+    with pytest.raises(Refused, match="forecast_reference_map='scaled': use offset or ratio"):
         EarlyStoppingConfig(forecast_reference_map="scaled")
 
 
@@ -94,17 +95,17 @@ def test_a_reference_that_differs_in_schedule_batch_or_data_order_is_refused_nam
 
 
 def test_bad_reference_files_are_refused_with_what_to_do(tmp_path):
-    with pytest.raises(ValueError, match="no such run directory or curve file"):
+    with pytest.raises(Refused, match="no such run directory or curve file"):
         read_reference(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="not a JSON curve"):
+    with pytest.raises(Refused, match="not a JSON curve"):
         read_reference(tmp_path / "bad.json")
     unfinished = {"name": "u", "steps": [100, 200], "losses": [4.0, 3.5], "total_steps": 1000}
     (tmp_path / "u.json").write_text(json.dumps(unfinished))
-    with pytest.raises(ValueError, match="must have finished its schedule"):
+    with pytest.raises(Refused, match="must have finished its schedule"):
         read_reference(tmp_path / "u.json")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no config.yaml"):
+    with pytest.raises(Refused, match="no config.yaml"):
         read_reference(tmp_path / "empty")
 
 
@@ -115,7 +116,7 @@ def test_recorded_curves_load_with_their_key_and_refuse_another_schedule():
     assert wsd.key["optim.schedule"] == "wsd" and wsd.key["tokens_per_step"] == 512
     assert "data.seed" in reference.unchecked([wsd])
     cosine = read_reference(curves / "small_cosine_1000.json")
-    with pytest.raises(ValueError, match="optim.schedule: 'wsd' there, 'cosine' here"):
+    with pytest.raises(Refused, match="optim.schedule: 'wsd' there, 'cosine' here"):
         load_references([str(curves / "small_wsd_1000.json")], cosine.key)
 
 

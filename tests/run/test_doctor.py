@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
+from lm.base.exits import Refused
 from lm.cli import main as lm
 from lm.config import LMConfig, to_objects
 from lm.numbers import memory
@@ -144,7 +145,7 @@ def test_training_refuses_before_preparing_data(tiny_cfg, tmp_path):
     cfg = tiny_cfg(
         "doctor.strict=true", "model.vocab_multiple=1", "data.vocab_size=500", f"data.cache_dir={cache}"
     )
-    with pytest.raises(ValueError, match="doctor refuses") as e:
+    with pytest.raises(Refused, match="doctor refuses") as e:
         train_main(cfg)
     assert "model.vocab_multiple=64" in str(e.value)
     assert not cache.exists()  # refused before a single token was prepared

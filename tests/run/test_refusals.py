@@ -18,7 +18,7 @@ from lm.data.manifest import dataset_dir
 
 from ..conftest import CONF, TINY
 from ..conftest import train_in_process as train
-from ..harness import command
+from ..harness import command, fault
 
 ROOT = CONF.parent
 RUN = ["run.name=r", "trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.limit_val_batches=1"]
@@ -134,3 +134,25 @@ def test_supervise_stops_at_once_on_a_config_typo(run):
     result = train_process([*run, "model.n_layr=3"], supervised=True)
     assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
     assert "not restarting" in result.stderr and "restart 1" not in result.stderr
+
+
+def test_a_library_value_error_mid_run_is_a_crash_with_its_traceback_and_supervise_restarts_it(run, tmp_path):
+    """A ValueError from a library (numpy, in a callback of one's own) at step 3 is a crash, not a refusal:
+    exit 1 with its traceback (file and line), and `lm supervise` restarts it from the step-2 checkpoint."""
+    args = [*run, "trainer.max_steps=4", "checkpoint.every_n_steps=2"]
+    alone = [*args, "run.name=crash", *fault(tmp_path / "alone", "value_error", step=3)]
+    (tmp_path / "alone").mkdir()
+    result = train_process(alone)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ValueError: cannot reshape array of size 3 into shape (2,2)" in result.stderr
+    assert 'tests/faults.py", line' in result.stderr  # where it was raised
+    assert "train.py: cannot reshape" not in result.stderr  # not the one-line form of a refusal
+
+    supervised = [*args, "run.name=crash-supervised", *fault(tmp_path / "supervised", "value_error", step=3)]
+    (tmp_path / "supervised").mkdir()
+    result = train_process(supervised, supervised=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "child left with exit 1" in result.stderr and "restart 1" in result.stderr
+    assert "ValueError: cannot reshape" in result.stderr
+    assert json.loads((run_dir(run).parent / "crash-supervised" / "cost.json").read_text())["step"] == 4

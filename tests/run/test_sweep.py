@@ -58,7 +58,7 @@ def test_multirun_summary_has_one_row_per_job_with_each_runs_numbers(tmp_path, d
         assert float(row["usd_per_billion_tokens"]) == pytest.approx(ledger["usd"] / ledger["tokens"] * 1e9)
     failed = rows[-1]
     assert failed["status"] == "failed" and failed["val_loss"] == ""
-    assert "ValueError: optim.lr must be positive" in failed["stop"] and "(exit 78)" in failed["stop"]
+    assert "Refused: optim.lr must be positive" in failed["stop"] and "(exit 78)" in failed["stop"]
     md = (sweep / "sweep_summary.md").read_text()
     assert f"**Best: `optim.lr={done[0]['optim.lr']}`**" in md and "1 failed" in md
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.base.exits import Refused
 from lm.config import OptimConfig
 from lm.engine.module import LMModule, lr_lambda
 from lm.run.train import main
@@ -138,7 +139,7 @@ def test_cheap_configurations_run_a_few_steps(tiny_cfg, tmp_path, knobs):
 
 
 def test_fp16_on_a_cpu_is_refused_before_anything_is_written(tiny_cfg, tmp_path):
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+    with pytest.raises(Refused, match="needs a CUDA GPU"):
         main(tiny_cfg("precision=fp16"))
     assert not (tmp_path / "runs").exists()
 

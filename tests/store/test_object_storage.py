@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, exit_code
+from lm.base.exits import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_UNAVAILABLE, Refused, exit_code
 from lm.checkpoint.checkpointer import archive_run, find_resume_point
 from lm.checkpoint.remote import POINTER, CheckpointUploader, RemoteCheckpoints, RemoteError
 from lm.config import to_objects
@@ -198,7 +198,7 @@ def test_a_hung_upload_does_not_hold_a_stopping_run(s3, tmp_path, caplog):
 
 
 def test_upload_timeout_must_be_positive(tiny_cfg):
-    with pytest.raises(ValueError, match="upload_timeout_s=0.0 must be > 0"):
+    with pytest.raises(Refused, match="upload_timeout_s=0.0 must be > 0"):
         to_objects(tiny_cfg("checkpoint.upload_timeout_s=0"))
 
 
@@ -213,7 +213,7 @@ def test_upload_timeout_must_be_positive(tiny_cfg):
 )
 def test_a_bad_remote_is_refused_before_training(s3, tiny_cfg, tmp_path, remote, message):
     cfg = tiny_cfg(f"checkpoint.remote={remote}", "run.name=bad")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(Refused, match=message):
         main(cfg)
     assert not (tmp_path / "runs/bad/checkpoints").exists()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lm.base.exits import Refused
 from lm.numbers.stats import difference, t_interval, t_quantile, verdict, welch_interval
 from lm.store import rundir
 from lm.tools.ablate import (
@@ -130,7 +131,7 @@ def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
     shape = Shape(steps=300, val_every=30, tokens_per_step=1, flops_per_token=1.0, vocab_size=2)
     assert fraction_steps(shape, 0.6) == 180 and fraction_steps(shape, 0.1) == 30
     # 0.75 of 300 steps is 7.5 validations: refused, not silently trained as 0.8 under a 0.75 label.
-    with pytest.raises(ValueError, match="multiple of 0.1"):
+    with pytest.raises(Refused, match="multiple of 0.1"):
         fraction_steps(shape, 0.75)
     jobs = plan_jobs(spec, tmp_path, {BASELINE: shape, "v": shape})
     assert [j.name for j in jobs] == ["baseline-s0", "v-s0", "v-f0.6-s0", "baseline-s1", "v-s1", "v-f0.6-s1"]
@@ -159,7 +160,7 @@ def test_a_variant_may_set_overrides_per_shape(tmp_path):
         "data.seq_len_warmup_steps=4",
     ]
     path.write_text("variants:\n  w: {s3: [x=1]}\nshapes: {s1: [model.n_layer=1]}\ntokens_per_param: 1\n")
-    with pytest.raises(ValueError, match="variants.w.s3 names no shape"):
+    with pytest.raises(Refused, match="variants.w.s3 names no shape"):
         load_spec(path)
 
 
@@ -184,7 +185,7 @@ def test_a_variant_may_set_overrides_per_shape(tmp_path):
 def test_bad_specs_are_refused_with_the_key(tmp_path, text, message):
     path = tmp_path / "spec.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(Refused, match=message):
         load_spec(path)
 
 

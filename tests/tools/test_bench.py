@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.base.exits import Refused
 from lm.config import conf_dir
 from lm.numbers.cost import load_catalog
 from lm.tools.bench import (
@@ -71,7 +72,7 @@ def test_bench_tiny_marks_out_of_memory_and_recommends_what_fits(tmp_path, capsy
     assert "recommended" in capsys.readouterr().out
 
     # A bench of another model (the 1b on an H100) is not compared with this one.
-    with pytest.raises(ValueError, match="different models"):
+    with pytest.raises(Refused, match="different models"):
         compare([out, GPU_BENCHES / "bench-compile"], "on_demand")
 
 
@@ -94,9 +95,9 @@ def test_auto_checkpointing_row_says_what_it_resolved_to():
 
 
 def test_bad_combination_is_refused_before_any_run(tmp_path):
-    with pytest.raises(ValueError, match="n_head"):
+    with pytest.raises(Refused, match="n_head"):
         run_bench([*TINY_BENCH, "model.n_head=3,4", f"bench.out_dir={tmp_path}"])
-    with pytest.raises(ValueError, match="CUDA"):
+    with pytest.raises(Refused, match="CUDA"):
         run_bench([*TINY_BENCH, "precision=fp32,fp16", f"bench.out_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())
 
@@ -182,13 +183,13 @@ def test_compare_ranks_gpus_by_dollars_per_token_at_todays_catalog_prices(tmp_pa
 
 
 def test_compare_refuses_what_is_not_a_bench(tmp_path):
-    with pytest.raises(ValueError, match="no bench.json there"):
+    with pytest.raises(Refused, match="no bench.json there"):
         compare([tmp_path], "on_demand")
-    with pytest.raises(ValueError, match="looks like a Hydra override"):
+    with pytest.raises(Refused, match="looks like a Hydra override"):
         compare([GPU_BENCHES / "bench-auto", Path("kernels=eager")], "on_demand")
     (tmp_path / "bench.json").write_text("{half a file")
-    with pytest.raises(ValueError, match="not a bench.json"):
+    with pytest.raises(Refused, match="not a bench.json"):
         compare([tmp_path], "on_demand")
     (tmp_path / "bench.json").write_text(json.dumps({"results": "no"}))
-    with pytest.raises(ValueError, match="no `results` list"):
+    with pytest.raises(Refused, match="no `results` list"):
         compare([tmp_path / "bench.json"], "on_demand")

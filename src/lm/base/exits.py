@@ -7,10 +7,12 @@
 | 75 (`lm prepare`) | SIGTERM or SIGINT stopped a data preparation: its workers are stopped, finished units kept | resumes |
 | 65 `EXIT_DIVERGED` | non-finite again after a rollback: deterministic divergence | cannot help |
 | 74 `EXIT_SAVE_FAILED` | a checkpoint or any run file could not be written (disk full, quota, a read-only filesystem), or the run directory was removed under the run | would fail again |
-| 78 `EXIT_CONFIG` | a config, data or preflight refusal that names its fix | cannot help |
+| 78 `EXIT_CONFIG` | a refusal that names its fix (`Refused`: config, data, preflight) or a config that does not compose | cannot help |
 | 69 `EXIT_UNAVAILABLE` | something a later restart can fix is unavailable (object storage down past the retry window, the run directory locked by a live process) | resumes, after a backoff |
 
-Codes follow sysexits.h, so other supervisors read them the same way.
+Any other exception is a crash: its traceback is shown and the process exits 1, which `lm supervise`
+restarts within its policy. A library's ValueError is a crash, never a refusal: only `Refused` says "do not
+retry". Codes follow sysexits.h, so other supervisors read them the same way.
 """
 
 from __future__ import annotations
@@ -78,9 +80,17 @@ class Diverged(SystemExit):
         return "non-finite steps in a row: rolling back to the last checkpoint"
 
 
-class Refused(ValueError):
-    """A refusal whose message is a table (the doctor's: a check a line, the fix commands last): printed with
-    its lines kept, where any other refusal is printed on one line (`one_line`). Exit 78 like every ValueError."""
+class Refused(Exception):
+    """The run (or verb) refuses its input, and the message names the fix: exit 78, printed without a
+    traceback. Raised only where restarting cannot help (a config, data or preflight problem); anything else
+    is a crash. `table=True` (the doctor's) keeps the message's lines, any other refusal prints on one line.
+
+    Deliberately not a ValueError: a library's ValueError deep inside a step is a crash to restart, not a
+    refusal (a user's callback whose numpy call fails must not end the run as "do not retry")."""
+
+    def __init__(self, message: str, *, table: bool = False) -> None:
+        super().__init__(message)
+        self.table = table
 
 
 class CheckpointSaveError(OSError):
@@ -126,7 +136,7 @@ def exit_code(error: BaseException) -> int | None:
         return EXIT_SAVE_FAILED
     if isinstance(error, Unavailable):
         return EXIT_UNAVAILABLE
-    if isinstance(error, ValueError):  # a refusal that names its fix (config, data, disk)
+    if isinstance(error, Refused):  # a refusal that names its fix (config, data, disk)
         return EXIT_CONFIG
     if isinstance(error, Diverged) and error.code == EXIT_DIVERGED:
         return EXIT_DIVERGED
@@ -156,14 +166,16 @@ def one_line(error: BaseException) -> str:
     text = str(error)
     if m := WORKER_ERROR.match(text):
         kind, where = m.groups()
-        own = text.rpartition(f"\n{kind}: ")[2] or text
+        # The traceback's last line names the exception, qualified when it is not a builtin (lm's Refused).
+        last = list(re.finditer(rf"^(?:[\w.]+\.)?{kind}: ", text, re.M))
+        own = text[last[-1].end() :] if last else text
         text = f"{own.strip()} ({where})"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def readable(error: BaseException) -> str:
     """What a refusal prints: a `Refused` table with its lines, anything else on one line."""
-    return str(error) if isinstance(error, Refused) else one_line(error)
+    return str(error) if getattr(error, "table", False) else one_line(error)
 
 
 def report_progress(what: str) -> None:

@@ -28,8 +28,6 @@ class ActivationCheckpointingStride(pl.Callback):
     tests) at setup; every rank trains with its decision. `meter`: the CostMeter whose `about` records it
     (found among the trainer's callbacks when not given); `log_hparams`: also log `about` to the loggers."""
 
-    priority = 180  # after the meter, whose `about` it completes
-
     def __init__(
         self,
         decide: Callable[[], Decision],

@@ -39,8 +39,6 @@ from lm.callbacks.steps import StepWatch
 class Consensus(pl.Callback):
     """Agree on named boolean flags across ranks, one optimizer step late and without a host sync."""
 
-    priority = 90  # after every callback that votes: at each step it launches the agreement on their votes
-
     def __init__(self) -> None:
         self.names: list[str] = []
         self._votes: dict[str, bool] = {}

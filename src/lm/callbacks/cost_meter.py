@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +18,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lm.callbacks.steps import StepWatch
+from lm.checkpoint.run_state import MeterState, RunState
 from lm.numbers import cost
 from lm.numbers.batch_ramp import BatchRamp
 from lm.store import rundir
 from lm.store.rundir import BUCKETS
-
-
-@dataclass
-class Meter:
-    """Everything the meter must carry across a resume."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
-    tokens: int = 0
-    step: int = 0
-    restarts: int = 0
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds.values())
 
 
 class CostMeter(Callback):
@@ -43,10 +30,9 @@ class CostMeter(Callback):
 
     Money is wall-clock seconds x $/hour x devices / 3600, accumulated over every process of the run.
     The ledger (`cost.json` in `run_dir`, rewritten at each log point) outlives a crash, so a resumed run
-    also pays for the steps its predecessor did after its last checkpoint.
+    also pays for the steps its predecessor did after its last checkpoint. What it carries across resumes is
+    the `meter` section of the run's `RunState` (`state`), saved and restored with the rest of it.
     """
-
-    priority = 190  # counts each step's tokens and time before every callback below reads them
 
     def __init__(
         self,
@@ -60,7 +46,9 @@ class CostMeter(Callback):
         started_at: float | None = None,
         about: dict[str, Any] | None = None,
         ramp: BatchRamp | None = None,
+        run_state: RunState | None = None,
     ) -> None:
+        self.run = run_state if run_state is not None else RunState()
         self.tokens_per_device_step = tokens_per_device_step
         self.tokens_per_step = tokens_per_device_step  # x world size, known at setup
         # The tokens of each step (a batch-size ramp's first steps have fewer); one device's until setup.
@@ -71,7 +59,6 @@ class CostMeter(Callback):
         self.log_every = max(1, log_every)
         self.run_dir = run_dir
         self.about = about or {}  # what the run resolved `auto` to (device, precision, ...), for the report
-        self.state = Meter()
         self.n_devices = 1
         self._bucket = "startup"
         self._resumed = False
@@ -79,6 +66,11 @@ class CostMeter(Callback):
         self._window: tuple[float, int] | None = None  # (train seconds, tokens) at the last log point
         self.steps = StepWatch()
         self.last_rate: float | None = None
+
+    @property
+    def state(self) -> MeterState:
+        """The run's cost ledger (RunState's `meter` section)."""
+        return self.run.meter
 
     # --- clock -------------------------------------------------------------------------------------------
 
@@ -138,20 +130,15 @@ class CostMeter(Callback):
         self.switch("train")
         self.write_ledger(trainer)
 
-    def state_dict(self) -> dict[str, Any]:
-        # Lightning asks for this exactly when it writes a checkpoint: what follows is checkpoint time.
-        self.switch("checkpoint")
-        return {
-            "seconds": dict(self.state.seconds),
-            "tokens": self.state.tokens,
-            "step": self.state.step,
-            "restarts": self.state.restarts,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def before_restore(self) -> float:
+        """Called just before a checkpoint's RunState replaces the ledger: this process's start-up so far."""
         self.switch("startup")
-        startup = self.state.seconds["startup"]  # this process's start-up until the restore
-        self.state = Meter(dict(state["seconds"]), state["tokens"], state["step"], state["restarts"] + 1)
+        return self.state.seconds["startup"]
+
+    def restored(self, startup: float) -> None:
+        """Called once the checkpoint's ledger is in place: this start-up is a restart's cost, and time the
+        previous process spent after that checkpoint (cost.json) is paid for."""
+        self.state.restarts += 1
         self._resumed = True
         self.state.seconds["restart"] += startup
         ledger = rundir.read_ledger(self.run_dir) if self.run_dir is not None else None
@@ -160,7 +147,7 @@ class CostMeter(Callback):
         later = {b: max(0.0, ledger["seconds"].get(b, 0.0) - self.state.seconds[b]) for b in BUCKETS}
         if ledger.get("step") == self.state.step:
             # Nothing was trained after this checkpoint: what the ledger holds beyond it is real time of its
-            # own bucket (the final save's write, which the snapshot in `state_dict` precedes; the shutdown).
+            # own bucket (the final save's write, which the snapshot precedes; the shutdown).
             for bucket, seconds in later.items():
                 self.state.seconds[bucket] += seconds
         else:

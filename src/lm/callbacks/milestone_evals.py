@@ -34,8 +34,6 @@ class BenchmarkEvaluator(MilestoneCallback):
     crashed after an evaluation but before its next checkpoint does not pay for that evaluation again.
     """
 
-    priority = 150  # reads the meter's count of the step
-
     def __init__(self, cfg: EvalsConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
         super().__init__(cfg, phases, meter, run_dir)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 
@@ -26,20 +25,14 @@ log = logging.getLogger(__name__)
 class MilestoneSampler(MilestoneCallback):
     """Appends one record per prompt x mode x milestone to the run's samples.jsonl.
 
-    The steps already sampled (`done`) are in the checkpoint, so a resume never repeats or skips a milestone."""
-
-    priority = 160  # reads the meter's count of the step
+    The steps already sampled (`done`) are RunState's `samples`, saved with every checkpoint, so a resume
+    never repeats or skips a milestone."""
 
     def __init__(
         self, cfg: SamplingConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path
     ) -> None:
         super().__init__(cfg, phases, meter, run_dir)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"done": sorted(self.done)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.done = set(state["done"])
+        self.done = meter.run.samples
 
     # --- sampling ----------------------------------------------------------------------------------------
 

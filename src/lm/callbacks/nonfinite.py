@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import lightning.pytorch as pl
 import torch
 
 from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 from lm.callbacks.host_copy import HostCopy
+from lm.checkpoint.run_state import RunState
 from lm.engine.parallel import grad_norm
 from lm.store import rundir
 
@@ -35,13 +36,13 @@ class NonFiniteGuard(pl.Callback):
     divergence is deterministic and the run stops with `EXIT_DIVERGED` for a human to look at.
     """
 
-    priority = 110  # decides a step's skip before the spike guard joins its verdict
-
-    def __init__(self, max_in_a_row: int = 3, ckpt_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, max_in_a_row: int = 3, ckpt_dir: str | Path | None = None, run_state: RunState | None = None
+    ) -> None:
         self.max_in_a_row = max_in_a_row
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
-        self.skipped = 0
-        self.in_a_row = 0
+        self.guards = (run_state if run_state is not None else RunState()).guards
+        """The counters, in RunState (a save inside a streak of skipped steps resumes inside it)."""
         self._start_step = 0
         self._pending: tuple[int, HostCopy] | None = None  # (step, verdict) not yet read by the host
         self._trainer: pl.Trainer | None = None
@@ -68,7 +69,7 @@ class NonFiniteGuard(pl.Callback):
             self._pending = (trainer.global_step, HostCopy(nonfinite))
             return
         if not nonfinite:  # a host sync, but only on the unfused path (CPU, fp16)
-            self.in_a_row = 0
+            self.guards.in_a_row = 0
             return
         for p in pl_module.parameters():
             p.grad = None  # AdamW skips parameters without gradients: no update, no moment change
@@ -86,32 +87,24 @@ class NonFiniteGuard(pl.Callback):
         if bool(nonfinite):
             self.record(self._trainer, step, log_metric)
         else:
-            self.in_a_row = 0
+            self.guards.in_a_row = 0
 
     def record(self, trainer: pl.Trainer, step: int, log_metric: bool) -> None:
         """Count a skipped step; roll back after `max_in_a_row` of them in a row."""
-        self.skipped += 1
-        self.in_a_row += 1
+        g = self.guards
+        g.skipped += 1
+        g.in_a_row += 1
         if log_metric:  # only from hooks where Lightning allows logging
-            trainer.lightning_module.log("train/skipped_steps", float(self.skipped))
+            trainer.lightning_module.log("train/skipped_steps", float(g.skipped))
         log.warning(
             "step %d: non-finite loss/gradients, step skipped (%d in a row, %d in this run)",
             step,
-            self.in_a_row,
-            self.skipped,
+            g.in_a_row,
+            g.skipped,
         )
-        if self.in_a_row >= self.max_in_a_row:
-            what = f"{self.in_a_row} non-finite steps in a row"
+        if g.in_a_row >= self.max_in_a_row:
+            what = f"{g.in_a_row} non-finite steps in a row"
             roll_back(trainer, self.ckpt_dir, resume_step(trainer, self._start_step), what)
-
-    def state_dict(self) -> dict[str, Any]:
-        self.settle()  # a checkpoint holds the count up to its own step
-        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A save inside a streak of skipped steps resumes inside it: the rollback comes at the same step.
-        self.skipped = state_dict.get("skipped", 0)
-        self.in_a_row = state_dict.get("in_a_row", 0)
 
 
 def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bool:

@@ -29,23 +29,30 @@ class PhaseTracker(Callback):
     from the CostMeter, so they include evaluation, checkpoint writes and restarts within the phase.
     """
 
-    priority = 170  # reads the meter's count of the step
-
     def __init__(self, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path, eval_batches: int) -> None:
         self.phases = phases
         self.meter = meter
         self.run_dir = run_dir
         self.steps = StepWatch()
         self.eval_batches = eval_batches
-        self.rows: list[dict[str, Any]] = []
-        self.start: dict[str, Any] | None = None  # progress when the current phase began
+        self.table = meter.run.phases
+        """The closed rows and the current phase's start, in the run's RunState (the meter's)."""
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.table.rows
+
+    @property
+    def start(self) -> dict[str, Any] | None:
+        """Progress when the current phase began (None before the first step of a fresh run)."""
+        return self.table.start
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start(trainer)
         if self.start is None:  # a fresh run (a resumed one restored its phase start from the checkpoint)
-            self.start = self.snapshot(trainer, pl_module)
+            self.table.start = self.snapshot(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.steps.ended(trainer) or self.start is None:
@@ -56,7 +63,7 @@ class PhaseTracker(Callback):
             end = self.snapshot(trainer, pl_module)
             self.rows.append(self.row(self.start, end, status="done"))
             log.info("phase %d (%s) done: %s", self.start["phase"] + 1, self.rows[-1]["name"], self.rows[-1])
-            self.start = end
+            self.table.start = end
             self.write(trainer, partial=None)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -66,12 +73,6 @@ class PhaseTracker(Callback):
             self.write(
                 trainer, partial=self.row(self.start, self.snapshot(trainer, pl_module), status="partial")
             )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rows": self.rows, "start": self.start}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows, self.start = state["rows"], state["start"]
 
     # --- phase accounting --------------------------------------------------------------------------------
 

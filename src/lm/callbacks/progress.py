@@ -16,8 +16,6 @@ class LossProgressBar(TQDMProgressBar):
     already pays one copy at each logging step; the bar reads the loss there and shows it until the next.
     """
 
-    priority = -200  # last: it only shows what the others logged
-
     def __init__(self, refresh_rate: int = 1) -> None:
         super().__init__(refresh_rate=refresh_rate)
         self._loss: float | None = None

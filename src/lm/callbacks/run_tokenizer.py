@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.checkpoint.files import step_files
 from lm.config import DataConfig
@@ -24,8 +25,6 @@ class KeepTokenizer(Callback):
     """At setup, after the data is prepared (the tokenizer may be trained only then) and before the first
     step: rank 0 copies the data's tokenizer.json into the run directory, restores a damaged copy from it on
     a resume, or refuses a resume whose data was made by another tokenizer (exit 78)."""
-
-    priority = 10  # setup only: its place among lm's callbacks does not matter
 
     def __init__(self, run_dir: Path, resumed: bool) -> None:
         self.run_dir = run_dir
@@ -49,7 +48,7 @@ def prepared_tokenizer(data: DataConfig) -> Path | None:
             folder = prepared_folder(sources[0]) if sources else None
         else:
             folder = prepared_folder(data)
-    except (OSError, ValueError) as e:  # a data problem: preparation reports it by name
+    except (OSError, Refused) as e:  # a data problem: preparation reports it by name
         log.debug("doctor: prepared data not located (%s)", e)
         return None
     path = folder / TOKENIZER if folder is not None else None
@@ -66,7 +65,7 @@ def tokenizer_findings(run_dir: Path, data: DataConfig, resume: bool) -> list[Fi
     kept = run_dir / rundir.TOKENIZER
     try:
         source = rundir.restore_tokenizer(run_dir, prepared_tokenizer(data), write=False)
-    except ValueError as e:
+    except Refused as e:
         fix = f"copy a tokenizer.json with sha256 {info['sha256']} to {kept}, or run.resume=false"
         return [Finding("tokenizer", "error", str(e), "a run whose token ids mean what they did", fix)]
     if source is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lm.callbacks.host_copy import HostCopy
 from lm.callbacks.nonfinite import resume_step, roll_back, skip_update, skips_on_device
+from lm.checkpoint.run_state import GuardState, RunState
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,25 @@ class SpikeDetector:
     non-finite losses never enter the window, so a run of spikes cannot raise the bar it is judged against.
     """
 
-    def __init__(self, factor: float | None, window: int, max_spikes: int) -> None:
+    def __init__(
+        self, factor: float | None, window: int, max_spikes: int, guards: GuardState | None = None
+    ) -> None:
         self.factor, self.window, self.max_spikes = factor, window, max_spikes
-        self.losses: deque[float] = deque(maxlen=window)
-        self.recent: deque[int] = deque()  # steps of the spikes within the last `window` steps
-        self.spikes = 0
+        self.guards = guards if guards is not None else GuardState()
+        """The window, the recent spikes and the count live in RunState's guard section."""
+
+    @property
+    def losses(self) -> deque[float]:
+        return self.guards.spike_losses
+
+    @property
+    def recent(self) -> deque[int]:
+        """Steps of the spikes within the last `window` steps."""
+        return self.guards.spike_recent
+
+    @property
+    def spikes(self) -> int:
+        return self.guards.spikes
 
     def threshold(self) -> float | None:
         """The loss above which the next step is a spike; None while the window fills."""
@@ -55,20 +70,14 @@ class SpikeDetector:
         if not spike:
             if math.isfinite(loss):  # a NaN step is the non-finite guard's
                 self.losses.append(loss)
+                while len(self.losses) > self.window:
+                    self.losses.popleft()
             return False
-        self.spikes += 1
+        self.guards.spikes += 1
         self.recent.append(step)
         while self.recent[0] <= step - self.window:
             self.recent.popleft()
         return len(self.recent) >= self.max_spikes
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses), "recent": list(self.recent), "spikes": self.spikes}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.losses = deque(state["losses"], maxlen=self.window)
-        self.recent = deque(state["recent"])
-        self.spikes = state["spikes"]
 
 
 class SpikeGuard(pl.Callback):
@@ -89,12 +98,17 @@ class SpikeGuard(pl.Callback):
     rolled back keeps its data order.
     """
 
-    priority = 100  # after the non-finite guard, whose `found_inf` it joins
-
-    def __init__(self, factor: float | None, window: int, max_spikes: int, ckpt_dir: str | Path) -> None:
-        self.detector = SpikeDetector(factor, window, max_spikes)
+    def __init__(
+        self,
+        factor: float | None,
+        window: int,
+        max_spikes: int,
+        ckpt_dir: str | Path,
+        run_state: RunState | None = None,
+    ) -> None:
+        self.guards = (run_state if run_state is not None else RunState()).guards
+        self.detector = SpikeDetector(factor, window, max_spikes, self.guards)
         self.ckpt_dir = Path(ckpt_dir)
-        self.skip_windows: list[tuple[int, int]] = []
         self._loss: torch.Tensor | None = None  # this optimizer step's loss so far
         self._pending: tuple[int, float | None, HostCopy] | None = None  # (step, threshold, [loss, spike])
         self._trainer: pl.Trainer | None = None
@@ -102,13 +116,27 @@ class SpikeGuard(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        recorded = rundir.read_record(self.ckpt_dir / rundir.ROLLBACKS) or {}
-        self.use_skips(recorded.get("skip_windows", []))
+        self.use_skips(self.recorded_skips())
 
-    def use_skips(self, windows: Iterable[Sequence[int]]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # RunState (restored by KeepRunState, listed before this guard) holds the checkpoint's windows; a
+        # rollback since it recorded its window in rollbacks.json only.
+        self.use_skips(self.recorded_skips())
+
+    def recorded_skips(self) -> list[list[int]]:
+        """The data windows rollbacks.json lists (a rollback writes it before its exit)."""
+        return (rundir.read_record(self.ckpt_dir / rundir.ROLLBACKS) or {}).get("skip_windows", [])
+
+    @property
+    def skip_windows(self) -> list[tuple[int, int]]:
+        return self.guards.skip_windows
+
+    def use_skips(self, windows: Iterable[Sequence[int]] = ()) -> None:
         """Add skipped data windows and hand them to the data module (after setup and the checkpoint restore,
         before the training loader is built: the sampler is made with them)."""
-        self.skip_windows = sorted(set(self.skip_windows) | {(int(a), int(b)) for a, b in windows})
+        self.guards.skip_windows = sorted(set(self.skip_windows) | {(int(a), int(b)) for a, b in windows})
         if self._trainer is not None and self._trainer.datamodule is not None:
             self._trainer.datamodule.skip_windows = list(self.skip_windows)
 
@@ -168,14 +196,6 @@ class SpikeGuard(pl.Callback):
             start = resume_step(self._trainer, self._start_step)
             what = f"{len(self.detector.recent)} loss spikes within {self.detector.window} steps"
             roll_back(self._trainer, self.ckpt_dir, start, what, skip=(start, step))
-
-    def state_dict(self) -> dict[str, Any]:
-        self.settle()  # a checkpoint holds the window up to its own step
-        return {"detector": self.detector.state_dict(), "skip_windows": [list(w) for w in self.skip_windows]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.detector.load_state_dict(state_dict["detector"])
-        self.use_skips(state_dict["skip_windows"])
 
 
 def global_mean(trainer: pl.Trainer, loss: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
 
 from lm.base.exits import EXIT_PREEMPTED, Preempted
 from lm.callbacks.consensus import Consensus
@@ -48,26 +45,6 @@ def _no_broadcast() -> None:
     """Stands in for Lightning's per-batch SIGTERM broadcast while a SpotGuard owns the stop signals."""
 
 
-def rng_state() -> dict[str, Any]:
-    """Every generator a training step may draw from, as tensors and plain values (so checkpoints still load
-    with `weights_only=True`)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def finishing(trainer: pl.Trainer) -> bool:
     """Whether the step that just ended is the run's last: max_steps reached, or a stopper already ended it."""
     max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
@@ -75,13 +52,11 @@ def finishing(trainer: pl.Trainer) -> bool:
 
 
 class SpotGuard(pl.Callback):
-    """SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit `EXIT_PREEMPTED`; carries the RNG state.
+    """SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit `EXIT_PREEMPTED`.
 
     Replaces Lightning's SIGTERM handler while training, because that one runs a collective inside the
     handler, aborts validation mid-way and exits with code 0 (which a restarter reads as "finished").
     """
-
-    priority = 130  # votes in the consensus; before the checkpoint callback, which saves what it asks
 
     def __init__(
         self,
@@ -169,12 +144,3 @@ class SpotGuard(pl.Callback):
     ) -> None:
         global _shield_children
         _shield_children = False
-
-    # -- state carried in the checkpoint ---------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": rng_state()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "rng" in state_dict:
-            set_rng_state(state_dict["rng"])

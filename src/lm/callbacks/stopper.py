@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from lm.base.tables import fmt_money
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.steps import StepWatch
+from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
 from lm.numbers.loss_prior import fit_forecast, read_priors
@@ -36,19 +36,6 @@ from lm.numbers.reference import forecast as reference_forecast
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ValPoint:
-    """One validation point of the run."""
-
-    step: int
-    tokens: int
-    usd: float | None
-    loss: float
-    """Validation loss as measured."""
-    smoothed: float
-    """After the EMA of `early_stopping.smoothing`; what the criteria read."""
 
 
 def marginal_usd_per_loss_point(points: list[ValPoint], window: int) -> float | None:
@@ -78,8 +65,6 @@ class EarlyStopper(Callback):
     """See the module docstring. The plan's end (`plan_end_steps`, or `plan_end_tokens` turned into steps
     once the meter knows the tokens per step) and `chinchilla_tokens` are where the forecast is read."""
 
-    priority = 140  # reads the meter's money and tokens; votes in the consensus
-
     def __init__(
         self,
         cfg: EarlyStoppingConfig,
@@ -107,10 +92,8 @@ class EarlyStopper(Callback):
         self.plan_end_steps = plan_end_steps
         self.plan_end_tokens = plan_end_tokens  # turned into steps once the meter knows tokens per step
         self.chinchilla_tokens = chinchilla_tokens
-        self.points: list[ValPoint] = []
-        self.best: float = math.inf
-        self.since_best = 0
-        self.decision: dict[str, Any] | None = None
+        self.run = meter.run if meter is not None else RunState()
+        """The run's RunState: the stopper's history and decision (`stopper`), the LR cooldown it starts."""
         self.optim, self.schedule_steps = optim, schedule_steps
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
         self.priors = read_priors(cfg.forecast_prior) if cfg.forecast_prior else {}
@@ -125,6 +108,28 @@ class EarlyStopper(Callback):
         self.usd_before: float | None = None
         """Dollars at the previous optimizer step: the record shows the cap was crossed by this step."""
 
+    # --- its state, in RunState ---------------------------------------------------------------------------
+
+    @property
+    def points(self) -> list[ValPoint]:
+        return self.run.stopper.points
+
+    @property
+    def best(self) -> float:
+        return self.run.stopper.best
+
+    @property
+    def since_best(self) -> int:
+        return self.run.stopper.since_best
+
+    @property
+    def decision(self) -> dict[str, Any] | None:
+        return self.run.stopper.decision
+
+    @decision.setter
+    def decision(self, value: dict[str, Any] | None) -> None:
+        self.run.stopper.decision = value
+
     # --- the criteria (pure: no trainer needed, so recorded metrics can be replayed) ---------------------
 
     def observe(self, step: int, tokens: int, usd: float | None, loss: float) -> tuple[str, str] | None:
@@ -132,10 +137,11 @@ class EarlyStopper(Callback):
         a = self.cfg.smoothing
         smoothed = loss if not self.points else a * self.points[-1].smoothed + (1 - a) * loss
         self.points.append(ValPoint(step, tokens, usd, loss, smoothed))
-        if smoothed < self.best - self.cfg.min_delta:
-            self.best, self.since_best = smoothed, 0
+        s = self.run.stopper
+        if smoothed < s.best - self.cfg.min_delta:
+            s.best, s.since_best = smoothed, 0
         else:
-            self.since_best += 1
+            s.since_best += 1
         self.last_reference = self.fit_reference()
         self.last_schedule = self.fit_schedule()
         self.last_choices = self.schedule_choices()
@@ -237,7 +243,7 @@ class EarlyStopper(Callback):
         else:
             log.info("the early stop at step %d no longer applies; training continues", self.decision["step"])
             self.decision = None
-            pl_module.lr_cooldown = None
+            self.run.lr_cooldown = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.steps.ended(trainer) or (self.decision and self.decision.get("stopped")):
@@ -290,18 +296,6 @@ class EarlyStopper(Callback):
         if said and self.decision is None:
             self.decide(trainer, pl_module, *said, cooldown=self.cooldown_applies())
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "points": [asdict(p) for p in self.points],
-            "best": self.best,
-            "since_best": self.since_best,
-            "decision": self.decision,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.points = [ValPoint(**p) for p in state["points"]]
-        self.best, self.since_best, self.decision = state["best"], state["since_best"], state["decision"]
-
     # --- deciding and stopping ---------------------------------------------------------------------------
 
     def budget_reason(self) -> tuple[str, str] | None:
@@ -337,7 +331,7 @@ class EarlyStopper(Callback):
         if cooldown:
             length = max(1, math.ceil(self.cfg.cooldown_fraction * step))
             self.decision["cooldown"] = [step, length]
-            pl_module.lr_cooldown = (step, length)
+            self.run.lr_cooldown = (step, length)  # the LR schedule reads it from RunState
             log.warning(
                 "early stop decided at step %d: %s; cooling the LR down over %d steps", step, reason, length
             )

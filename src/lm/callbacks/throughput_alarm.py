@@ -24,8 +24,6 @@ class ThroughputAlarm(pl.Callback):
     agree on it through `consensus` (under DDP/FSDP the alarm acts one step after a rank raised it).
     """
 
-    priority = 120  # votes in the consensus; before the checkpoint callback, which saves what it asks
-
     def __init__(
         self,
         ratio: float = 0.6,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -40,7 +41,6 @@ class RunCheckpoint(ModelCheckpoint):
     # Lightning's own defaults, named from `lm.checkpoint.files` so the files it writes are the ones resume finds.
     CHECKPOINT_NAME_LAST = LAST_STEM
     FILE_EXTENSION = SUFFIX
-    priority = -100  # after every callback that may ask for a save; Lightning moves checkpoints last anyway
 
     def __init__(self, dirpath: Path, cfg: CheckpointConfig, remote: RemoteCheckpoints | None = None) -> None:
         super().__init__(
@@ -74,6 +74,11 @@ class RunCheckpoint(ModelCheckpoint):
                 io.format.on_complete = self.completed if trainer.is_global_zero else None
         if trainer.is_global_zero:
             check_run_fits(Path(self.dirpath), expected, self.cfg.keep_last)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Nothing of ModelCheckpoint's top-k bookkeeping is resumed (rotation reads the files on disk): what a
+        # checkpoint resumes beyond weights, optimizer and scheduler is RunState alone.
+        return {}
 
     def completed(self, path: Path) -> None:
         """Rank 0, once a background save is complete and in place: `last.ckpt` moves to it, then rotation."""

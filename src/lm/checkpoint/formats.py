@@ -16,6 +16,7 @@ format between invocations and resume from whichever is newest.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import warnings
@@ -224,7 +225,8 @@ class AsyncShardedFolder(ShardedFolder):
         future = dcp.async_save(
             tensors, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager
         )  # returns once the shards are staged: training may change the live tensors from here on
-        meta = {k: v for k, v in checkpoint.items() if k not in files.TENSOR_KEYS}
+        # Copied now, while it is this step's: `meta.pt` is written when the shards are, steps later.
+        meta = copy.deepcopy({k: v for k, v in checkpoint.items() if k not in files.TENSOR_KEYS})
         self.pending = (future, meta, tmp, path)
         return 0  # the size is known once written (`wait`)
 

@@ -19,7 +19,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from lm.base.exits import UNWRITABLE, CheckpointSaveError, report_progress
+from lm.base.exits import UNWRITABLE, CheckpointSaveError, Refused, report_progress
 from lm.base.findings import Finding
 from lm.checkpoint.files import LAST, checkpoint_step, read, remove, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
@@ -163,7 +163,7 @@ def check_run_fits(dirpath: Path, ckpt_bytes: int, keep_last: int) -> None:
     dirpath.mkdir(parents=True, exist_ok=True)
     keep, need, free = checkpoint_space(dirpath, ckpt_bytes, keep_last)
     if need > free:
-        raise ValueError(
+        raise Refused(
             f"checkpoints will not fit: keeping {keep} of ~{gib(ckpt_bytes)} each (plus one being written) "
             f"needs {gib(need)} more in {dirpath}, which has {gib(free)} free. Free space, move "
             f"run.root to a bigger disk, or lower checkpoint.keep_last"

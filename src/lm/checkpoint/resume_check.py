@@ -23,16 +23,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lm.base.exits import Refused
 from lm.checkpoint import files
+from lm.checkpoint.run_state import from_checkpoint
 from lm.config import DataConfig
 from lm.data.datamodule import LMDataModule
 from lm.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
-SETTINGS = "resume_settings"
-"""Checkpoint key of the run settings that are not hyper-parameters (the schedule's span, clipping, the data
-stream)."""
+
+def saved_settings(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The run settings a checkpoint was trained with that are not hyper-parameters (the schedule's span,
+    clipping, the data stream): RunState's `settings`."""
+    return (from_checkpoint(ckpt) or {}).get("settings", {})
+
 
 GLOBAL_BATCH = "samples per step (data.batch_size x devices x nodes x accumulation)"
 RAMP = "data.batch_ramp_steps, data.batch_ramp_start"
@@ -132,7 +137,7 @@ def check_resumable(
     # optim.name: AdamW's and Muon's states differ in groups and contents (checkpoints before it: AdamW).
     was = ckpt.get("hyper_parameters", {}).get("optim", {}).get("name", "adamw")
     if was != optimizer:
-        raise ValueError(
+        raise Refused(
             f"{ckpt_path} (step {ckpt['global_step']}) was trained with optim={was}, this config has "
             f"optim={optimizer}: the optimizer state cannot carry over; set optim={was} to continue the run, or "
             f"start a new one with run.resume=false (the old run moves to archive/) or another run.name"
@@ -145,7 +150,7 @@ def check_resumable(
     before, now = architecture(ModelConfig(**saved)), architecture(model)
     changed = [f"{key}={before[key]} -> {now[key]}" for key in now if before[key] != now[key]]
     if changed:
-        raise ValueError(
+        raise Refused(
             f"{ckpt_path} (step {ckpt['global_step']}) holds another model than this config: "
             f"{', '.join(changed)}. Weights and optimizer state cannot carry over; set the checkpoint's values "
             f"to continue the run, or start a new one with run.resume=false (the old run moves to archive/) "
@@ -155,13 +160,13 @@ def check_resumable(
 
 def check_stream(ckpt_path: Path, ckpt: dict[str, Any], data: DataConfig) -> None:
     """Refuse a changed `stream_keys` value (checkpoints from before they were recorded: nothing to compare)."""
-    before = ckpt.get(SETTINGS, {})
+    before = saved_settings(ckpt)
     now = stream_keys(data)
     changed = [
         f"{key}={before[key]} -> {now[key]}" for key in now if key in before and before[key] != now[key]
     ]
     if changed:
-        raise ValueError(
+        raise Refused(
             f"{ckpt_path} (step {ckpt['global_step']}) was trained on another data stream: {', '.join(changed)}. "
             f"The resumed position (step x global batch windows) would name other tokens, so the run cannot "
             f"continue where it stopped; set the checkpoint's values to continue the run, or start a new run "
@@ -190,12 +195,11 @@ class ResumeCheck(pl.Callback):
     data.batch_size) re-reads or skips windows; the meter's tokens per step tell.
     """
 
-    priority = 200  # first: ranks that resumed differently would pair up any later hook's collectives wrongly
-
     def __init__(self, meter=None) -> None:
         self.meter = meter
         self.previous: dict[str, Any] | None = None
-        """The resumed checkpoint's settings (flattened hyper-parameters + `SETTINGS`); None on a fresh run."""
+        """The resumed checkpoint's settings (flattened hyper-parameters + RunState's `settings`); None on a
+        fresh run."""
 
     @staticmethod
     def run_settings(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -206,22 +210,17 @@ class ResumeCheck(pl.Callback):
             **stream_settings(trainer),
         }
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        checkpoint[SETTINGS] = self.run_settings(trainer, pl_module)
-
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         hparams = flat_settings(checkpoint.get("hyper_parameters", {}))
-        self.previous = {**hparams, **checkpoint.get(SETTINGS, {})}
+        self.previous = {**hparams, **saved_settings(checkpoint)}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:
             rank0_step = trainer.strategy.broadcast(trainer.global_step, src=0)
             if trainer.strategy.reduce_boolean_decision(rank0_step != trainer.global_step, all=False):
-                raise ValueError(
+                raise Refused(
                     f"rank {trainer.global_rank} starts at step {trainer.global_step}, rank 0 at step "
                     f"{rank0_step} (or another rank disagrees): every node must see the same checkpoints. "
                     "Put run.root on storage that all nodes share"

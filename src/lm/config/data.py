@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lm.base.exits import Refused
+
 SOURCES = ("stdlib", "text", "hf", "tokens")
 VERIFY = ("size", "cached", "full")
 ON_EXHAUSTED = ("stop", "renormalise")
@@ -29,17 +31,17 @@ class MixtureSource:
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
-            raise ValueError(
+            raise Refused(
                 f"data.mixture source name {self.name!r} must be letters, digits, '_', '-' or '.' (it becomes "
                 f"the metric val/loss/<name>)"
             )
         if (self.dir is None) == (not self.data):
-            raise ValueError(
+            raise Refused(
                 f"data.mixture source '{self.name}' needs exactly one of dir (a prepared folder) or data "
                 f"(a corpus to prepare, e.g. {{source: text, paths: ['corpus/*.txt']}})"
             )
         if self.weight < 0 or (self.max_epochs is not None and self.max_epochs <= 0):
-            raise ValueError(
+            raise Refused(
                 f"data.mixture source '{self.name}': weight={self.weight} must be >= 0 and max_epochs="
                 f"{self.max_epochs} positive or null"
             )
@@ -129,25 +131,25 @@ class DataConfig:
     def check_inputs(self) -> None:
         """The source's required fields; checked when data is prepared, so every data=* option composes."""
         if self.source == "text" and not self.paths:
-            raise ValueError("data=text needs data.paths, e.g. data.paths='corpus/**/*.txt'")
+            raise Refused("data=text needs data.paths, e.g. data.paths='corpus/**/*.txt'")
         if self.source == "hf" and not self.name:
-            raise ValueError("data=hf needs data.name, e.g. data.name=HuggingFaceFW/fineweb-edu")
+            raise Refused("data=hf needs data.name, e.g. data.name=HuggingFaceFW/fineweb-edu")
         if self.source == "tokens" and not self.dir:
-            raise ValueError("data=tokens needs data.dir, the folder `lm prepare` wrote")
+            raise Refused("data=tokens needs data.dir, the folder `lm prepare` wrote")
 
     def check_ramp(self) -> None:
         """The batch-size ramp's keys; a mixture's allocation counts full-batch steps, so it has no ramp."""
         if self.batch_ramp_steps < 0:
-            raise ValueError(
+            raise Refused(
                 f"data.batch_ramp_steps={self.batch_ramp_steps} must be >= 0 (0 turns the batch-size ramp off)"
             )
         if not 0 < self.batch_ramp_start <= 1:
-            raise ValueError(
+            raise Refused(
                 f"data.batch_ramp_start={self.batch_ramp_start} must be in (0, 1]: the share of data.batch_size "
                 f"the ramp starts at, e.g. 0.25"
             )
         if self.batch_ramp_steps and self.mixture:
-            raise ValueError(
+            raise Refused(
                 "data.batch_ramp_steps is not supported with data.mixture yet (the mixture's allocation counts "
                 "full-batch steps); set data.batch_ramp_steps=0"
             )
@@ -156,25 +158,25 @@ class DataConfig:
         """The sequence-length warm-up's keys: its windows must tile seq_len exactly, so a step's tokens and
         targets are the full windows' own."""
         if self.seq_len_warmup_steps < 0:
-            raise ValueError(
+            raise Refused(
                 f"data.seq_len_warmup_steps={self.seq_len_warmup_steps} must be >= 0 (0 turns the warm-up off)"
             )
         start = self.seq_len_warmup_start
         pieces = round(1 / start) if 0 < start <= 1 else 0
         if pieces < 1 or pieces & (pieces - 1) or abs(start * pieces - 1) > 1e-9:
-            raise ValueError(
+            raise Refused(
                 f"data.seq_len_warmup_start={self.seq_len_warmup_start} must be 1, 1/2, 1/4, 1/8...: the share "
                 "of data.seq_len the warm-up's first windows have"
             )
         if self.seq_len_warmup_steps and self.seq_len % pieces:
-            raise ValueError(
+            raise Refused(
                 f"data.seq_len={self.seq_len} does not divide into {pieces} windows of "
                 f"data.seq_len_warmup_start={start}; use a seq_len divisible by {pieces}"
             )
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise ValueError(
+            raise Refused(
                 f"data.source {self.source!r} is unknown; use one of {', '.join(SOURCES)} (e.g. data=text)"
             )
         if isinstance(self.paths, str):
@@ -182,27 +184,23 @@ class DataConfig:
         if self.paths is not None and not (
             isinstance(self.paths, (list, tuple)) and all(isinstance(p, str) for p in self.paths)
         ):
-            raise ValueError(f"data.paths={self.paths!r} must be a glob or a list of globs")
+            raise Refused(f"data.paths={self.paths!r} must be a glob or a list of globs")
         if self.seq_len < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1"
-            )
+            raise Refused(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
         self.check_ramp()
         self.check_seq_len_warmup()
         if self.shard_bytes < 1 or (self.num_proc is not None and self.num_proc < 1):
-            raise ValueError(
-                "data.shard_bytes and data.num_proc must be positive (num_proc null = every core)"
-            )
+            raise Refused("data.shard_bytes and data.num_proc must be positive (num_proc null = every core)")
         if self.max_line_chars < 1:
-            raise ValueError(f"data.max_line_chars={self.max_line_chars} must be positive")
+            raise Refused(f"data.max_line_chars={self.max_line_chars} must be positive")
         if self.verify not in VERIFY:
-            raise ValueError(f"data.verify={self.verify!r} is unknown; use one of {', '.join(VERIFY)}")
+            raise Refused(f"data.verify={self.verify!r} is unknown; use one of {', '.join(VERIFY)}")
         if self.on_exhausted not in ON_EXHAUSTED:
-            raise ValueError(
+            raise Refused(
                 f"data.on_exhausted={self.on_exhausted!r} is unknown; use one of {', '.join(ON_EXHAUSTED)}"
             )
         names = [s.name for s in self.mixture]
         if len(set(names)) < len(names) or (self.mixture and not sum(s.weight for s in self.mixture) > 0):
-            raise ValueError(
+            raise Refused(
                 f"data.mixture needs distinct source names and a positive total weight; got {names}"
             )

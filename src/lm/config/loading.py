@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lm.base.exits import Refused
 from lm.config.root import LMConfig
 
 
@@ -22,7 +23,7 @@ def init_tokenizer(init_from: str) -> str:
     if not folder.is_dir():
         return init_from
     if not (folder / "tokenizer.json").is_file():
-        raise ValueError(
+        raise Refused(
             f"model.init_from={init_from} holds no tokenizer.json; set data.tokenizer to the tokenizer its "
             "weights were trained with (a tokenizer.json or a Hugging Face name)"
         )
@@ -65,7 +66,7 @@ def to_objects(cfg: DictConfig) -> LMConfig:
     try:
         node = OmegaConf.to_object(cfg)  # builds each dataclass, so every __post_init__ check runs here
     except OmegaConfBaseException as e:  # a `???` left unset, an interpolation that does not resolve
-        raise ValueError(f"the config does not resolve: {e}".replace("\n", "; ")) from e
+        raise Refused(f"the config does not resolve: {e}".replace("\n", "; ")) from e
     if not isinstance(node, LMConfig):
         raise TypeError("conf/train.yaml must list `lm_schema` first in its defaults so the tree is typed")
     if node.model.init_from is not None and node.data.tokenizer is None:

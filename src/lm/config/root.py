@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lm.base.exits import Refused
 from lm.config.data import DataConfig
 from lm.config.training import (
     ActivationCheckpointingConfig,
@@ -78,9 +79,9 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         if self.pricing not in PRICINGS:
-            raise ValueError(f"cost.pricing='{self.pricing}' is unknown; use one of {', '.join(PRICINGS)}")
+            raise Refused(f"cost.pricing='{self.pricing}' is unknown; use one of {', '.join(PRICINGS)}")
         if self.price_per_hour is not None and self.price_per_hour < 0:
-            raise ValueError("cost.price_per_hour must be non-negative")
+            raise Refused("cost.price_per_hour must be non-negative")
 
 
 @dataclass
@@ -101,9 +102,9 @@ class PhaseConfig:
 
     def __post_init__(self) -> None:
         if (self.end_step is None) == (self.end_tokens is None):
-            raise ValueError(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
+            raise Refused(f"phase '{self.name}' needs exactly one of end_step or end_tokens")
         if any(w < 0 for w in (self.mixture or {}).values()):
-            raise ValueError(f"phase '{self.name}': mixture weights {self.mixture} must be >= 0")
+            raise Refused(f"phase '{self.name}': mixture weights {self.mixture} must be >= 0")
 
 
 @dataclass
@@ -119,7 +120,7 @@ class PhasesConfig:
             if (s0 is not None and s1 is not None and s1 <= s0) or (
                 t0 is not None and t1 is not None and t1 <= t0
             ):
-                raise ValueError(
+                raise Refused(
                     f"phases: '{p.name}' ends no later than the phase before it; list phases in order"
                 )
 
@@ -149,11 +150,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 0 or self.max_new_tokens < 1 or self.temperature < 0:
-            raise ValueError(
+            raise Refused(
                 "sampling.every_n_steps must be >= 0, sampling.max_new_tokens >= 1 and sampling.temperature >= 0"
             )
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError("sampling.top_k must be a positive integer or null (the whole vocabulary)")
+            raise Refused("sampling.top_k must be a positive integer or null (the whole vocabulary)")
 
 
 @dataclass
@@ -182,7 +183,7 @@ class EvalsConfig:
             or self.batch_size < 1
             or any(s < 1 for s in self.steps)
         ):
-            raise ValueError(
+            raise Refused(
                 "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
                 "evals.steps positive optimizer steps"
             )
@@ -240,27 +241,27 @@ class EarlyStoppingConfig:
 
     def __post_init__(self) -> None:
         if self.forecast_model not in ("schedule", "multi_power", "auto", "reference"):
-            raise ValueError(
+            raise Refused(
                 f"early_stopping.forecast_model={self.forecast_model!r}: use schedule, multi_power, auto or "
                 "reference"
             )
         if self.forecast_reference_map not in ("offset", "ratio"):
-            raise ValueError(
+            raise Refused(
                 f"early_stopping.forecast_reference_map={self.forecast_reference_map!r}: use offset or ratio"
             )
         if self.forecast_model == "reference" and not self.forecast_reference:
-            raise ValueError(
+            raise Refused(
                 "early_stopping.forecast_model=reference needs early_stopping.forecast_reference=[runs/<name>] "
                 "(a finished run with the same schedule shape, tokens per step and data order)"
             )
         if self.window < 1 or not 0.0 <= self.smoothing < 1.0 or not 0.0 <= self.cooldown_fraction <= 1.0:
-            raise ValueError(
+            raise Refused(
                 "early_stopping.window must be >= 1, smoothing in [0, 1) and cooldown_fraction in [0, 1]"
             )
         if self.forecast_min_points < 3:
-            raise ValueError("early_stopping.forecast_min_points must be >= 3 (the curve has 3 parameters)")
+            raise Refused("early_stopping.forecast_min_points must be >= 3 (the curve has 3 parameters)")
         if self.patience is not None and self.patience < 1:
-            raise ValueError("early_stopping.patience must be a positive count of validation points or null")
+            raise Refused("early_stopping.patience must be a positive count of validation points or null")
 
 
 @dataclass
@@ -281,7 +282,7 @@ class DoctorConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.assumed_mfu <= 1.0 or not 0.0 <= self.headroom < 1.0:
-            raise ValueError("doctor.assumed_mfu must lie in (0, 1] and doctor.headroom in [0, 1)")
+            raise Refused("doctor.assumed_mfu must lie in (0, 1] and doctor.headroom in [0, 1)")
 
 
 @dataclass
@@ -302,9 +303,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.steps < 1:
-            raise ValueError("bench.warmup_steps must be >= 0 and bench.steps >= 1")
+            raise Refused("bench.warmup_steps must be >= 0 and bench.steps >= 1")
         if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
-            raise ValueError("bench.memory_limit_gb must be positive or null")
+            raise Refused("bench.memory_limit_gb must be positive or null")
 
 
 @dataclass
@@ -339,19 +340,19 @@ class LMConfig:
         """Checks across sections: each section alone cannot see them."""
         m, d = self.model, self.data
         if m.max_seq_len < d.seq_len:
-            raise ValueError(
+            raise Refused(
                 f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={d.seq_len}: the rotary "
                 f"tables would not cover a training window; set model.max_seq_len>={d.seq_len} (or leave it "
                 f"at its default, ${{data.seq_len}})"
             )
         if m.vocab_size < d.vocab_size:
-            raise ValueError(
+            raise Refused(
                 f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: token ids "
                 f"would overflow the embedding; set model.vocab_size>={d.vocab_size} (or leave it at its "
                 f"default, ${{data.vocab_size}})"
             )
         if self.checkpoint.format == "sharded" and self.trainer.strategy != "fsdp":
-            raise ValueError(
+            raise Refused(
                 f"checkpoint.format=sharded writes each rank's shards of an FSDP2 model; with "
                 f"trainer.strategy={self.trainer.strategy} every rank holds the whole model, so the full file "
                 "is the one to write: use trainer=fsdp, or checkpoint.format=full (a sharded checkpoint "
@@ -361,7 +362,7 @@ class LMConfig:
         for phase in self.phases.phases:
             unknown = sorted(set(phase.mixture or {}) - known)
             if unknown:
-                raise ValueError(
+                raise Refused(
                     f"phase '{phase.name}' sets mixture weights of {unknown}, which data.mixture does not "
                     f"list (its sources: {sorted(known) or 'none'}); use their names"
                 )

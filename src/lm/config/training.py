@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lm.base.exits import Refused
+
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "16-mixed", "32-true")
 FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -66,35 +68,33 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise ValueError(
+            raise Refused(
                 f"optim.name='{self.name}' is unknown; use one of {', '.join(OPTIMIZERS)} (optim=muon)"
             )
         if self.adjust_lr not in MUON_LR_SCALES:
-            raise ValueError(
+            raise Refused(
                 f"optim.adjust_lr='{self.adjust_lr}' is unknown; use one of {', '.join(MUON_LR_SCALES)}"
             )
         if not 1 <= self.ns_steps < 100 or not 0.0 <= self.muon_momentum < 1.0:
-            raise ValueError("optim.ns_steps must lie in [1, 99] and optim.muon_momentum in [0, 1)")
+            raise Refused("optim.ns_steps must lie in [1, 99] and optim.muon_momentum in [0, 1)")
         if self.ns_coefficients not in NS_COEFFICIENTS:
-            raise ValueError(
+            raise Refused(
                 f"optim.ns_coefficients='{self.ns_coefficients}' is unknown; use one of "
                 f"{', '.join(NS_COEFFICIENTS)}"
             )
         if self.ns_coefficients == "polar_express" and self.ns_steps > POLAR_EXPRESS_STEPS:
-            raise ValueError(
+            raise Refused(
                 f"optim.ns_steps={self.ns_steps} with optim.ns_coefficients=polar_express: its published "
                 f"coefficients cover {POLAR_EXPRESS_STEPS} iterations; set optim.ns_steps<={POLAR_EXPRESS_STEPS}"
             )
         if (self.muon_lr is not None and self.muon_lr <= 0) or (self.muon_weight_decay or 0.0) < 0:
-            raise ValueError("optim.muon_lr must be positive and optim.muon_weight_decay non-negative")
+            raise Refused("optim.muon_lr must be positive and optim.muon_weight_decay non-negative")
         if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"optim.schedule='{self.schedule}' is unknown; use one of {', '.join(SCHEDULES)}"
-            )
+            raise Refused(f"optim.schedule='{self.schedule}' is unknown; use one of {', '.join(SCHEDULES)}")
         if not 0.0 <= self.decay_fraction <= 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must lie in [0, 1]")
+            raise Refused("optim.decay_fraction and optim.min_lr_ratio must lie in [0, 1]")
         if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError("optim.lr must be positive and optim.warmup_steps non-negative")
+            raise Refused("optim.lr must be positive and optim.warmup_steps non-negative")
 
 
 @dataclass
@@ -140,9 +140,9 @@ class TrainerConfig:
         }
         for name, unit in counts.items():
             if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name}={getattr(self, name)} must be a positive number of {unit}")
+                raise Refused(f"trainer.{name}={getattr(self, name)} must be a positive number of {unit}")
         if self.limit_val_batches < 0:
-            raise ValueError(
+            raise Refused(
                 f"trainer.limit_val_batches={self.limit_val_batches} must be >= 0 (0 turns validation off)"
             )
 
@@ -167,9 +167,9 @@ class PrecisionConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISIONS:
-            raise ValueError(f"precision.mode='{self.mode}' is unknown; use one of {', '.join(PRECISIONS)}")
+            raise Refused(f"precision.mode='{self.mode}' is unknown; use one of {', '.join(PRECISIONS)}")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"precision.fp8='{self.fp8}' is unknown; use one of {', '.join(FP8_RECIPES)}")
+            raise Refused(f"precision.fp8='{self.fp8}' is unknown; use one of {', '.join(FP8_RECIPES)}")
 
 
 @dataclass
@@ -187,9 +187,9 @@ class ActivationCheckpointingConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0:
-            raise ValueError("activation_checkpointing.every must be 0 (off) or a positive block stride")
+            raise Refused("activation_checkpointing.every must be 0 (off) or a positive block stride")
         if not 0.0 <= self.free_memory_reserve < 1.0:
-            raise ValueError(
+            raise Refused(
                 "activation_checkpointing.free_memory_reserve must lie in [0, 1): a fraction of free memory"
             )
 
@@ -245,30 +245,30 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.retry_window_s < 0:
-            raise ValueError(
+            raise Refused(
                 f"checkpoint.retry_window_s={self.retry_window_s} must be >= 0 seconds (0: fail at the first outage)"
             )
         if self.remote is not None and not self.remote.partition("://")[2].strip("/"):
-            raise ValueError(
+            raise Refused(
                 f"checkpoint.remote={self.remote!r} is not a URL that names a bucket; use s3://bucket/prefix, "
                 f"gs://bucket/prefix or file:///path (or null to keep checkpoints local)"
             )
         if self.upload_timeout_s is not None and self.upload_timeout_s <= 0:
-            raise ValueError(
+            raise Refused(
                 f"checkpoint.upload_timeout_s={self.upload_timeout_s} must be > 0 seconds, or null to wait for "
                 f"the upload however long it takes"
             )
         if self.format not in CHECKPOINT_FORMATS:
-            raise ValueError(
+            raise Refused(
                 f"checkpoint.format='{self.format}' is unknown; use one of {', '.join(CHECKPOINT_FORMATS)}"
             )
         if self.async_save and self.format != "sharded":
-            raise ValueError(
+            raise Refused(
                 "checkpoint.async_save=true writes sharded checkpoints in the background; set "
                 "checkpoint.format=sharded (with trainer=fsdp) or drop checkpoint.async_save"
             )
         if self.every_n_steps < 1 or (self.keep_last < 1 and self.keep_last != -1):
-            raise ValueError(
+            raise Refused(
                 "checkpoint.every_n_steps must be >= 1 and checkpoint.keep_last >= 1 (or -1 to keep all): "
                 "a run with no step checkpoint has nothing to resume from"
             )
@@ -304,16 +304,16 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.slow_ratio < 1.0 or self.slow_window_s <= 0:
-            raise ValueError("spot.slow_ratio must lie in (0, 1) and spot.slow_window_s be positive")
+            raise Refused("spot.slow_ratio must lie in (0, 1) and spot.slow_window_s be positive")
         if self.baseline_steps < 1 or self.baseline_warmup < 0 or self.max_nonfinite < 1:
-            raise ValueError("spot.baseline_steps and spot.max_nonfinite must be >= 1, baseline_warmup >= 0")
+            raise Refused("spot.baseline_steps and spot.max_nonfinite must be >= 1, baseline_warmup >= 0")
         if self.spike_factor is not None and self.spike_factor <= 1.0:
-            raise ValueError(
+            raise Refused(
                 f"spot.spike_factor={self.spike_factor} would call ordinary losses spikes: use a factor above 1 "
                 "(default 2) or spot.spike_factor=null to turn spike detection off"
             )
         if self.spike_window < 3 or self.max_spikes < 1:
-            raise ValueError(
+            raise Refused(
                 f"spot.spike_window={self.spike_window} and spot.max_spikes={self.max_spikes}: a median needs a "
                 "window of at least 3 losses, and max_spikes must be >= 1"
             )

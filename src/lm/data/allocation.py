@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lm.base.exits import Refused
 from lm.config import MixtureSource, PhaseConfig
 
 
@@ -112,7 +113,7 @@ class Allocation:
             if self.stop_step is not None:
                 break
         if not self.segments:
-            raise ValueError(
+            raise Refused(
                 f"data.mixture source '{self.stopped_by}' meets its max_epochs cap before the first step ends: "
                 f"raise its max_epochs or lower its weight"
             )
@@ -211,7 +212,7 @@ def periods(
         for name, weight in (phase.mixture or {}).items():
             weights[names.index(name)] = weight
         if (weights < 0).any() or not weights.sum() > 0:
-            raise ValueError(
+            raise Refused(
                 f"phase '{phase.name}' gives the mixture weights {dict(zip(names, weights.tolist()))}: they "
                 f"must be >= 0 with a positive total"
             )

@@ -16,6 +16,7 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import DataConfig
 from lm.data.dataset import StepSampler, TokenWindows, val_batches
@@ -85,7 +86,7 @@ class LMDataModule(pl.LightningDataModule):
         check_tokenizer(self.cfg, data_dir, manifest)
         verify_shards(data_dir, manifest, self.cfg.verify)
         if manifest["vocab_size"] > self.cfg.vocab_size:
-            raise ValueError(
+            raise Refused(
                 f"{data_dir} was tokenized with vocab_size={manifest['vocab_size']} but data.vocab_size="
                 f"{self.cfg.vocab_size}; ids would overflow the embedding: set data.vocab_size="
                 f"{manifest['vocab_size']} (the model is sized from it)"
@@ -241,7 +242,7 @@ def pickle_findings(data: DataConfig, dataset=None) -> list[Finding]:
     if dataset is None:
         try:
             dataset = prepared_dataset(data)
-        except (OSError, ValueError) as e:  # a data problem, not a pickling one: preparation reports it
+        except (OSError, Refused) as e:  # a data problem, not a pickling one: preparation reports it
             log.debug("doctor: prepared dataset not located (%s)", e)
     try:
         if dataset is None:  # not prepared yet: the data module is what carries the config to them

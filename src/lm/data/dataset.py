@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from lm.base.exits import Refused
 from lm.numbers.batch_ramp import BatchRamp
 
 
@@ -37,19 +38,19 @@ class TokenWindows(Dataset):
         self.dtype = np.dtype(dtype)
         self.vocab_size = vocab_size
         if seq_len < 1:
-            raise ValueError(f"data.seq_len={seq_len} must be at least 1")
+            raise Refused(f"data.seq_len={seq_len} must be at least 1")
         sizes = []
         for path in self.paths:
             size = os.path.getsize(path)
             if size % self.dtype.itemsize:
-                raise ValueError(f"{path} has {size} bytes, not a whole number of {self.dtype} tokens")
+                raise Refused(f"{path} has {size} bytes, not a whole number of {self.dtype} tokens")
             sizes.append(size // self.dtype.itemsize)
         # starts[k] is the stream offset of shard k; starts[-1] the stream length.
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.n_tokens = int(self.starts[-1])
         name = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} shards"
         if self.n_tokens < seq_len + 1:
-            raise ValueError(
+            raise Refused(
                 f"{name} has {self.n_tokens} tokens, fewer than one window of data.seq_len+1="
                 f"{seq_len + 1}; lower data.seq_len or add data (raise data.max_bytes or data.val_fraction)"
             )
@@ -89,7 +90,7 @@ class TokenWindows(Dataset):
         """Name the shard holding the first id outside the vocabulary, and the fix."""
         offset = start + int(np.argmax(window >= self.vocab_size))
         path = self.paths[int(np.searchsorted(self.starts, offset, side="right")) - 1]
-        raise ValueError(
+        raise Refused(
             f"{path} holds token id {int(window.max())} at or above the vocabulary size {self.vocab_size} the "
             f"data was prepared with: the shard is corrupt, or was tokenized with a larger vocabulary. Delete "
             f"{path.parent} and rerun `lm prepare` with this config's data.vocab_size (data.verify=full checks "
@@ -214,7 +215,7 @@ def val_batches(n_windows: int, batch_size: int, world_size: int = 1, rank: int 
         return [list(range(s, min(s + batch_size, n_windows))) for s in range(0, n_windows, batch_size)]
     step = world_size * batch_size
     if n_windows < step:
-        raise ValueError(
+        raise Refused(
             f"the validation split has {n_windows} windows, fewer than one global batch of {world_size} "
             f"ranks x data.batch_size={batch_size}; raise data.val_fraction or lower data.batch_size"
         )

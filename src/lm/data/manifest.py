@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.base.exits import Refused
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.sources import UnitPlan
@@ -54,7 +55,7 @@ SCAN_BYTES = 16 << 20
 """Bytes read per step when a shard is hashed and scanned (a multiple of every token size)."""
 
 
-class NotPrepared(FileNotFoundError, ValueError):
+class NotPrepared(FileNotFoundError, Refused):
     """A folder named as prepared data holds no manifest: a refusal (exit 78) that names the folder and the
     fix. Still a FileNotFoundError for the callers that ask whether a dataset exists."""
 
@@ -153,9 +154,9 @@ def load_manifest(path: str | Path, verify: bool = False) -> dict:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{folder / MANIFEST} is not valid JSON ({e}); {fix}") from e
+        raise Refused(f"{folder / MANIFEST} is not valid JSON ({e}); {fix}") from e
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
+        raise Refused(
             f"{folder} has dataset format {manifest.get('format_version')} but this code reads format "
             f"{FORMAT_VERSION}; {fix}"
         )
@@ -167,13 +168,13 @@ def load_manifest(path: str | Path, verify: bool = False) -> dict:
             actual = file.stat().st_size if file.is_file() else None
             if actual != expected:
                 found = "is missing" if actual is None else f"has {actual} bytes"
-                raise ValueError(
+                raise Refused(
                     f"{file} {found} but the manifest records {shard['tokens']} tokens ({expected} bytes): "
                     f"the dataset is truncated or corrupt; {fix}"
                 )
     tokenizer = folder / TOKENIZER
     if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
-        raise ValueError(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
+        raise Refused(f"{tokenizer} is missing or is not the tokenizer the tokens were made with; {fix}")
     if verify:
         verify_shards(folder, manifest, "full")
     return manifest
@@ -239,7 +240,7 @@ def scan_shard(folder: Path, file: Path, sha256: str, dtype: np.dtype) -> int:
             h.update(block)
             max_id = max(max_id, int(np.frombuffer(block, dtype).max()))
     if h.hexdigest() != sha256:
-        raise ValueError(
+        raise Refused(
             f"{file} does not match the sha256 its manifest records ({folder / MANIFEST}): the shard is corrupt "
             f"or was changed after `lm prepare` wrote it; delete {folder} and rerun `lm prepare` to rebuild it"
         )
@@ -249,7 +250,7 @@ def scan_shard(folder: Path, file: Path, sha256: str, dtype: np.dtype) -> int:
 def check_ids(folder: Path, file: Path, max_id: int, vocab_size: int) -> None:
     """Refuse a shard holding an id the model has no embedding row for (an IndexError deep in a step)."""
     if max_id >= vocab_size:
-        raise ValueError(
+        raise Refused(
             f"{file} holds token id {max_id}, outside the vocabulary of {vocab_size} that {folder / MANIFEST} "
             f"records: the shard does not belong to this manifest; delete {folder} and rerun `lm prepare`"
         )
@@ -274,7 +275,7 @@ def prepared_folder(cfg: DataConfig) -> Path | None:
 def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
     """Refuse shards that data.tokenizer did not make: their ids would mean other strings."""
     if manifest["eot_token"] != cfg.eot_token:
-        raise ValueError(
+        raise Refused(
             f"{folder} separates documents with {manifest['eot_token']!r} but data.eot_token="
             f"{cfg.eot_token!r}; set data.eot_token={manifest['eot_token']!r}"
         )
@@ -283,7 +284,7 @@ def check_tokenizer(cfg: DataConfig, folder: Path, manifest: dict) -> None:
     _, text = load_tokenizer_spec(cfg.tokenizer)
     ours, theirs = text_sha256(text), manifest["tokenizer_sha256"]
     if ours != theirs:
-        raise ValueError(
+        raise Refused(
             f"tokenizer mismatch: the shards in {folder} were made by a tokenizer with sha256 {theirs}, but "
             f"data.tokenizer={cfg.tokenizer!r} has sha256 {ours}. Train with the tokenizer the shards were "
             f"made with (data.tokenizer={folder / TOKENIZER}, or leave data.tokenizer unset), or re-run "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import DataConfig, MixtureSource, PhaseConfig
 from lm.data import shards, sources
@@ -270,7 +271,7 @@ class MixtureDataModule(LMDataModule):
         self._data_dir, self._manifest = self.folders[0], manifests[0]
         self.manifests = manifests
         if manifests[0]["vocab_size"] > self.cfg.vocab_size:
-            raise ValueError(
+            raise Refused(
                 f"the mixture was tokenized with vocab_size={manifests[0]['vocab_size']} but data.vocab_size="
                 f"{self.cfg.vocab_size}; set data.vocab_size={manifests[0]['vocab_size']}"
             )
@@ -362,7 +363,7 @@ def check_not_empty(name: str, folder: Path, manifest: dict, seq_len: int) -> No
     for split in ("train", "val"):
         tokens = manifest["splits"][split]["tokens"]
         if tokens < seq_len + 1:
-            raise ValueError(
+            raise Refused(
                 f"data.mixture source '{name}' ({folder}) has {tokens} {split} tokens, fewer than one window of "
                 f"data.seq_len+1={seq_len + 1}: give it more data, or leave it out of data.mixture"
             )
@@ -373,7 +374,7 @@ def check_one_tokenizer(names: list[str], folders: list[Path], manifests: list[d
     first = manifests[0]["tokenizer_sha256"]
     for name, folder, manifest in zip(names[1:], folders[1:], manifests[1:]):
         if manifest["tokenizer_sha256"] != first:
-            raise ValueError(
+            raise Refused(
                 f"data.mixture sources '{names[0]}' and '{name}' were tokenized differently: '{names[0]}' "
                 f"({folders[0]}) by tokenizer sha256 {first}, '{name}' ({folder}) by sha256 "
                 f"{manifest['tokenizer_sha256']}. Prepare every source with one tokenizer: `lm prepare ... "

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm.base.exits import Interrupted
+from lm.base.exits import Interrupted, Refused
 from lm.config import DataConfig
 from lm.data import sources
 from lm.data.manifest import (
@@ -79,18 +79,16 @@ MANIFEST_CONFIG_KEYS = (
 def check_config(cfg: DataConfig) -> None:
     """Fail fast, before any corpus is read, on values that cannot produce a dataset."""
     if not 0 < cfg.val_fraction < 1:
-        raise ValueError(
-            f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.02"
-        )
+        raise Refused(f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.02")
     if cfg.vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
+        raise Refused(
             f"data.vocab_size={cfg.vocab_size} is too small: a byte-level BPE needs 256 byte tokens, the "
             f"end-of-text token and at least one merge; use data.vocab_size>={MIN_VOCAB_SIZE}"
         )
     if cfg.max_bytes is not None and cfg.max_bytes <= 0:
-        raise ValueError(f"data.max_bytes={cfg.max_bytes} must be positive, or null for the whole corpus")
+        raise Refused(f"data.max_bytes={cfg.max_bytes} must be positive, or null for the whole corpus")
     if cfg.tokenizer_sample_bytes <= 0:
-        raise ValueError(f"data.tokenizer_sample_bytes={cfg.tokenizer_sample_bytes} must be positive")
+        raise Refused(f"data.tokenizer_sample_bytes={cfg.tokenizer_sample_bytes} must be positive")
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -182,7 +180,7 @@ def tokenize_unit(unit: Unit) -> dict:
             if buf:
                 ids = np.array(buf, dtype=np.int64)
                 if ids.max() >= cfg.vocab_size:
-                    raise ValueError(
+                    raise Refused(
                         f"the tokenizer produced id {ids.max()} >= data.vocab_size={cfg.vocab_size}; set "
                         f"data.vocab_size to at least the tokenizer's vocabulary size"
                     )
@@ -265,7 +263,7 @@ def build_tokenizer(cfg: DataConfig, plan: UnitPlan, forced: dict) -> str:
         tok, text = load_tokenizer_spec(cfg.tokenizer)
         tokenizer_id(tok, cfg.eot_token)
         if tok.get_vocab_size() > cfg.vocab_size:
-            raise ValueError(
+            raise Refused(
                 f"data.tokenizer {cfg.tokenizer!r} has {tok.get_vocab_size()} tokens but data.vocab_size="
                 f"{cfg.vocab_size}; set data.vocab_size={tok.get_vocab_size()} (or more)"
             )
@@ -287,13 +285,13 @@ def _claim(out: Path, key: str, in_cache: bool) -> None:
         theirs = json.loads(plan_file.read_text()).get("key")
         if theirs == key:
             return
-        raise ValueError(
+        raise Refused(
             f"{out} holds an unfinished preparation of a different corpus or config (key {theirs}, this one "
             f"is {key}); delete {out} or choose another data.dir"
         )
     if out.exists() and any(out.iterdir()):
         if not in_cache:
-            raise ValueError(
+            raise Refused(
                 f"data.dir {out} is not empty and was not written by `lm prepare`; choose an empty folder"
             )
         # Never produced by prepare (it writes plan.json first), so it is not trusted.
@@ -396,7 +394,7 @@ def prepare(cfg: DataConfig) -> Path:
     if (out / MANIFEST).is_file():
         theirs = json.loads((out / MANIFEST).read_text()).get("key")
         if theirs != key:
-            raise ValueError(
+            raise Refused(
                 f"{out} holds a dataset prepared from a different corpus or config (key {theirs}, this one is "
                 f"{key}); choose another data.dir, or delete {out} to rebuild it"
             )
@@ -498,7 +496,7 @@ def _manifest(cfg: DataConfig, plan: UnitPlan, key: str, records: list[dict], to
         }
         if not splits[split]["documents"]:
             kinds = sorted({s["reason"] for s in skips})[:5]
-            raise ValueError(
+            raise Refused(
                 f"the {split} split is empty: {splits['train']['documents']} train documents, "
                 f"{sum(s.get('count', 1) for s in skips)} skipped ({'; '.join(kinds) or 'none'}); "
                 + (
@@ -573,7 +571,7 @@ def sample_tokenizer(cfg: DataConfig, out: Path) -> str:
     check_config(cfg)
     cfg.check_inputs()
     if cfg.source == "tokens":
-        raise ValueError("data=tokens holds no text to train a tokenizer on; use data=text or data=hf")
+        raise Refused("data=tokens holds no text to train a tokenizer on; use data=text or data=hf")
     plan = sources.plan_units(cfg)
     text = build_tokenizer(dataclasses.replace(cfg, tokenizer=None), plan, forced_validation(cfg, plan))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from lm.base.exits import Refused
 from lm.config import DataConfig
 from lm.data import stdlib
 from lm.data.stdlib import Document, stable_fraction
@@ -84,7 +85,7 @@ def expand_paths(patterns: list[str]) -> list[str]:
                 )
         matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         if not matched:
-            raise ValueError(
+            raise Refused(
                 f"data.paths {pattern!r} matched no files; check the glob (use ** to span folders, e.g. "
                 f"'corpus/**/*.jsonl') and quote it so the shell does not expand it"
             )
@@ -135,7 +136,7 @@ def plan_units(cfg: DataConfig) -> UnitPlan:
         n = hf_stream(cfg).n_shards
         ident = [f"{cfg.name}\t{cfg.subset}\t{cfg.split}\t{cfg.paths}\t{n}"]
         return UnitPlan([Unit(index=i) for i in range(n)], _fingerprint(ident), None)
-    raise ValueError(f"data.source {cfg.source!r} has no corpus to plan; it reads prepared shards")
+    raise Refused(f"data.source {cfg.source!r} has no corpus to plan; it reads prepared shards")
 
 
 def document_name(cfg: DataConfig, where: str) -> str:
@@ -242,7 +243,7 @@ def read_jsonl_file(path: str, cfg: DataConfig, skips: list[Skip]) -> Iterator[D
         bad.setdefault(f"unreadable ({e})", []).append(0)
     missing = bad.get(f"no string field {cfg.text_field!r}", [])
     if not good and missing:
-        raise ValueError(
+        raise Refused(
             f"{path}: no record has a string field {cfg.text_field!r} (fields seen: "
             f"{', '.join(sorted(keys)) or 'none'}); set data.text_field to the field that holds the text"
         )
@@ -265,7 +266,7 @@ def read_parquet_file(path: str, cfg: DataConfig, skips: list[Skip]) -> Iterator
         return
     columns = pf.schema_arrow.names
     if cfg.text_field not in columns:
-        raise ValueError(
+        raise Refused(
             f"{path} has no column {cfg.text_field!r} (columns: {', '.join(columns)}); set data.text_field"
         )
     row = 0
@@ -313,7 +314,7 @@ def hf_stream(cfg: DataConfig):
             cfg.name, cfg.subset, split=cfg.split, streaming=True, data_files=cfg.paths or None
         )
     except Exception as e:
-        raise ValueError(
+        raise Refused(
             f"could not open Hugging Face dataset data.name={cfg.name!r} subset={cfg.subset!r} split="
             f"{cfg.split!r} ({type(e).__name__}: {e}); check the names, and that this machine is online"
         ) from e

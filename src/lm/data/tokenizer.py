@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lm.base.exits import Refused
+
 EOT = "<|endoftext|>"
 EOT_ID = 0
 """Special tokens take the first ids, so the end-of-text id is the same for every vocab_size."""
@@ -22,7 +24,7 @@ MIN_VOCAB_SIZE = 256 + 2
 def train_tokenizer(texts: Iterable[str], vocab_size: int, eot_token: str = EOT) -> Tokenizer:
     """Train a byte-level BPE with at most `vocab_size` ids: `eot_token` (id 0), the 256 bytes, then merges."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"data.vocab_size={vocab_size} is too small; use data.vocab_size>={MIN_VOCAB_SIZE}")
+        raise Refused(f"data.vocab_size={vocab_size} is too small; use data.vocab_size>={MIN_VOCAB_SIZE}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -77,7 +79,7 @@ def tokenizer_id(tokenizer: Tokenizer, eot_token: str) -> int:
     """Id of `eot_token` in `tokenizer`, or an error naming the fix."""
     eot = tokenizer.token_to_id(eot_token)
     if eot is None:
-        raise ValueError(
+        raise Refused(
             f"the tokenizer has no end-of-text token {eot_token!r}; set data.eot_token to its end-of-document "
             "token (e.g. '</s>' or '<|end_of_text|>')"
         )
@@ -99,7 +101,7 @@ def load_tokenizer_spec(spec: str) -> tuple[Tokenizer, str]:
     try:
         tok = Tokenizer.from_pretrained(spec)
     except Exception as e:
-        raise ValueError(
+        raise Refused(
             f"data.tokenizer {spec!r} is neither a tokenizer.json file nor a Hugging Face tokenizer this "
             f"machine can download ({type(e).__name__}: {e})"
         ) from e

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.checkpoint.local import gib
 from lm.config import ActivationCheckpointingConfig, GpuConfig
@@ -111,7 +112,7 @@ def resolve(
                 f"{limit / 1e9:.2f} GB ({1 - free_memory_reserve:.0%} of {budget_bytes / 1e9:.2f} GB free)",
                 trials,
             )
-    raise ValueError(
+    raise Refused(
         f"activation_checkpointing=auto: not even checkpointing every block fits a training step in "
         f"{limit / 1e9:.2f} GB (peaks: {', '.join(_peak_str(t) for t in trials)}); lower data.batch_size and "
         "raise trainer.accumulate_grad_batches by the same factor (same tokens per step), shorten "

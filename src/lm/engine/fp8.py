@@ -20,6 +20,7 @@ import importlib
 import torch
 from torch import nn
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import FP8_RECIPES, GpuConfig
 
@@ -37,38 +38,38 @@ def check_fp8(
     if recipe is None:
         return
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"precision.fp8='{recipe}' is unknown; use one of {', '.join(FP8_RECIPES)}")
+        raise Refused(f"precision.fp8='{recipe}' is unknown; use one of {', '.join(FP8_RECIPES)}")
     if not emulate:
         check_device(cuda, planned, gpu)
         if not compile:
-            raise ValueError(
+            raise Refused(
                 "precision.fp8 without torch.compile is slower than bf16 (the casts run as separate kernels: "
                 "nanochat measured 0.23x); use kernels=compile, or precision=bf16"
             )
     try:
         importlib.import_module("torchao.float8")
     except ImportError as e:
-        raise ValueError(f"precision.fp8 needs torchao ({e}): {INSTALL}") from e
+        raise Refused(f"precision.fp8 needs torchao ({e}): {INSTALL}") from e
 
 
 def check_device(cuda: bool, planned: bool, gpu: GpuConfig) -> None:
     """FP8 tensor cores on this machine's GPU, or in the catalog entry of the GPU planned for."""
     if not cuda:
-        raise ValueError(
+        raise Refused(
             "precision.fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: L40S, H100, "
             "H200, B200); this run is on a CPU: use precision=auto (precision.fp8_emulate=true only tests "
             "the FP8 code path, slowly)"
         )
     if planned:
         if gpu.peak_fp8_tflops is None:
-            raise ValueError(
+            raise Refused(
                 f"precision.fp8: the catalog's {gpu.name} has no FP8 tensor cores (conf/gpu/{gpu.name}.yaml "
                 "peak_fp8_tflops is null); use precision=bf16"
             )
         return
     capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
-        raise ValueError(
+        raise Refused(
             f"precision.fp8 needs FP8 tensor cores (compute capability 8.9+); this "
             f"{torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}: use precision=bf16"
         )

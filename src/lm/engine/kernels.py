@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.model import Attention, ModelConfig, RMSNorm, SwiGLU, Transformer
 
@@ -27,14 +28,14 @@ def check_liger(liger: bool, cuda: bool) -> None:
     if not liger:
         return
     if not cuda:
-        raise ValueError(
+        raise Refused(
             "kernels.liger=true needs a CUDA GPU: Liger Kernel is written in Triton, which does not run on "
             f"a CPU; {LIGER_FIX}"
         )
     try:
         importlib.import_module("liger_kernel.transformers.functional")
     except ImportError as e:  # not installed, or triton missing/broken underneath it
-        raise ValueError(
+        raise Refused(
             f"kernels.liger=true but liger_kernel cannot be imported ({e}); install it with "
             f"pip install -e '.[gpu]' (it brings triton), or {LIGER_FIX}"
         ) from e
@@ -54,7 +55,7 @@ def check_liger_model(model: ModelConfig) -> None:
     if model.z_loss:
         refused.append(f"model.z_loss={model.z_loss} (Liger's fused loss never makes the logits it reads)")
     if refused:
-        raise ValueError(f"kernels.liger=true cannot serve {'; '.join(refused)}; {LIGER_FIX}")
+        raise Refused(f"kernels.liger=true cannot serve {'; '.join(refused)}; {LIGER_FIX}")
 
 
 def apply_liger(model: Transformer) -> Transformer:

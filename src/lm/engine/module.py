@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -11,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from lm.base.exits import Refused
 from lm.config import OptimConfig
 from lm.data.bytes import token_byte_lengths
 from lm.engine import fp8 as float8
@@ -76,6 +78,7 @@ class LMModule(pl.LightningModule):
         fp8_emulate: bool = False,
         eot_id: int | None = None,
         window_stages: tuple[tuple[int, int], ...] | None = None,
+        lr_cooldown: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -95,8 +98,9 @@ class LMModule(pl.LightningModule):
             apply_liger(self.model)
         if fp8:  # after Liger, which calls the same linear modules; before compile and FSDP sharding
             float8.convert(self.model, fp8, fp8_emulate)
-        self.lr_cooldown: tuple[int, int] | None = None
-        """(start step, length) of an early stop's LR cooldown; set by the stopper, kept in the checkpoint."""
+        self.lr_cooldown = lr_cooldown or (lambda: None)
+        """(start step, length) of an early stop's LR cooldown, or None: read from the run's RunState, where
+        the stopper records it (None for a module without a run, e.g. a bench)."""
         self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         self._sharded = False
         self.register_buffer("token_bytes", None, persistent=False)
@@ -132,7 +136,7 @@ class LMModule(pl.LightningModule):
         """(mean next-token cross-entropy, the z-loss term or None when `z_coef` is 0)."""
         inputs, targets = window_BT1[:, :-1], window_BT1[:, 1:]
         if self.model_cfg.doc_mask and self.model.eot_id is None:
-            raise ValueError(
+            raise Refused(
                 "model.doc_mask=true needs the end-of-text id that separates documents: train with a data "
                 "module that has `eot_id` (lm's do), or pass LMModule(eot_id=...); or set model.doc_mask=false"
             )
@@ -201,13 +205,6 @@ class LMModule(pl.LightningModule):
         n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum").clamp_min(1)
         self.log("val/bpb", (nats / math.log(2) / n_bytes).float())
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lr_cooldown"] = self.lr_cooldown
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        cooldown = checkpoint.get("lr_cooldown")
-        self.lr_cooldown = tuple(cooldown) if cooldown is not None else None
-
     def gradient_norm(self) -> torch.Tensor | None:
         """The global pre-clip gradient norm of this optimizer step, computed once and shared by the
         non-finite guard, the `train/grad_norm` log and clipping (each would otherwise read every gradient)."""
@@ -244,7 +241,7 @@ class LMModule(pl.LightningModule):
         """Steps the LR schedule spans: `optim.total_steps`, else this invocation's `trainer.max_steps`."""
         total_steps = self.total_steps or self.trainer.max_steps
         if total_steps is None or total_steps < 1:
-            raise ValueError(
+            raise Refused(
                 "the LR schedule needs optim.total_steps or trainer.max_steps to be a positive step count"
             )
         return total_steps
@@ -260,7 +257,7 @@ class LMModule(pl.LightningModule):
         fused = self.group_settings()[-1]["fused"]  # the last group is AdamW's under either optimizer
         optimizer = optim.build(self.model, self.optim_cfg, fused)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(self.optim_cfg, total_steps, lambda: self.lr_cooldown)
+            optimizer, lr_lambda(self.optim_cfg, total_steps, self.lr_cooldown)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

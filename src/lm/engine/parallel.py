@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
+from lm.base.exits import Refused
 from lm.numbers.run_plan import devices_per_node
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(self, sharded_checkpoints: bool = False, **kwargs) -> None:
         if "save_distributed_checkpoint" in kwargs:
-            raise ValueError("set checkpoint.format=sharded (or full), not save_distributed_checkpoint")
+            raise Refused("set checkpoint.format=sharded (or full), not save_distributed_checkpoint")
         super().__init__(
             data_parallel_size=1,
             tensor_parallel_size=1,
@@ -137,7 +138,7 @@ def check_strategy(strategy: str, devices, multirun: bool) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
     if strategy != FSDP and strategy in FSDPStrategy.get_registered_strategies():
-        raise ValueError(
+        raise Refused(
             f"trainer.strategy={strategy} is Lightning's FSDP1, which lm does not configure (no per-block "
             "wrapping, no gradient-norm clipping); use trainer=fsdp (FSDP2, one unit per block)"
         )
@@ -145,7 +146,7 @@ def check_strategy(strategy: str, devices, multirun: bool) -> None:
         return
     n = devices_per_node(devices, torch.cuda.device_count())
     if n > 1 or str(devices).strip() == "-1":
-        raise ValueError(
+        raise Refused(
             f"a Hydra multirun (-m) cannot start {n if n > 1 else 'several'} processes per job with "
             f"trainer.strategy={strategy}: Lightning's launcher re-runs the command line for each rank, so "
             "every rank would run the whole sweep. Run one command per sweep point, or start the ranks with "

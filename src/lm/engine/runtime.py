@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import (
     CostConfig,
@@ -66,11 +67,9 @@ def uses_cuda(trainer: TrainerConfig) -> bool:
 def resolve_precision(mode: str, cuda: bool, bf16: bool) -> str:
     """`auto` becomes the fastest precision that is numerically safe on the device (`bf16`: it has bf16)."""
     if mode == "16-mixed" and not cuda:
-        raise ValueError(
-            "precision=fp16 (16-mixed) needs a CUDA GPU; on a CPU use precision=auto, bf16 or fp32"
-        )
+        raise Refused("precision=fp16 (16-mixed) needs a CUDA GPU; on a CPU use precision=auto, bf16 or fp32")
     if mode.startswith("bf16") and cuda and not bf16:
-        raise ValueError(
+        raise Refused(
             f"precision {mode} needs a GPU with bf16 (Ampere or newer); this one has none: use precision=fp16"
         )
     if mode != "auto":

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.base.tables import evals_markdown
 from lm.config import EvalsConfig
@@ -73,7 +74,7 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None):
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else ""
-        raise ValueError(
+        raise Refused(
             f"unknown lm-eval task(s) {', '.join(unknown)}: not in lm-eval's registry{where}. "
             "`lm_eval ls tasks` lists the built-in ones; a task of your own needs its YAML in a folder "
             "passed as --include-path (evals.include_path)"
@@ -141,7 +142,7 @@ def refuse_unreachable(tasks: list[str], include_path: str | Path | None = None)
     """A ValueError in one line naming each task whose data cannot be had here (`unreachable_tasks`)."""
     problems = unreachable_tasks(tasks, include_path)
     if problems:
-        raise ValueError(
+        raise Refused(
             f"the data of lm-eval task(s) {', '.join(problems)} cannot be had here: "
             + "; ".join(f"{task}: {why}" for task, why in problems.items())
             + ". Run once where the Hub is reachable (datasets are cached in ~/.cache/huggingface), point "
@@ -320,7 +321,7 @@ def evals_findings(evals: EvalsConfig) -> list[Finding]:
         return [Finding("evals", "error", problem, fix="evals=off, or the fix above")]
     try:
         unreachable = unreachable_tasks(evals.tasks, evals.include_path)
-    except ValueError as e:  # an unknown task
+    except Refused as e:  # an unknown task
         return [Finding("evals", "error", str(e), fix="evals.tasks=[...] without it")]
     if unreachable:
         return [

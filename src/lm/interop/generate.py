@@ -12,6 +12,7 @@ import logging
 import torch
 from tokenizers import Tokenizer
 
+from lm.base.exits import Refused
 from lm.model import KVCache, Transformer
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,12 @@ def generate(
     Generation stops after `stop_id` (end of text) or at the model's context length.
     """
     if not prompt:
-        raise ValueError("generate needs a non-empty prompt; an empty string encodes to no tokens")
+        raise Refused("generate needs a non-empty prompt; an empty string encodes to no tokens")
     cfg = model.cfg
     device = model.lm_head.weight.device
     room = cfg.max_seq_len - len(prompt)
     if room < 1:
-        raise ValueError(
+        raise Refused(
             f"the prompt has {len(prompt)} tokens but model.max_seq_len={cfg.max_seq_len}; shorten the prompt"
         )
     if max_new_tokens > room:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.checkpoint import files
 from lm.model import ModelConfig, Transformer
@@ -87,7 +88,7 @@ def check_portable(cfg: ModelConfig) -> None:
     """Refuse (ValueError: exit 78) a model that `unportable` finds options in, naming each of them."""
     found = unportable(cfg)
     if found:
-        raise ValueError(
+        raise Refused(
             f"this model cannot be exported to a transformers architecture: {'; '.join(found)}. "
             "It trains, samples and evaluates in lm; train with these options off to export"
         )
@@ -100,7 +101,7 @@ def to_hf_state_dict(
     padded rows, which gives exactly lm's logits)."""
     rows = model_cfg.padded_vocab_size if vocab_size is None else vocab_size
     if not 0 < rows <= model_cfg.padded_vocab_size:
-        raise ValueError(f"vocab_size={rows} must lie in 1..{model_cfg.padded_vocab_size} (the padded rows)")
+        raise Refused(f"vocab_size={rows} must lie in 1..{model_cfg.padded_vocab_size} (the padded rows)")
     out = {}
     for lm_key, hf_key in key_map(model_cfg).items():
         tensor = state_dict[lm_key]
@@ -121,7 +122,7 @@ def from_hf_state_dict(
         if hf_key not in state_dict and lm_key == "lm_head.weight" and model_cfg.tie_embeddings:
             hf_key = KEYS["tok_emb.weight"]
         if hf_key not in state_dict:
-            raise ValueError(f"the Hugging Face weights have no {hf_key}; they are not a Llama of this shape")
+            raise Refused(f"the Hugging Face weights have no {hf_key}; they are not a Llama of this shape")
         tensor = state_dict[hf_key]
         out[lm_key] = pad_rows(tensor, model_cfg.padded_vocab_size) if lm_key in VOCAB_ROWS else tensor
     return out
@@ -130,7 +131,7 @@ def from_hf_state_dict(
 def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """`tensor` with zero rows appended up to `rows`."""
     if tensor.shape[0] > rows:
-        raise ValueError(
+        raise Refused(
             f"the Hugging Face model has {tensor.shape[0]} vocabulary rows but this config pads to {rows}; "
             f"set model.vocab_size (data.vocab_size) to at least {tensor.shape[0]}"
         )
@@ -197,7 +198,7 @@ def model_config_from_hf(config: LlamaConfig | dict[str, Any], **rest: Any) -> M
     )
     wrong = mismatches(c, model_cfg)
     if wrong:
-        raise ValueError(f"this Hugging Face model is not one lm can load: {'; '.join(wrong)}")
+        raise Refused(f"this Hugging Face model is not one lm can load: {'; '.join(wrong)}")
     return model_cfg
 
 
@@ -307,7 +308,7 @@ def to_hf_model(
     else:
         state_dict = model
     if vocab not in VOCAB:
-        raise ValueError(f"vocab={vocab!r} is unknown; use one of {', '.join(VOCAB)}")
+        raise Refused(f"vocab={vocab!r} is unknown; use one of {', '.join(VOCAB)}")
     real = model_cfg.vocab_size
     rows = model_cfg.padded_vocab_size if vocab == "keep" else real
     config = hf_config(model_cfg, eos_id=eos_id, vocab_size=rows)
@@ -336,7 +337,7 @@ def init_from_findings(model_cfg: ModelConfig, seq_len: int | None = None) -> li
         c = read_hf_config(name)
     except ImportError as e:
         return [Finding("init_from", "error", f"model.init_from={name} is read with transformers: {e}")]
-    except ValueError as e:
+    except Refused as e:
         return [Finding("init_from", "error", str(e), fix="model.init_from=<a Hugging Face Llama folder>")]
     found = [
         Finding("init_from", "error", f"model.init_from={name}: {wrong}", fix=INIT_FROM_FIX)
@@ -359,9 +360,7 @@ def check_init_from(model_cfg: ModelConfig) -> None:
     once the run knows it starts fresh)."""
     errors = [f.what for f in init_from_findings(model_cfg) if f.level == "error"]
     if errors:
-        raise ValueError(
-            f"{'; '.join(errors)}. Set these keys to its values (or start without model.init_from)"
-        )
+        raise Refused(f"{'; '.join(errors)}. Set these keys to its values (or start without model.init_from)")
 
 
 def read_hf_config(name: str) -> dict[str, Any]:
@@ -371,7 +370,7 @@ def read_hf_config(name: str) -> dict[str, Any]:
     try:
         return transformers.AutoConfig.from_pretrained(name).to_dict()
     except (OSError, ValueError) as e:  # a refusal (exit 78), not a crash that `lm supervise` would retry
-        raise ValueError(
+        raise Refused(
             f"model.init_from={name} is neither a Hugging Face model folder (with config.json) nor a Hub model "
             f"this machine can download: {e}"
         ) from e

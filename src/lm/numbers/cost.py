@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import CostConfig, DoctorConfig, GpuConfig
 from lm.model import ModelConfig, Transformer
@@ -96,7 +97,7 @@ def catalog_price(gpu: GpuConfig, pricing: str, strict: bool = False) -> tuple[f
         return prices[pricing], pricing
     if strict and prices:
         other = "on_demand" if pricing == "spot" else "spot"
-        raise ValueError(
+        raise Refused(
             f"the catalog has no {pricing} price for gpu={gpu.name}; set cost.price_per_hour=<$/h per GPU> "
             f"or cost.pricing={other}"
         )
@@ -146,7 +147,7 @@ def detect(device_name: str, catalog: dict[str, GpuConfig]) -> GpuConfig | None:
     """The catalog entry whose `match` patterns fit a CUDA device name, or None."""
     hits = [g for g in catalog.values() if any(re.search(p, device_name) for p in g.match)]
     if len(hits) > 1:
-        raise ValueError(f"GPU '{device_name}' matches several catalog entries: {[g.name for g in hits]}")
+        raise Refused(f"GPU '{device_name}' matches several catalog entries: {[g.name for g in hits]}")
     return hits[0] if hits else None
 
 

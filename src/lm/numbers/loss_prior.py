@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.base.exits import Refused
 from lm.numbers.fit import huber_weights, nnls
 from lm.numbers.loss_law import (
     ALPHA_RANGE,
@@ -377,7 +378,7 @@ def prior_from_shapes(model: str, shapes: list[dict], source: str) -> ShapePrior
     """Mean and spread of the shapes fitted to several curves (log space for the gains); the multi-power law's
     C, beta, gamma from `middle` (fit the curves with them fixed first: priors_from_curves)."""
     if not shapes:
-        raise ValueError(f"no curve with a decay to fit the {model} law's shape to ({source})")
+        raise Refused(f"no curve with a decay to fit the {model} law's shape to ({source})")
     mean, sd = {}, {}
     for name in ("alpha", "anneal_gain", "b"):
         values = [s[name] for s in shapes if name in s]
@@ -423,9 +424,9 @@ def read_priors(path: str | Path) -> dict:
             if m in MODELS
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"early_stopping.forecast_prior={path}: unreadable ({e})") from e
+        raise Refused(f"early_stopping.forecast_prior={path}: unreadable ({e})") from e
     if not priors:
-        raise ValueError(
+        raise Refused(
             f"early_stopping.forecast_prior={path}: no forecast prior in it (a `forecast_prior` mapping of "
             f"{' / '.join(MODELS)} to mean and sd); write one with `lm plan --calibrate`"
         )

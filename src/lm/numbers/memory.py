@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lm.base.exits import Refused
 from lm.model import ModelConfig, Transformer
 
 GiB = 2**30
@@ -190,9 +191,9 @@ def estimate(
     whole in the compute dtype (the block computing and the next, prefetched).
     """
     if precision not in STATE_BYTES:
-        raise ValueError(f"no memory model for precision {precision!r}; use one of {', '.join(STATE_BYTES)}")
+        raise Refused(f"no memory model for precision {precision!r}; use one of {', '.join(STATE_BYTES)}")
     if attention not in ("flash", "math"):
-        raise ValueError(f"attention={attention!r}: use flash or math")
+        raise Refused(f"attention={attention!r}: use flash or math")
     n_params, n_matrix = parameter_count(model)
     w, g, o, cast = STATE_BYTES[precision]
     tokens = batch_size * seq_len

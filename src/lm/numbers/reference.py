@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.config import DataConfig, EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import Prediction
@@ -98,12 +99,12 @@ class Curve:
         """From `lm.store.rundir.read_curve`'s mapping (name, steps, losses, total_steps, key)."""
         steps, losses = np.asarray(record["steps"], float), np.asarray(record["losses"], float)
         if len(steps) < 2 or len(steps) != len(losses) or not np.all(np.diff(steps) > 0):
-            raise ValueError(
+            raise Refused(
                 f"reference curve {record['name']!r} needs at least 2 validation points at increasing steps; "
                 "validate the reference run more often (trainer.val_every_steps) or pick a finished run"
             )
         if steps[-1] < 0.95 * record["total_steps"]:
-            raise ValueError(
+            raise Refused(
                 f"reference curve {record['name']!r} ends at step {int(steps[-1])} of {record['total_steps']}: "
                 "a reference must have finished its schedule (its final loss is what the forecast moves)"
             )

@@ -5,7 +5,7 @@ Every verb that builds a run calls these (`lm.run.train.main`, `lm bench`, and t
 and Trainer a run trains.
 
     build_module(cfg)                                  the seeded LMModule (a script with a composed cfg: this)
-    build_callbacks(cfg, plan, meter, run_dir, module)  every callback of the run, ordered by `priority`
+    build_callbacks(cfg, plan, meter, run_dir, module)  every callback of the run, in the order their hooks run
     build_trainer(cfg, run_dir, precision, callbacks)   the Trainer: strategy, precision, logging, checkpoint IO
 """
 
@@ -29,15 +29,16 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_evals import BenchmarkEvaluator
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
-from lm.callbacks.order import by_priority
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
+from lm.callbacks.run_state import KeepRunState
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
 from lm.callbacks.spot import SpotGuard
 from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.checkpointer import Checkpointer
+from lm.checkpoint.run_state import RunState
 from lm.config import LMConfig, to_objects
 from lm.engine import activation_checkpointing, runtime
 from lm.engine.module import LMModule
@@ -90,6 +91,7 @@ def build_module(
     init_from: bool = True,
     total_steps: int | None = None,
     eot_id: int | None = None,
+    run_state: RunState | None = None,
 ) -> LMModule:
     """The seeded LightningModule a run of `cfg` trains.
 
@@ -98,6 +100,7 @@ def build_module(
     resume continues from its checkpoint, a bench measures speed). `total_steps`: the LR schedule's span where
     neither `optim.total_steps` nor the Trainer's `max_steps` is the one wanted. `eot_id`: the end-of-text id
     `model.doc_mask` splits documents at, where no data module will set it (a run's comes from its manifest).
+    `run_state`: the run's RunState, whose LR cooldown (an early stop's) the schedule follows.
     """
     cfg = objects(cfg)
     rt = rt if rt is not None else resolve_runtime(cfg)
@@ -115,6 +118,7 @@ def build_module(
         fp8_emulate=cfg.precision.fp8_emulate,
         eot_id=eot_id,
         window_stages=seq_len_warmup(cfg.data) if cfg.data.seq_len_warmup_steps else None,
+        lr_cooldown=(lambda: run_state.lr_cooldown) if run_state is not None else None,
     )
     if cfg.model.init_from is not None and init_from:
         hf.load_init_from(module.model)
@@ -129,8 +133,10 @@ def cost_meter(
     run_dir: Path,
     started_at: float,
     ac: activation_checkpointing.Decision,
+    run_state: RunState | None = None,
 ) -> CostMeter:
-    """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once)."""
+    """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once); its
+    ledger is `run_state`'s (a new RunState by default), which every part of the step then shares."""
     n_params = module.model.num_parameters()
     non_embedding = module.model.num_parameters(exclude_embedding=True)
     fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len, non_embedding)
@@ -157,6 +163,7 @@ def cost_meter(
         started_at=started_at,
         about=run_hparams(cfg, rt, plan, n_params, ac),
         ramp=replace(plan.ramp, world=1),  # the meter sets the world it finds at setup
+        run_state=run_state,
     )
 
 
@@ -171,39 +178,54 @@ def build_callbacks(
     checkpointer: Checkpointer | None = None,
     decide: Callable[[], activation_checkpointing.Decision] | None = None,
 ) -> list[pl.Callback]:
-    """Every callback of the run, lm's and `cfg.callbacks`, in the order their hooks must run: sorted once by
-    each class's `priority` (lm.callbacks.order), where the reason for its place is written.
+    """Every callback of the run, lm's and `cfg.callbacks`, in the order Lightning calls their hooks.
+
+    The order is the step's: Lightning calls each hook on the callbacks as listed, so this list is where
+    "who runs first" is written, with the reason beside each entry. Every part shares the meter's RunState.
+    A callback of one's own (`cfg.callbacks`) runs after lm's step (the step is counted, judged and agreed
+    on) and before the saver, so what it records at a step is in that step's checkpoint.
 
     `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
     resume_check, saver = checkpointer.callbacks(meter)
+    run_state = meter.run
     consensus = Consensus()
-    callbacks: list[pl.Callback] = [resume_check, meter]
+    s = cfg.spot
+    nonfinite = NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS, run_state)
+    spike = SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS, run_state)
+    # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
+    # 2. RunState restored before any other load hook reads it, snapshotted when a save is staged;
+    # 3. the meter counts each step's tokens and time before every callback below reads them.
+    callbacks: list[pl.Callback] = [resume_check, KeepRunState(meter, (nonfinite, spike)), meter]
+    if decide is not None:  # completes the meter's `about`; it logs the hparams once it has decided
+        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    # 4. observers of the counted step: the phase table, samples and benchmarks at milestones.
     if cfg.phases.phases:
         callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
     if cfg.evals.tasks:
         callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
-    callbacks.append(stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus))
-    s = cfg.spot
+    # 5. the votes of the step boundary (budget, stop signal, slow host), each acting on the previous step's
+    # agreement; the guards' verdicts (the non-finite guard's `found_inf` first, the spike guard joins it);
+    # 6. the agreement on this step's votes, launched once every voter has cast.
     callbacks += [
+        stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus),
         SpotGuard(s.signals, consensus),
         ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
-        NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS),
-        SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS),
+        nonfinite,
+        spike,
         consensus,
-        KeepTokenizer(run_dir, resumed=resumed),  # what sample/export/eval read
+        KeepTokenizer(run_dir, resumed=resumed),  # setup only: what sample/export/eval read
     ]
-    if decide is not None:  # it logs the hparams once it has decided
-        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    # 7. one's own callbacks; 8. the saver (saves what the step asked for); 9. the progress bar.
     callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
     callbacks.append(saver)
     if cfg.trainer.enable_progress_bar:
         callbacks.append(LossProgressBar())
-    return by_priority(callbacks)
+    return callbacks
 
 
 def stopper(

@@ -152,7 +152,7 @@ def corpus_tokens(data: DataConfig) -> int | None:
     folder = prepared_folder(data)
     try:
         return train_tokens(folder) if folder is not None else None
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, Refused):
         return None
 
 
@@ -258,7 +258,8 @@ def preflight(t: Target, strict: bool | None = None) -> list[Finding]:
         raise Refused(
             f"the doctor refuses this run ({len(errors)} error(s)"
             + (", doctor.strict=true" if strict else "")
-            + f"):\n{text}\nfix them (the overrides above) or, for warnings, set doctor.strict=false"
+            + f"):\n{text}\nfix them (the overrides above) or, for warnings, set doctor.strict=false",
+            table=True,
         )
     rank_zero_info("doctor:\n%s", table(findings, strict))  # every rank checks; one prints
     return findings

@@ -12,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from lm.base.exits import EXIT_CONFIG
+from lm.base.exits import EXIT_CONFIG, Refused
 from lm.config import to_objects
 
 INVOCATION: dict[str, Path] = {}
@@ -35,7 +35,7 @@ class CheckBeforeRun(Callback):
             del task["hydra"]  # what the task receives (hydra's run_job strips it the same way)
         try:
             to_objects(task)
-        except ValueError as e:
+        except Refused as e:
             # Hydra turns an exception in a callback into a warning and runs the job anyway; an exit passes.
             print(f"train.py: {e}", file=sys.stderr)
             raise SystemExit(EXIT_CONFIG) from e

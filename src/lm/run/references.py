@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lm.base.exits import Refused
 from lm.config import DataConfig, OptimConfig
 from lm.numbers.reference import Curve, curve_key, mismatch
 from lm.store import rundir
@@ -30,9 +31,9 @@ def read_reference(path: str | Path) -> Curve:
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise ValueError(f"early_stopping.forecast_reference {path}: not a JSON curve ({e})") from e
+            raise Refused(f"early_stopping.forecast_reference {path}: not a JSON curve ({e})") from e
         return Curve.from_record(record if "losses" in record else recorded_curve(record, path.stem))
-    raise ValueError(
+    raise Refused(
         f"early_stopping.forecast_reference {path}: no such run directory or curve file; name a finished run "
         "(runs/<name>) or a curve JSON"
     )
@@ -41,14 +42,14 @@ def read_reference(path: str | Path) -> Curve:
 def run_directory_record(run_dir: Path) -> dict[str, Any]:
     raw = rundir.read_config(run_dir)
     if raw is None:
-        raise ValueError(
+        raise Refused(
             f"early_stopping.forecast_reference {run_dir}: no {rundir.CONFIG}; is it a run directory?"
         )
     optim, data = typed(raw, "optim", OptimConfig), typed(raw, "data", DataConfig)
     scalars = rundir.read_scalars(run_dir)
     for tag in (VAL_TAG, "train/tokens"):
         if tag not in scalars:
-            raise ValueError(f"early_stopping.forecast_reference {run_dir}: the run logged no {tag}")
+            raise Refused(f"early_stopping.forecast_reference {run_dir}: the run logged no {tag}")
     val, tokens = scalars[VAL_TAG], scalars["train/tokens"]
     # TensorBoard holds a step's scalars at the step before the trainer's global step (the stopper's).
     steps = [s + 1 for s in val.steps]
@@ -92,7 +93,7 @@ def load_references(paths: list[str], run_key: dict[str, Any], required: bool = 
     for path in paths:
         try:
             curves.append(read_reference(path))
-        except ValueError as e:
+        except Refused as e:
             if required or Path(path).is_file():  # a curve file that does not read is a mistake
                 raise
             log.warning(
@@ -103,5 +104,5 @@ def load_references(paths: list[str], run_key: dict[str, Any], required: bool = 
     for curve in curves:
         problem = mismatch(curve, run_key)
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
     return curves

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from lm.base.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.checkpoint.remote import run_identity
+from lm.checkpoint.run_state import RunState
 from lm.config import LMConfig, conf_dir, to_objects
 from lm.data import data_module
 from lm.engine import activation_checkpointing, runtime
@@ -72,8 +73,9 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
     runtime.set_matmul_precision(cfg.precision.tf32)
     ac, decide = build.checkpointing_decision(cfg, rt)
     log_runtime(cfg, rt, ac, run_dir)
-    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None)
-    meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac)
+    run_state = RunState()  # everything resumed beyond weights, optimizer and scheduler (KeepRunState)
+    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None, run_state=run_state)
+    meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac, run_state)
     callbacks = build.build_callbacks(
         cfg,
         plan,

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm.base.exits import Refused
 from lm.model import ModelConfig
 from lm.store.atomic import write_atomic
 
@@ -64,19 +65,17 @@ def load_bench(path: Path) -> dict[str, Any]:
     """A bench.json (or the folder holding one), checked enough to compare; a clear error otherwise."""
     file = path / BENCH_JSON if path.is_dir() else path
     if "=" in path.name and not path.exists():
-        raise ValueError(
+        raise Refused(
             f"{path}: looks like a Hydra override; --compare takes only bench.json files or folders"
         )
     if not file.is_file():
-        raise ValueError(
-            f"{path}: no bench.json there; run `lm bench ... bench.out_dir={path}` on that machine"
-        )
+        raise Refused(f"{path}: no bench.json there; run `lm bench ... bench.out_dir={path}` on that machine")
     try:
         payload = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not a bench.json written by lm bench ({e})") from e
+        raise Refused(f"{file}: not a bench.json written by lm bench ({e})") from e
     if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
-        raise ValueError(f"{file}: not a bench.json written by lm bench (no `results` list)")
+        raise Refused(f"{file}: not a bench.json written by lm bench (no `results` list)")
     return payload
 
 
@@ -99,7 +98,7 @@ def measured_mfu(
     """
     try:
         payload = load_bench(Path(out_dir))
-    except ValueError:
+    except Refused:
         return None
     if "model" in payload and without_init(payload["model"]) != without_init(asdict(model)):
         return None

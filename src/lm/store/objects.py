@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.base.exits import Unavailable
+from lm.base.exits import Refused, Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ not imported, because the storage packages are optional. Python's own Connection
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
-class RemoteError(ValueError):
+class RemoteError(Refused):
     """Object storage refused the request; the message names the URL and the fix (exit 78)."""
 
 

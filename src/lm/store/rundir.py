@@ -38,6 +38,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lm.base.exits import Refused
 from lm.store.atomic import append_atomic, write_atomic
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ def keep_tokenizer(
     if kept is not None:
         restore_tokenizer(run_dir, tokenizer_json)
     if kept is not None and kept["sha256"] != sha:
-        raise ValueError(
+        raise Refused(
             f"{run_dir} trained with the tokenizer in {run_dir / TOKENIZER} (sha256 {kept['sha256']}), but "
             f"this config's data gives {tokenizer_json} (sha256 {sha}): its ids mean other strings. Resume "
             f"with the run's tokenizer (data.tokenizer={run_dir / TOKENIZER}) or start a new run "
@@ -250,7 +251,7 @@ def restore_tokenizer(run_dir: Path, prepared: Path | None, *, write: bool = Tru
     data = prepared.read_bytes() if prepared.is_file() else None
     if data is None or hashlib.sha256(data).hexdigest() != want:
         got = "is missing" if data is None else f"has sha256 {hashlib.sha256(data).hexdigest()}"
-        raise ValueError(
+        raise Refused(
             f"{path} is not the tokenizer {run_dir / TOKENIZER_INFO} records (sha256 {want}), and the prepared "
             f"data's {prepared} cannot restore it: it {got}. Copy a tokenizer.json with sha256 {want} to {path} "
             f"(an `lm export` of this run holds one), or start a new run (run.resume=false or another run.name)"
@@ -274,7 +275,7 @@ def read_tokenizer(run_dir: Path) -> dict[str, Any]:
             f"verb); resume the run once (python train.py <its overrides>): it copies the tokenizer in at start"
         )
     if not tokenizer_intact(run_dir, info):
-        raise ValueError(
+        raise Refused(
             f"{path} is not the tokenizer {TOKENIZER_INFO} records (sha256 differs): restore it (resuming the "
             f"run restores it from the prepared data when that holds the same tokenizer)"
         )

@@ -39,6 +39,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from lm.base.exits import Refused
 from lm.callbacks.steps import StepWatch
 from lm.config import LMConfig, compose, conf_dir, to_objects
 from lm.engine import activation_checkpointing, runtime
@@ -373,7 +374,7 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
     (parameter counts) are refused: their $/token answer different questions.
     """
     if len(paths) < 1:
-        raise ValueError("lm bench --compare needs at least one bench.json (or its folder)")
+        raise Refused("lm bench --compare needs at least one bench.json (or its folder)")
     benches = [(p, load_bench(p)) for p in paths]
 
     def label_of(fixed: list[str]) -> set[str]:
@@ -394,7 +395,7 @@ def compare(paths: list[Path], pricing: str, catalog: dict | None = None) -> tup
             )
     models = {r["result"].params for r in rows if r["result"].params}
     if len(models) > 1:
-        raise ValueError(
+        raise Refused(
             "these benches measured different models ("
             + ", ".join(f"{n:,}" for n in sorted(models))
             + " parameters): compare benches of one model (the same model= and data.vocab_size=)"

@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
+from lm.base.exits import Refused
 from lm.base.tables import fmt_money
 from lm.checkpoint.local import estimate_checkpoint_bytes
 from lm.config import DataConfig, GpuConfig
@@ -146,7 +147,7 @@ def corpus_size(data: DataConfig) -> CorpusSize:
         tokens = train_tokens(folder)
         return CorpusSize(tokens, estimated=False, how=f"exact: the manifest of {folder}")
     if data.source not in ("stdlib", "text"):
-        raise ValueError(
+        raise Refused(
             f"the corpus (data.source={data.source}) is not prepared here and its size cannot be estimated "
             "without reading it: run `lm prepare <the same data overrides>` first, or give its size with "
             "--corpus-tokens N"
@@ -218,7 +219,7 @@ def estimate_corpus(data: DataConfig) -> CorpusSize:
         sampled = dataclasses.replace(data, tokenizer_sample_bytes=SAMPLE_BYTES)
         texts = list(shards.sample_documents(sampled, plan, shards.forced_validation(data, plan)))
         if not texts:
-            raise ValueError(f"the corpus (data.source={data.source}) has no training document to sample")
+            raise Refused(f"the corpus (data.source={data.source}) has no training document to sample")
         bpt = bytes_per_token(tokenizer, texts)
         sample_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
         per = f"{bpt:.2f} bytes per token measured on a {sample_mb:.1f} MB sample with {which}"
@@ -438,15 +439,13 @@ def check_goal(
         return
     names = ", ".join(g.name for g in gpus)
     if goal.usd is not None:
-        raise ValueError(
+        raise Refused(
             f"--usd {goal.usd:g} is below the price of one optimizer step of every preset on {names}; "
             "raise the budget, or lower the tokens per step (--tokens-per-step)"
         )
     if goal.hours is not None:
-        raise ValueError(
-            f"--hours {goal.hours:g} is shorter than one optimizer step of every preset on {names}"
-        )
-    raise ValueError(
+        raise Refused(f"--hours {goal.hours:g} is shorter than one optimizer step of every preset on {names}")
+    raise Refused(
         f"--target-loss {goal.target_loss:g} is below what any preset reaches by the law "
         f"({law.source}: at least E = {law.E:.4g}); raise the target"
     )
@@ -458,7 +457,7 @@ def pick_gpus(catalog: dict[str, GpuConfig], names: list[str] | None) -> list[Gp
         return [g for name, g in catalog.items() if name != "cpu"]
     unknown = [n for n in names if n not in catalog]
     if unknown:
-        raise ValueError(f"unknown GPU {', '.join(unknown)}: use one of {', '.join(catalog)} (conf/gpu/)")
+        raise Refused(f"unknown GPU {', '.join(unknown)}: use one of {', '.join(catalog)} (conf/gpu/)")
     return [catalog[n] for n in names]
 
 
@@ -519,7 +518,7 @@ WRITTEN_BY = "# Written by `lm plan"
 def check_overwrite(path: Path) -> None:
     """Refuse to replace an experiment `lm plan` did not write (the project's phase1.yaml, a user's own file)."""
     if path.is_file() and not any(line.startswith(WRITTEN_BY) for line in path.read_text().splitlines()[:2]):
-        raise ValueError(
+        raise Refused(
             f"{path} exists and was not written by `lm plan`; nothing was written. Choose another name "
             f"(--name my_plan) or another folder (--out-dir)"
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.base.exits import Refused
 from lm.config import DataConfig, compose, to_objects
 from lm.data.manifest import prepared_folder
 from lm.numbers import memory, run_plan
@@ -70,7 +71,7 @@ class Fit:
 def check_counts(runs: int, sizes: int, tokens: int) -> None:
     """A clear error when so few runs, sizes or token counts cannot determine the law."""
     if runs < MIN_POINTS or sizes < 2 or tokens < 2:
-        raise ValueError(
+        raise Refused(
             f"calibration needs at least {MIN_POINTS} runs spanning at least 2 model sizes and 2 token counts "
             f"(got {runs} run(s), {sizes} size(s), {tokens} token count(s)); give more --calibrate-shapes "
             "or --calibrate-steps"
@@ -82,7 +83,7 @@ def check_points(points: list[CalibrationPoint]) -> None:
     check_counts(len(points), len({p.n for p in points}), len({p.d for p in points}))
     bad = [p.shape for p in points if not math.isfinite(p.loss)]
     if bad:
-        raise ValueError(f"calibration runs {', '.join(bad)} ended without a finite validation loss")
+        raise Refused(f"calibration runs {', '.join(bad)} ended without a finite validation loss")
 
 
 def fit_law(points: list[CalibrationPoint], source: str) -> Fit:
@@ -115,7 +116,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     except ValueError:
         shapes = []
     if not shapes or any(len(s) != 2 or s[1] % HEAD_DIM for s in shapes):
-        raise ValueError(
+        raise Refused(
             f"--calibrate-shapes {text!r}: give n_layer x d_model pairs, d_model a multiple of {HEAD_DIM}, "
             "e.g. 2x64,3x96,4x128"
         )
@@ -212,7 +213,7 @@ def load_law(path: Path) -> tuple[ChinchillaLaw, float]:
         record = json.loads(Path(path).read_text())
         return ChinchillaLaw(**record["law"]), float(record["rmse"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(
+        raise Refused(
             f"--law {path}: not a calibration file ({e}); write one with `lm plan --calibrate`"
         ) from e
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lm.base.exits import Refused
 from lm.interop.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
 from lm.run.report import headline
 from lm.store import rundir
@@ -55,14 +56,14 @@ def export(
     folder, or a GGUF file with `format="gguf"`. `license` overrides the run's `run.license`."""
     out = Path(out)
     if format not in FORMATS:
-        raise ValueError(f"format {format!r}: use one of {list(FORMATS)}")
+        raise Refused(f"format {format!r}: use one of {list(FORMATS)}")
     if dtype not in FORMATS[format] or vocab not in VOCAB:
-        raise ValueError(
+        raise Refused(
             f"dtype {dtype!r} / vocab {vocab!r}: --format {format} takes --dtype {list(FORMATS[format])}, "
             f"--vocab {list(VOCAB)}"
         )
     if out.exists():
-        raise ValueError(f"{out} exists; remove it or choose another --out")
+        raise Refused(f"{out} exists; remove it or choose another --out")
     run = load_run(path)
     (check_gguf_portable if format == "gguf" else check_portable)(run.model_cfg)  # before anything is written
     license = license or run_license(rundir.read_config(run.run_dir))

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm.base.exits import Refused
 from lm.interop.hf import VOCAB_ROWS, Loaded, unportable
 from lm.model import ModelConfig
 
@@ -72,7 +73,7 @@ def write_gguf(run: Loaded, path: Path, *, dtype: str, vocab: str, license: str 
     cfg = run.model_cfg
     rows = cfg.padded_vocab_size if vocab == "keep" else cfg.vocab_size  # as the Hugging Face export
     if len(tokenizer["tokens"]) > cfg.vocab_size:
-        raise ValueError(
+        raise Refused(
             f"the tokenizer has {len(tokenizer['tokens'])} ids but model.vocab_size={cfg.vocab_size}; "
             "it is not this run's tokenizer"
         )
@@ -105,7 +106,7 @@ def check_gguf_portable(cfg: ModelConfig) -> None:
             "transformers model carries hidden_act relu2, or train with model.mlp=swiglu for llama.cpp)"
         )
     if found:
-        raise ValueError(f"--format gguf cannot carry {'; '.join(found)}")
+        raise Refused(f"--format gguf cannot carry {'; '.join(found)}")
 
 
 def add_metadata(writer, gguf, run: Loaded, dtype: str, rows: int, license: str | None) -> None:
@@ -143,7 +144,7 @@ def gguf_vocabulary(spec: dict[str, Any]) -> dict[str, Any]:
         and spec.get("normalizer") is None
     )
     if not gpt2:
-        raise ValueError(
+        raise Refused(
             "`lm export --format gguf` writes lm's own tokenizer (a byte-level BPE with the GPT-2 pre-tokenizer) "
             f"but this run's has model {model.get('type')!r}, pre_tokenizer {pre.get('type')!r}: export the "
             "Hugging Face folder (--format hf) and convert it with llama.cpp's convert_hf_to_gguf.py"
@@ -153,7 +154,7 @@ def gguf_vocabulary(spec: dict[str, Any]) -> dict[str, Any]:
     ids |= {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     tokens = sorted(ids, key=ids.get)
     if [ids[t] for t in tokens] != list(range(len(tokens))):
-        raise ValueError("the tokenizer's ids are not 0..n-1 without gaps; llama.cpp needs one token per id")
+        raise Refused("the tokenizer's ids are not 0..n-1 without gaps; llama.cpp needs one token per id")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     added = {t["content"] for t in spec.get("added_tokens", [])}
     return {"tokens": tokens, "special": special, "added": added, "merges": merges}

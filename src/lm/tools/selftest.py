@@ -172,10 +172,9 @@ class SelfTest:
                 "run it: python train.py " + " ".join(self.overrides),
             )
         ckpt = self.last("ref")
-        guards = [
-            k.split("{")[0] for k in ckpt["callbacks"] if k.startswith(("NonFiniteGuard", "SpikeGuard"))
-        ]
-        return "pass", f"{ckpt['global_step']} steps, exit 0; guards armed: {', '.join(guards)}", ""
+        guards = ckpt["run_state"]["guards"]
+        armed = f"guards armed: {guards['skipped']} non-finite and {guards['spikes']} spiking steps skipped"
+        return "pass", f"{ckpt['global_step']} steps, exit 0; {armed}", ""
 
     def sigterm(self) -> tuple[str, str, str]:
         hook = [

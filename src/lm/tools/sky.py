@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm.base.exits import Refused
 from lm.config import DataConfig, GpuConfig
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
@@ -128,7 +129,7 @@ def render_task(overrides: list[str], ranked: list[Candidate], mfu: float = ASSU
     """The SkyPilot task YAML (deterministic: the committed file is checked against it)."""
     chosen = [c for c in ranked if c.why_not is None]
     if not chosen:
-        raise ValueError(
+        raise Refused(
             "no catalogued GPU can run this config: "
             + "; ".join(f"{c.gpu.name}: {c.why_not}" for c in ranked)
             + ". Turn activation_checkpointing=on or lower data.batch_size, or catalogue a bigger GPU"

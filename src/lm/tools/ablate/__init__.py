@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.base.exits import EXIT_PREEMPTED, one_line
+from lm.base.exits import EXIT_PREEMPTED, Refused, one_line
 from lm.tools.ablate.analysis import (
     ArmRow,
     RunResult,
@@ -271,7 +271,7 @@ def ablate(
         try:
             ladder[shape] = ladder_overrides(spec, shape)
         except Exception as e:
-            raise ValueError(f"{spec_path}: {where}the config is refused: {one_line(e)}") from e
+            raise Refused(f"{spec_path}: {where}the config is refused: {one_line(e)}") from e
         shapes[shape] = {}
         for arm in spec.arms:
             try:
@@ -281,7 +281,7 @@ def ablate(
             except (
                 Exception
             ) as e:  # Hydra's and OmegaConf's errors too: a bad override is refused before any run
-                raise ValueError(f"{spec_path}: {where}{arm}'s config is refused: {one_line(e)}") from e
+                raise Refused(f"{spec_path}: {where}{arm}'s config is refused: {one_line(e)}") from e
     campaign = Campaign(spec, out, ladder, shapes)
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(out, parallel, threads, timeout)

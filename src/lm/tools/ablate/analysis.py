@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lm.base.exits import Refused
 from lm.numbers.stats import Interval, difference, holm, holm_verdict, p_value, t_interval
 from lm.store import rundir
 from lm.tools.ablate.runner import diverged, finished, machine, recorded, result_file, run_config
@@ -240,7 +241,7 @@ def catalog_gpu(spec: Spec):
 
     gpu = cost.load_catalog(conf_dir()).get(spec.gpu)
     if gpu is None:
-        raise ValueError(f"gpu: {spec.gpu!r} is not in the catalog (conf/gpu/); name one, e.g. h100_sxm")
+        raise Refused(f"gpu: {spec.gpu!r} is not in the catalog (conf/gpu/); name one, e.g. h100_sxm")
     return gpu
 
 

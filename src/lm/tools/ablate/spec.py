@@ -45,6 +45,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from lm.base.exits import Refused
 from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.cost import ASSUMED_MFU
 
@@ -122,7 +123,7 @@ def overrides_list(value: Any, where: str) -> list[str]:
         return value.split()
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise ValueError(f"{where} must be a list of overrides like [model.qk_norm=true]; got {value!r}")
+    raise Refused(f"{where} must be a list of overrides like [model.qk_norm=true]; got {value!r}")
 
 
 def load_spec(path: Path) -> Spec:
@@ -131,16 +132,16 @@ def load_spec(path: Path) -> Spec:
         raise FileNotFoundError(f"no ablation spec at {path}; write one (see `lm ablate --help`)")
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: an ablation spec is a mapping with at least `variants`")
+        raise Refused(f"{path}: an ablation spec is a mapping with at least `variants`")
     unknown = set(raw) - SPEC_KEYS
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; a spec has {sorted(SPEC_KEYS)}")
+        raise Refused(f"{path}: unknown key(s) {sorted(unknown)}; a spec has {sorted(SPEC_KEYS)}")
     variants = raw.get("variants")
     if not isinstance(variants, dict) or not variants:
-        raise ValueError(f"{path}: `variants` must map each variant's name to its overrides")
+        raise Refused(f"{path}: `variants` must map each variant's name to its overrides")
     shapes = raw.get("shapes") or {}
     if not isinstance(shapes, dict):
-        raise ValueError(f"{path}: `shapes` must map each shape's name to its overrides")
+        raise Refused(f"{path}: `shapes` must map each shape's name to its overrides")
     by_shape = {str(k): v for k, v in variants.items() if isinstance(v, dict)}
     spec = Spec(
         name=str(raw.get("name") or path.stem),
@@ -175,19 +176,19 @@ def grid(value: Any, where: str) -> dict[str, list[float]]:
     ok = isinstance(value, dict) and len(value) == 1
     values = next(iter(value.values())) if ok else None
     if not ok or not isinstance(values, list) or len(values) < 2:
-        raise ValueError(f"{where} must be one key and its values, like {{optim.lr: [1e-3, 3e-3, 1e-2]}}")
+        raise Refused(f"{where} must be one key and its values, like {{optim.lr: [1e-3, 3e-3, 1e-2]}}")
     try:
         floats = [float(v) for v in values]
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: values must be numbers; got {values!r}") from None
+        raise Refused(f"{where}: values must be numbers; got {values!r}") from None
     if any(v <= 0 for v in floats) or len(set(floats)) != len(floats):
-        raise ValueError(f"{where}: values must be distinct and positive (a log-spaced grid); got {values!r}")
+        raise Refused(f"{where}: values must be distinct and positive (a log-spaced grid); got {values!r}")
     return {str(next(iter(value))): floats}
 
 
 def lr_search(raw: Any, path: Path) -> LRSearch:
     if not isinstance(raw, dict) or set(raw) - LR_KEYS:
-        raise ValueError(f"{path}: `lr` is a mapping with keys {sorted(LR_KEYS)}; got {raw!r}")
+        raise Refused(f"{path}: `lr` is a mapping with keys {sorted(LR_KEYS)}; got {raw!r}")
     search = LRSearch(
         grid=grid(raw["grid"], "lr.grid") if raw.get("grid") is not None else {},
         arms={str(a): grid(g, f"lr.arms.{a}") for a, g in (raw.get("arms") or {}).items()},
@@ -195,7 +196,7 @@ def lr_search(raw: Any, path: Path) -> LRSearch:
         max_extensions=int(raw.get("max_extensions", 3)),
     )
     if search.seeds < 1 or search.max_extensions < 0:
-        raise ValueError(f"{path}: lr.seeds must be >= 1 and lr.max_extensions >= 0")
+        raise Refused(f"{path}: lr.seeds must be >= 1 and lr.max_extensions >= 0")
     return search
 
 
@@ -209,46 +210,44 @@ def seed_list(value: Any) -> list[int]:
         and len(set(value)) == len(value)
     ):
         return list(value)
-    raise ValueError(f"seeds must be a count (3) or a list of distinct integers ([0, 1, 2]); got {value!r}")
+    raise Refused(f"seeds must be a count (3) or a list of distinct integers ([0, 1, 2]); got {value!r}")
 
 
 def check_spec(spec: Spec, path: Path) -> None:
     for name in [*spec.arms, *spec.shapes]:
         if not NAME.match(name):
-            raise ValueError(f"{path}: name {name!r} may hold only letters, digits and _ . +")
+            raise Refused(f"{path}: name {name!r} may hold only letters, digits and _ . +")
     if BASELINE in spec.variants:
-        raise ValueError(f"{path}: `{BASELINE}` is the baseline's name; set its overrides with `baseline:`")
+        raise Refused(f"{path}: `{BASELINE}` is the baseline's name; set its overrides with `baseline:`")
     for arm, own in spec.per_shape.items():
         for shape in own:
             if shape not in spec.shapes:
-                raise ValueError(
+                raise Refused(
                     f"{path}: variants.{arm}.{shape} names no shape; a variant's mapping has `all` and the "
                     f"shapes {sorted(spec.shapes)}"
                 )
     for name, fractions in spec.fractions.items():
         if name not in spec.arms:
-            raise ValueError(f"{path}: fractions.{name} names no variant; variants: {sorted(spec.arms)}")
+            raise Refused(f"{path}: fractions.{name} names no variant; variants: {sorted(spec.arms)}")
         if not all(0 < f < 1 for f in fractions):
-            raise ValueError(f"{path}: fractions.{name} must lie strictly between 0 and 1; got {fractions}")
+            raise Refused(f"{path}: fractions.{name} must lie strictly between 0 and 1; got {fractions}")
     if not 0 < spec.mfu <= 1:
-        raise ValueError(f"{path}: mfu must be in (0, 1]; got {spec.mfu}")
+        raise Refused(f"{path}: mfu must be in (0, 1]; got {spec.mfu}")
     if spec.lr:
         for arm in spec.lr.arms:
             if arm not in spec.arms:
-                raise ValueError(f"{path}: lr.arms.{arm} names no variant; variants: {sorted(spec.arms)}")
+                raise Refused(f"{path}: lr.arms.{arm} names no variant; variants: {sorted(spec.arms)}")
         if not spec.lr.grid and set(spec.arms) - set(spec.lr.arms):
             missing = sorted(set(spec.arms) - set(spec.lr.arms))
-            raise ValueError(f"{path}: lr has no `grid` and no grid for {missing}; give `lr.grid`")
+            raise Refused(f"{path}: lr has no `grid` and no grid for {missing}; give `lr.grid`")
         if spec.lr.seeds > len(spec.seeds):
-            raise ValueError(f"{path}: lr.seeds={spec.lr.seeds} is more than the {len(spec.seeds)} seeds")
+            raise Refused(f"{path}: lr.seeds={spec.lr.seeds} is more than the {len(spec.seeds)} seeds")
     if spec.shapes and (spec.tokens_per_param is None or spec.tokens_per_param <= 0):
-        raise ValueError(
-            f"{path}: a ladder (`shapes`) needs tokens_per_param > 0, so every shape trains alike"
-        )
+        raise Refused(f"{path}: a ladder (`shapes`) needs tokens_per_param > 0, so every shape trains alike")
     if spec.tokens_per_param is not None and not spec.shapes:
-        raise ValueError(f"{path}: tokens_per_param sets each ladder shape's steps; it needs `shapes`")
+        raise Refused(f"{path}: tokens_per_param sets each ladder shape's steps; it needs `shapes`")
     if spec.validations < 2:
-        raise ValueError(f"{path}: validations must be at least 2; got {spec.validations}")
+        raise Refused(f"{path}: validations must be at least 2; got {spec.validations}")
 
 
 # -- shapes -------------------------------------------------------------------------------------------------
@@ -288,12 +287,12 @@ def arm_shape(overrides: list[str]) -> Shape:
     plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, world=1)
     steps, every = cfg.trainer.max_steps, cfg.trainer.val_every_steps
     if cfg.optim.total_steps not in (None, steps):
-        raise ValueError(
+        raise Refused(
             f"optim.total_steps={cfg.optim.total_steps} differs from trainer.max_steps={steps}: an ablation "
             "compares runs at the end of their LR decay; drop optim.total_steps from the base"
         )
     if steps % every:
-        raise ValueError(
+        raise Refused(
             f"trainer.max_steps={steps} is not a multiple of trainer.val_every_steps={every}: the final loss "
             "must be evaluated at the last step; pick values that divide"
         )
@@ -326,7 +325,7 @@ def fraction_steps(shape: Shape, fraction: float) -> int:
     intervals = fraction * shape.steps / shape.val_every
     if abs(intervals - round(intervals)) > 1e-9 or round(intervals) < 1:
         step = shape.val_every / shape.steps
-        raise ValueError(
+        raise Refused(
             f"fraction {fraction:g} of {shape.steps} steps is {intervals:g} validation intervals; use a "
             f"multiple of {step:g} (trainer.val_every_steps / trainer.max_steps)"
         )
