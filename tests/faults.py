@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.formats import TMP_MARK
 
 STOP_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
@@ -32,6 +33,11 @@ def stop_signal(action: str, phase: str | None) -> signal.Signals | None:
     if name not in STOP_SIGNALS or (where or None) != phase:
         return None
     return STOP_SIGNALS[name]
+
+
+def saver(trainer: pl.Trainer) -> RunCheckpoint:
+    """The run's save callback."""
+    return next(c for c in trainer.callbacks if isinstance(c, RunCheckpoint))
 
 
 class Fault(pl.Callback):
@@ -158,7 +164,7 @@ class Fault(pl.Callback):
         io.save_checkpoint = save
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        uploader = getattr(trainer.checkpoint_callback, "uploader", None)
+        uploader = saver(trainer).uploader
         if stop_signal(self.action, "upload") and uploader is not None:
             self.wrap_upload(uploader.store)
 
@@ -179,7 +185,7 @@ class Fault(pl.Callback):
             self.poison(pl_module)  # bad data or diverged weights: every step from here on
             return
         if self.action == "sigkill_after_upload" and trainer.global_step >= self.step and self.fire():
-            uploader = trainer.checkpoint_callback.uploader
+            uploader = saver(trainer).uploader
             deadline = time.monotonic() + 120
             while uploader.uploaded_step is None and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -6,8 +6,6 @@ from pathlib import Path
 import torch
 
 from lm.checkpoint import files
-from lm.checkpoint.callback import RunCheckpoint
-from lm.config import CheckpointConfig
 
 
 def test_names_round_trip_to_their_step():
@@ -29,12 +27,6 @@ def test_step_files_are_newest_first_by_step_number_not_by_name(tmp_path):
     os.symlink("step-100.ckpt", tmp_path / files.LAST)
     assert [p.name for p in files.step_files(tmp_path)] == [files.step_name(s) for s in (100, 99, 10, 9)]
     assert files.step_files(tmp_path / "absent") == []
-
-
-def test_the_save_callback_writes_the_names_resume_reads(tmp_path):
-    cb = RunCheckpoint(tmp_path, CheckpointConfig())
-    assert Path(cb.format_checkpoint_name({"step": torch.tensor(7)})).name == files.step_name(7)
-    assert f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}" == files.LAST
 
 
 def test_read_loads_on_cpu_and_loadable_says_why_not(tmp_path):

@@ -31,6 +31,7 @@ from lm.store.objects import check_writable, retrying, transient
 
 from ..conftest import TINY
 from ..conftest import train_in_process as train
+from ..faults import saver
 from ..harness import ROOT, assert_matches_reference, command, fault, last, overrides
 from ..helpers import BUCKET, moto_server, pointer_steps, sha256
 
@@ -512,7 +513,7 @@ class ResetStore(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.done or trainer.global_step < self.step:
             return
-        uploader = trainer.checkpoint_callback.uploader
+        uploader = saver(trainer).uploader
         deadline = time.monotonic() + 120
         while (uploader.uploaded_step or 0) < self.step and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -11,6 +11,7 @@ import torch
 
 from lm.base.exits import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged
 from lm.callbacks.host_copy import HostCopy
+from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.run_state import RunState
 from lm.engine.parallel import grad_norm
 from lm.store import rundir
@@ -37,8 +38,14 @@ class NonFiniteGuard(pl.Callback):
     """
 
     def __init__(
-        self, max_in_a_row: int = 3, ckpt_dir: str | Path | None = None, run_state: RunState | None = None
+        self,
+        max_in_a_row: int = 3,
+        ckpt_dir: str | Path | None = None,
+        run_state: RunState | None = None,
+        saver: RunCheckpoint | None = None,
     ) -> None:
+        self.saver = saver
+        """The run's saver: the newest checkpoint, which a rollback returns to."""
         self.max_in_a_row = max_in_a_row
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
         self.guards = (run_state if run_state is not None else RunState()).guards
@@ -104,7 +111,7 @@ class NonFiniteGuard(pl.Callback):
         )
         if g.in_a_row >= self.max_in_a_row:
             what = f"{g.in_a_row} non-finite steps in a row"
-            roll_back(trainer, self.ckpt_dir, resume_step(trainer, self._start_step), what)
+            roll_back(trainer, self.ckpt_dir, resume_step(self.saver, self._start_step), what)
 
 
 def skips_on_device(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bool:
@@ -128,9 +135,10 @@ def skip_update(optimizer: torch.optim.Optimizer, step: int, verdict: torch.Tens
     optimizer.found_inf, optimizer.lm_verdict_step = verdict, step
 
 
-def resume_step(trainer: pl.Trainer, start_step: int) -> int:
+def resume_step(saver: RunCheckpoint | None, start_step: int) -> int:
     """The step a restart resumes from: the last checkpoint this process saved, or the one it started at."""
-    return max(start_step, getattr(trainer.checkpoint_callback, "_last_global_step_saved", 0))
+    saved = saver.saved_step if saver is not None else None
+    return max(start_step, saved or 0)
 
 
 def roll_back(

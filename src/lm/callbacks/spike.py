@@ -23,8 +23,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lm.base.private_api import loss_scale
 from lm.callbacks.host_copy import HostCopy
 from lm.callbacks.nonfinite import resume_step, roll_back, skip_update, skips_on_device
+from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.run_state import GuardState, RunState
 from lm.store import rundir
 
@@ -105,7 +107,10 @@ class SpikeGuard(pl.Callback):
         max_spikes: int,
         ckpt_dir: str | Path,
         run_state: RunState | None = None,
+        saver: RunCheckpoint | None = None,
     ) -> None:
+        self.saver = saver
+        """The run's saver: the newest checkpoint, which a rollback returns to."""
         self.guards = (run_state if run_state is not None else RunState()).guards
         self.detector = SpikeDetector(factor, window, max_spikes, self.guards)
         self.ckpt_dir = Path(ckpt_dir)
@@ -149,7 +154,7 @@ class SpikeGuard(pl.Callback):
         loss = loss.detach()  # already divided by the accumulation: the micro-batches sum to the step's mean
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16: the hook sees the scaled loss; the scale tensor stays on the device
-            loss = loss / scaler._scale
+            loss = loss / loss_scale(scaler)
         self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(
@@ -193,7 +198,7 @@ class SpikeGuard(pl.Callback):
                 self.detector.spikes,
             )
         if roll:
-            start = resume_step(self._trainer, self._start_step)
+            start = resume_step(self.saver, self._start_step)
             what = f"{len(self.detector.recent)} loss spikes within {self.detector.window} steps"
             roll_back(self._trainer, self.ckpt_dir, start, what, skip=(start, step))
 

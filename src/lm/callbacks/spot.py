@@ -17,8 +17,10 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lm.base.exits import EXIT_PREEMPTED, Preempted
+from lm.base.private_api import skip_sigterm_broadcast
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
+from lm.checkpoint.callback import RunCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,6 @@ def _ignore(signum: int, frame: Any) -> None:
 os.register_at_fork(after_in_child=_child_ignores_stop_signals)
 
 
-def _no_broadcast() -> None:
-    """Stands in for Lightning's per-batch SIGTERM broadcast while a SpotGuard owns the stop signals."""
-
-
 def finishing(trainer: pl.Trainer) -> bool:
     """Whether the step that just ended is the run's last: max_steps reached, or a stopper already ended it."""
     max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
@@ -62,7 +60,10 @@ class SpotGuard(pl.Callback):
         self,
         signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
         consensus: Consensus | None = None,
+        saver: RunCheckpoint | None = None,
     ) -> None:
+        self.saver = saver
+        """The run's saver, which writes the stop signal's checkpoint (None: exit without saving)."""
         self.signals = [signal.Signals[name] if isinstance(name, str) else name for name in signals]
         self.received: signal.Signals | None = None
         self.steps = StepWatch()
@@ -97,9 +98,8 @@ class SpotGuard(pl.Callback):
         # batch and reads it with `.item()`: a host-device sync per micro-batch. With this guard's handler in
         # place Lightning's never sets that flag, and an earlier SIGTERM (which did) is agreed on here, so
         # every rank (all run this callback) skips that collective.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+        if trainer.world_size > 1:
+            skip_sigterm_broadcast(trainer)
 
     def stop_requested(self, trainer: pl.Trainer) -> bool:
         """Whether to stop now: this process received a stop signal (one process), or any rank had by the
@@ -118,9 +118,8 @@ class SpotGuard(pl.Callback):
             name = self.received.name
         else:
             name = "SIGTERM" if trainer.received_sigterm else "a stop signal to another rank"
-        ckpt = trainer.checkpoint_callback
-        if ckpt is not None and hasattr(ckpt, "save_now"):
-            ckpt.save_now(trainer)
+        if self.saver is not None:
+            self.saver.save_now(trainer)
         if finishing(trainer):
             # Only the last validation (and the final save) is left: exiting 75 here would leave a run whose
             # resume finds max_steps reached and ends without it, so the run's final loss would never be measured.

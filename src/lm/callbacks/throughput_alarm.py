@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.steps import StepWatch
+from lm.checkpoint.callback import RunCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,10 @@ class ThroughputAlarm(pl.Callback):
         baseline_steps: int = 20,
         warmup: int = 5,
         consensus: Consensus | None = None,
+        saver: RunCheckpoint | None = None,
     ):
+        self.saver = saver
+        """The run's saver: the alarm's checkpoint (None: warn only)."""
         self.ratio, self.window_s = ratio, window_s
         self.baseline_steps, self.warmup = baseline_steps, warmup
         self.baseline: float | None = None
@@ -61,8 +65,7 @@ class ThroughputAlarm(pl.Callback):
         if not self.steps.ended(trainer):
             return
         now = time.monotonic()
-        ckpt = trainer.checkpoint_callback
-        saved = getattr(ckpt, "_last_global_step_saved", -1)
+        saved = self.saver.saved_step if self.saver is not None else None
         interrupted = self._interrupted or saved != self._saved_step
         self._interrupted, self._saved_step = False, saved
         last, self._t = self._t, now
@@ -104,6 +107,5 @@ class ThroughputAlarm(pl.Callback):
             self.baseline or 0.0,
             self.window_s,
         )
-        ckpt = trainer.checkpoint_callback
-        if ckpt is not None and hasattr(ckpt, "save_now"):
-            ckpt.save_now(trainer)
+        if self.saver is not None:
+            self.saver.save_now(trainer)

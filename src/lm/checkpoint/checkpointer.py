@@ -56,6 +56,8 @@ class Checkpointer:
         if fmt is None:
             fmt = AsyncShardedFolder() if cfg.async_save else FORMATS[cfg.format]
         self.format = fmt
+        self._io: AtomicCheckpointIO | None = None
+        self._saver: RunCheckpoint | None = None
 
     @classmethod
     def open(
@@ -85,12 +87,23 @@ class Checkpointer:
         resume_check.check_resumable(ckpt_path, model, optimizer, data)
 
     def io(self) -> AtomicCheckpointIO:
-        """The Trainer's checkpoint plugin, writing this checkpointer's format atomically."""
-        return AtomicCheckpointIO(fmt=self.format)
+        """The Trainer's checkpoint plugin, writing this checkpointer's format atomically (one per run: the
+        saver reads its space guard and background writer)."""
+        if self._io is None:
+            self._io = AtomicCheckpointIO(fmt=self.format)
+        return self._io
+
+    @property
+    def saver(self) -> RunCheckpoint:
+        """The run's save callback (when to save, `last.ckpt`, rotation, uploads), handed to every part of the
+        step that asks for a save or reads the newest saved step."""
+        if self._saver is None:
+            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io())
+        return self._saver
 
     def callbacks(self, meter=None) -> list[pl.Callback]:
         """The resume check (first of all callbacks) and the save callback (last but the progress bar)."""
-        return [resume_check.ResumeCheck(meter), RunCheckpoint(self.dir, self.cfg, self.remote)]
+        return [resume_check.ResumeCheck(meter), self.saver]
 
     def mirror_behind(self) -> str | None:
         """At the end of a run: None when there is no bucket or it holds the latest checkpoint, else what it

@@ -18,11 +18,12 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lm.base.private_api import read_sharded_whole
 
 SUFFIX = ".ckpt"
 """Lightning's checkpoint extension (ModelCheckpoint.FILE_EXTENSION), the same for every file here."""
@@ -110,15 +111,7 @@ def read_sharded(path: Path) -> dict[str, Any]:
     conversion (`dcp_to_torch_save`'s planner) rebuilds the nested state from the index, without a process
     group. An FSDP2 run resumes a folder through Lightning instead, each rank reading only its shards.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    # torch's `dcp_to_torch_save`, kept in memory: the planner rebuilds the nested state from the index
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    state = read_sharded_whole(path)  # torch's `dcp_to_torch_save`, kept in memory
     ckpt = read_meta(path)
     ckpt["state_dict"] = state["state_dict"]
     n = len([k for k in state if k.startswith("optimizer_")])

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.base.exits import Refused
+from lm.base.private_api import set_last_lr
 from lm.config import OptimConfig
 from lm.data.bytes import token_byte_lengths
 from lm.engine import fp8 as float8
@@ -103,13 +104,15 @@ class LMModule(pl.LightningModule):
         the stopper records it (None for a module without a run, e.g. a bench)."""
         self._norm_cache: tuple[int, torch.Tensor | None] | None = None
         self._sharded = False
+        self.compiled = False
+        """Whether `configure_model` compiled the model in place (once: Lightning may call it again)."""
         self.register_buffer("token_bytes", None, persistent=False)
         """(padded vocab,) UTF-8 bytes per token id, for `val/bpb`; set at setup from the data's tokenizer."""
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # trainer.strategy=fsdp: shard (and compile) block by block
             if not self._sharded:
-                precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+                precision = str(self.trainer.precision)
                 mesh = self.device_mesh["data_parallel"]
                 shard_model(
                     self.model,
@@ -122,8 +125,9 @@ class LMModule(pl.LightningModule):
             return
         # Module.compile() compiles in place: state_dict keys stay free of `_orig_mod.` prefixes, so
         # checkpoints load the same whether or not the run that wrote them compiled.
-        if self.compile_model and not getattr(self.model, "_compiled_call_impl", None):
+        if self.compile_model and not self.compiled:
             self.model.compile(mode=self.compile_mode)
+            self.compiled = True
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         return self.model(idx_BT)
@@ -286,7 +290,9 @@ class LMModule(pl.LightningModule):
             optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
         ):
             group["lr"] = base_lr * multiplier(scheduler.last_epoch)  # LambdaLR's own formula
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+        set_last_lr(
+            scheduler, [group["lr"] for group in optimizer.param_groups]
+        )  # what get_last_lr() reports
 
 
 def place_steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], fused: bool) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim._muon import _adjust_lr
+
+from lm.base.private_api import muon_adjust_lr
 
 Orthogonalise = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 """(the whole update matrix, its param group) -> the orthogonalised matrix."""
@@ -122,4 +123,4 @@ def step(groups: list[dict[str, Any]], state: dict, orthogonalise: Orthogonalise
         lr = group["lr"]
         local = p.to_local()
         local.mul_(1 - lr * group["weight_decay"])
-        local.add_(out[: update.size(0)], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        local.add_(out[: update.size(0)], alpha=-muon_adjust_lr(lr, group["adjust_lr_fn"], p.shape))

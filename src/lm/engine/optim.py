@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
 
 from lm.base.findings import Finding
+from lm.base.private_api import MUON_QUINTIC, muon_adjust_lr, muon_tensors, newton_schulz
 from lm.config import OptimConfig
 from lm.engine import muon_sharded
 from lm.model import ModelConfig, Transformer
@@ -200,7 +200,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
 
-QUINTIC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+QUINTIC = MUON_QUINTIC
 """torch's Muon triple (3.4445, -4.775, 2.0315), the same at every iteration: its default `ns_coefficients`."""
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932), as modded-nanogpt's record runs it
@@ -240,7 +240,7 @@ def orthogonalise(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
     Polar Express (what the single-process step applies, for the sharded step to apply the same)."""
     if group["ns_coefficients"] == "polar_express":
         return polar_express(update, group["ns_steps"], group["eps"])
-    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
 class PolarExpressMuon(torch.optim.Muon):
@@ -250,17 +250,14 @@ class PolarExpressMuon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # MuonWithAdamW evaluates the closure
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            bufs: list[torch.Tensor] = []
-            self._init_group(group, params, grads, bufs)
+            params, grads, bufs = muon_tensors(self, group)
             lr, momentum = group["lr"], group["momentum"]
             for param, grad, buf in zip(params, grads, bufs, strict=True):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = polar_express(update, group["ns_steps"], group["eps"])
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                param.add_(update, alpha=-muon_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
 
 
 def optimizer_findings(model_cfg: ModelConfig, cfg: OptimConfig) -> list[Finding]:

@@ -20,6 +20,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lm.base.exits import Refused
+from lm.base.private_api import all_data_parallel
 from lm.numbers.run_plan import devices_per_node
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(self, sharded_checkpoints: bool = False, **kwargs) -> None:
         if "save_distributed_checkpoint" in kwargs:
             raise Refused("set checkpoint.format=sharded (or full), not save_distributed_checkpoint")
+        self.sharded_checkpoints = sharded_checkpoints
         super().__init__(
             data_parallel_size=1,
             tensor_parallel_size=1,
@@ -51,7 +53,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A full checkpoint: Lightning's (rank 0 writes through the run's CheckpointIO). A sharded one: every
         rank hands its shards to the same CheckpointIO, whose format (`ShardedFolder`) writes them together."""
-        if not self._save_distributed_checkpoint:
+        if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
@@ -60,8 +62,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         # The world size is known only now (devices=auto, torchrun, SLURM): shard over all of it.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        all_data_parallel(self)
         super().setup_environment()
 
 

@@ -193,8 +193,9 @@ def build_callbacks(
     run_state = meter.run
     consensus = Consensus()
     s = cfg.spot
-    nonfinite = NonFiniteGuard(s.max_nonfinite, run_dir / rundir.CHECKPOINTS, run_state)
-    spike = SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, run_dir / rundir.CHECKPOINTS, run_state)
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
+    nonfinite = NonFiniteGuard(s.max_nonfinite, ckpt_dir, run_state, saver)
+    spike = SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, ckpt_dir, run_state, saver)
     # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
     # 2. RunState restored before any other load hook reads it, snapshotted when a save is staged;
     # 3. the meter counts each step's tokens and time before every callback below reads them.
@@ -213,8 +214,8 @@ def build_callbacks(
     # 6. the agreement on this step's votes, launched once every voter has cast.
     callbacks += [
         stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus),
-        SpotGuard(s.signals, consensus),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus),
+        SpotGuard(s.signals, consensus, saver),
+        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus, saver),
         nonfinite,
         spike,
         consensus,
@@ -302,6 +303,7 @@ def build_trainer(
         log_every_n_steps=t.log_every_n_steps,
         enable_progress_bar=t.enable_progress_bar,
         use_distributed_sampler=False,  # the step-indexed sampler shards by rank itself
+        enable_checkpointing=False,  # no ModelCheckpoint of Lightning's: the run's saver (RunCheckpoint) saves
         default_root_dir=run_dir,
         logger=logger,
         callbacks=callbacks,

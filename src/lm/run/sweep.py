@@ -271,7 +271,7 @@ class SweepSummary(Callback):
             value = job_return.return_value
             record.update(status="completed", objective=finite(value), error=None)
         else:
-            error = job_return._return_value  # the exception; `.return_value` would re-raise it
+            error = raised(job_return)
             cause = error.__cause__ if isinstance(error, JobFailed) and error.__cause__ else error
             record.update(status="failed", objective=None, error=f"{type(cause).__name__}: {error}")
             if isinstance(error, JobFailed):
@@ -309,3 +309,12 @@ class SweepSummary(Callback):
             len(rows),
             f"; best {top.job}, val loss {top.val_loss:.4f}" if top else "",
         )
+
+
+def raised(job_return: Any) -> BaseException:
+    """The exception a failed job raised (Hydra's `return_value` re-raises it)."""
+    try:
+        _ = job_return.return_value
+    except BaseException as e:
+        return e
+    raise AssertionError("a failed job's return_value did not raise")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from lm.base.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
+from lm.base.private_api import shutdown_data_workers
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.checkpoint.remote import run_identity
 from lm.checkpoint.run_state import RunState
@@ -178,10 +178,7 @@ def stop_data_workers(trainer: pl.Trainer) -> None:
     SIGTERM (`lm.data.datamodule.ignore_stop_signals`), so multiprocessing's exit handler would wait for them
     for ever.
     """
-    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
-        if loop._combined_loader is not None:
-            for loader in loop._combined_loader.flattened:
-                _shutdown_workers_and_reset_iterator(loader)
+    shutdown_data_workers(trainer)
 
 
 def log_runtime(
