@@ -56,6 +56,8 @@ class Fault(pl.Callback):
       the S3 server, removes a folder);
     - `sigkill_in_shard_write` | `disk_full_in_shard_write`: while a rank writes its shards of a sharded
       checkpoint (checkpoint.format=sharded; in the background thread with checkpoint.async_save);
+      `finish_fails`: rank 0's last act of a sharded save (meta.pt, the rename) meets a full disk (with
+      checkpoint.async_save: in the step that finds the background write done);
       `hold_shard_write`: the background write of the checkpoint of step `step` waits until training has
       ended a step `seconds` later (the save completes after the run moved on, as a slow disk makes it);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
@@ -88,6 +90,8 @@ class Fault(pl.Callback):
             self.wrap_save(trainer)
         if self.action in ("sigkill_in_shard_write", "disk_full_in_shard_write", "hold_shard_write"):
             self.wrap_shard_write()
+        if self.action == "finish_fails":
+            self.wrap_finish()
         if self.action == "sigkill_random" and not self.marker.exists():
             # A kill at a random moment (in a step, in validation, in a checkpoint write, in data loading).
             delay = random.Random(self.step).uniform(0.0, self.seconds)
@@ -120,6 +124,20 @@ class Fault(pl.Callback):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         FileSystemWriter.write_data = write_data
+
+    def wrap_finish(self) -> None:
+        """Rank 0's `ShardedFolder.finish` of the first save of step >= `step` raises ENOSPC (nothing written)."""
+        from lm.checkpoint.formats import ShardedFolder
+
+        original = ShardedFolder.finish
+        fault = self
+
+        def finish(checkpoint, tmp, path):
+            if checkpoint.get("global_step", 0) >= fault.step and fault.fire():
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "meta.pt"))
+            return original(checkpoint, tmp, path)
+
+        ShardedFolder.finish = staticmethod(finish)
 
     def kill_now(self) -> None:
         if self.fire():

@@ -31,6 +31,7 @@ from .faults import fill
 from .harness import (
     ROOT,
     STEPS,
+    TIMEOUT_S,
     Record,
     Trigger,
     assert_kept,
@@ -595,6 +596,50 @@ def test_run_directory_removed_mid_run_says_so_with_74(root, data_cache, row):
     assert "nothing to save to" in line, line
 
 
+@pytest.mark.faults_slow
+def test_run_directory_taken_over_by_a_second_trainer_stops_the_first_before_it_writes(root, data_cache, row):
+    """Sparse writes (logging, validation and checkpoints 1000 steps apart): the run directory is removed at
+    step 8 and the same command started again, which takes a new lock in the recreated folder. The first
+    trainer, released once the second holds the folder, stops with 74 within seconds (its lock is no longer
+    the folder's) having written nothing there; the second trains the run alone."""
+    name = row.case = "run_dir_taken_over"
+    run_dir = root / name
+    markers = root / f"{name}-markers"
+    markers.mkdir()
+    sparse = [
+        "trainer.log_every_n_steps=1000",
+        "checkpoint.every_n_steps=1000",
+        "trainer.val_every_steps=1000",
+    ]
+    args = overrides(root, data_cache, name, *fault(markers, "pause", step=8), "data.num_workers=0", *sparse)
+    fired = marker(markers, "pause", 8)
+    second: list[subprocess.Popen] = []
+
+    def take_over() -> None:
+        shutil.rmtree(run_dir)
+        log = open(root / f"{name}-second.log", "w")  # noqa: SIM115 (closed with the process below)
+        second.append(subprocess.Popen(command(args), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while not (run_dir / ".lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (run_dir / ".lock").exists(), "the second trainer never took the run directory"
+
+    try:
+        result = run(args, triggers=(Trigger.at_pause(fired, take_over),))
+        row.outcome(result, fired, EXIT_SAVE_FAILED)
+        assert result.code == EXIT_SAVE_FAILED, result.tail()
+        line = last_line(result.stderr)
+        assert f"the run directory {run_dir} was removed while the run was training" in line, line
+        assert second[0].wait(timeout=TIMEOUT_S) == 0, (root / f"{name}-second.log").read_text()[-3000:]
+    finally:
+        for proc in second:
+            proc.kill()
+    # Everything in the folder is the second trainer's: one run, its own final checkpoint and ledger.
+    assert sorted(checkpoints(run_dir / "checkpoints")) == [20]
+    assert json.loads((run_dir / "cost.json").read_text())["step"] == 20
+    row.equal = True
+
+
 def out_of_vocabulary(folder: Path) -> str:
     """Every 50th token of the first train shard becomes id 65000, above the 512-token vocabulary."""
     shard = sorted(folder.glob("train-*.bin"))[0]
@@ -741,6 +786,9 @@ SHARDED_CASES = {
     "sharded_sigkill_one_rank_mid_async_save": ("sigkill_in_shard_write", True, 4, None),
     "sharded_full_disk_mid_save": ("disk_full_in_shard_write", False, 4, EXIT_SAVE_FAILED),
     "sharded_sigterm_one_rank_random_step": ("sigterm", True, None, EXIT_PREEMPTED),
+    # Issue 49: a failure found between saves is agreed on; no rank is left waiting in a collective.
+    "sharded_full_disk_mid_async_save": ("disk_full_in_shard_write", True, 4, EXIT_SAVE_FAILED),
+    "sharded_rank0_finish_fails_async": ("finish_fails", True, 4, EXIT_SAVE_FAILED),
 }
 
 
@@ -795,7 +843,12 @@ def test_sharded_save_faults_on_two_ranks_resume_bitwise(root, data_cache, shard
     fired = root / f"{name}.fired"
     args = [*SHARDED_RUN, *(["checkpoint.async_save=true"] if asynchronous else [])]
     args += ["+callbacks.fault._target_=tests.faults.Fault", f"+callbacks.fault.action={action}"]
-    args += [f"+callbacks.fault.step={step}", "+callbacks.fault.rank=1", f"+callbacks.fault.marker={fired}"]
+    rank = 0 if action == "finish_fails" else 1  # rank 0 alone renames the folder
+    args += [
+        f"+callbacks.fault.step={step}",
+        f"+callbacks.fault.rank={rank}",
+        f"+callbacks.fault.marker={fired}",
+    ]
     cmd = [*torchrun(2), *overrides(root, data_cache, name, *args)]
     t0 = time.monotonic()
     out = launch(cmd, ok=False)
@@ -806,6 +859,8 @@ def test_sharded_save_faults_on_two_ranks_resume_bitwise(root, data_cache, shard
     assert fired.is_file(), f"{name} (step {step}): the fault never fired\n{out.stderr[-3000:]}"
     if code is not None:
         assert code in codes, (name, step, codes, out.stderr[-3000:])
+    if code == EXIT_SAVE_FAILED:  # every rank stopped on its own, none left in a collective
+        assert row.exit_s < 120, (name, row.exit_s, out.stderr[-3000:])
     ckpt_dir = root / name / "checkpoints"
     if action != "sigterm":  # the folder being written never became a checkpoint; the one before is last
         assert not (ckpt_dir / "step-4.ckpt").exists()

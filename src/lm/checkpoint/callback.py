@@ -4,16 +4,24 @@ Built on Lightning's public API only: a plain `Callback` that calls `trainer.sav
 checkpoint dict, every callback's `on_save_checkpoint` included, and hands it to the strategy and the run's
 CheckpointIO plugin), not a `ModelCheckpoint` subclass: lm saves by step, keeps files by step number and
 links `last.ckpt` itself, so nothing of ModelCheckpoint's monitoring or top-k bookkeeping is used.
+
+Every decision about a save is agreed by all ranks before any acts on it (`agree`: each rank's problem
+gathered, the first raised on every rank): whether the run directory is still this run's and the checkpoint
+fits (before any rank writes), whether the write failed (after Lightning's barrier, which a rank that raised
+inside it would leave the others waiting in), whether the previous background write completed. Failures found
+between saves (a background write's, the run directory's loss) are agreed through the run's `Consensus`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 
-from lm.base.exits import CheckpointSaveError, report_progress
+from lm.base.exits import CheckpointSaveError, RunDirRemoved, report_progress
 from lm.checkpoint.files import LAST, checkpoint_step, step_name
 from lm.checkpoint.formats import AsyncShardedFolder
 from lm.checkpoint.local import (
@@ -25,8 +33,28 @@ from lm.checkpoint.local import (
 )
 from lm.checkpoint.remote import CheckpointUploader, RemoteCheckpoints
 from lm.config import CheckpointConfig
+from lm.store.atomic import removed_message
+from lm.store.lock import RunLock
 
 log = logging.getLogger(__name__)
+
+OWNER_CHECK_S = 2.0
+"""How often (seconds, at most) rank 0 checks between saves that the run directory is still this run's."""
+
+
+def agree(trainer: pl.Trainer, error: BaseException | None) -> None:
+    """Every rank calls this with its own problem (or None): if any rank has one, every rank raises (its own,
+    else the lowest rank's), so no rank goes on alone into a collective the others left. One process: raise
+    `error` if there is one."""
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        errors: list[BaseException | None] = [None] * trainer.world_size
+        dist.all_gather_object(errors, error)
+        first = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+        if first is not None and error is None:
+            rank, error = first
+            error.add_note(f"(raised on rank {rank}; this rank stops with it)")
+    if error is not None:
+        raise error
 
 
 class RunCheckpoint(pl.Callback):
@@ -45,8 +73,18 @@ class RunCheckpoint(pl.Callback):
         cfg: CheckpointConfig,
         remote: RemoteCheckpoints | None = None,
         io: AtomicCheckpointIO | None = None,
+        lock: RunLock | None = None,
+        consensus=None,
     ) -> None:
         self.dirpath = Path(dirpath)
+        self.lock = lock
+        """Rank 0's lock on the run directory, confirmed before every save and every `OWNER_CHECK_S`."""
+        self.consensus = consensus
+        """The ranks' agreement on failures found between saves (lm.callbacks.consensus.Consensus)."""
+        if consensus is not None:
+            consensus.register("run_dir_lost")
+            consensus.register("save_failed")
+        self._owner_checked = time.monotonic()
         self.cfg = cfg
         self.io = io if io is not None else AtomicCheckpointIO()
         """The run's checkpoint plugin (the Trainer writes through it): its format and its space guard."""
@@ -74,15 +112,46 @@ class RunCheckpoint(pl.Callback):
             self.saved_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.background is not None:
+            self.background.poll()  # a finished background write becomes the run's newest checkpoint
+        self.agree_between_saves(trainer)
         every = self.cfg.every_n_steps
         if every and trainer.global_step % every == 0:
             self.save_now(trainer)  # once per optimizer step: a micro-batch within it finds the step saved
-        if self.background is not None:
-            self.background.poll()  # a finished background write becomes the run's newest checkpoint
+
+    def agree_between_saves(self, trainer: pl.Trainer) -> None:
+        """Every rank, every micro-batch: stop together (exit 74) once a rank found the run directory gone or
+        taken over (rank 0, every `OWNER_CHECK_S`), or a background write failed (on any rank)."""
+        lost = False
+        now = time.monotonic()
+        if self.lock is not None and now - self._owner_checked >= OWNER_CHECK_S:
+            self._owner_checked, lost = now, self.lock.removed()
+        failure = self.background.failure if self.background is not None else None
+        if self.consensus is not None:  # every rank casts both votes at every call; one process: at once
+            lost = self.consensus.decide(trainer, "run_dir_lost", lost)
+            failed = self.consensus.decide(trainer, "save_failed", failure is not None)
+        else:
+            failed = failure is not None
+        if lost:
+            raise RunDirRemoved(removed_message(self.dirpath.parent))
+        if failed:
+            raise CheckpointSaveError(
+                f"the checkpoint written in the background failed ({failure or 'on another rank'}). The "
+                "previous checkpoints are intact; fix the cause (disk full? quota?) and rerun the same command "
+                "to resume"
+            ) from failure
+
+    def write_problem(self, trainer: pl.Trainer, path: Path) -> OSError | None:
+        """This rank's reason not to write the checkpoint at `path` (None: go ahead)."""
+        if self.lock is not None and self.lock.removed():
+            return RunDirRemoved(removed_message(self.dirpath.parent, path.name))
+        if trainer.is_global_zero or self.io.format.collective:  # the ranks that write
+            return self.io.space_problem(path)
+        return None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.save_now(trainer)
-        self.finish_or_fail()  # while every rank's process group is still up for the writer's collectives
+        self.finish_or_fail(trainer)  # while every rank's process group is still up for the collectives
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -96,7 +165,10 @@ class RunCheckpoint(pl.Callback):
         self.wait_for_upload()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.finish_or_fail()
+        if (
+            self.background is not None and self.background.pending is not None
+        ):  # fit ended before on_train_end
+            self.finish_or_fail(trainer)
         self.wait_for_upload()
 
     # --- saving ------------------------------------------------------------------------------------------
@@ -108,7 +180,14 @@ class RunCheckpoint(pl.Callback):
         if step == 0 or step == self.saved_step or trainer.sanity_checking:
             return False
         path = self.dirpath / step_name(step)
-        trainer.save_checkpoint(path)  # every rank: the dict, the strategy, the run's CheckpointIO, a barrier
+        self.settle_background(trainer)  # at most one in flight: the previous one is complete, or all stop
+        agree(trainer, self.write_problem(trainer, path))  # before any rank writes
+        self.io.defer = True
+        try:
+            trainer.save_checkpoint(path)  # every rank: the dict, the strategy, the CheckpointIO, a barrier
+        finally:
+            self.io.defer = False
+        agree(trainer, self.io.take_failure())
         self.saved_step = step
         if self.background is None and trainer.is_global_zero:
             replace_symlink(path, self.dirpath / LAST)  # complete: the link moves, never to a partial file
@@ -131,15 +210,28 @@ class RunCheckpoint(pl.Callback):
         if self.background is not None:
             self.background.wait()
 
-    def finish_or_fail(self) -> None:
-        """Finish the background save; a failed one ends the run with exit 74 (CheckpointSaveError)."""
+    def settle_background(self, trainer: pl.Trainer) -> None:
+        """Every rank: wait for the save in flight; if it failed on any rank, every rank stops (exit 74)."""
+        if self.background is None:
+            return
+        failure = self.background.failure
         try:
             self.finish_background_save()
         except OSError as e:
-            raise CheckpointSaveError(
-                f"the checkpoint written in the background failed ({e}). The previous checkpoints are intact; "
-                "fix the cause (disk full? quota?) and rerun the same command to resume"
-            ) from e
+            failure = e
+        self.background.failure = None
+        problem = None
+        if failure is not None:
+            problem = CheckpointSaveError(
+                f"the checkpoint written in the background failed ({failure}). The previous checkpoints are "
+                "intact; fix the cause (disk full? quota?) and rerun the same command to resume"
+            )
+            problem.__cause__ = failure
+        agree(trainer, problem)
+
+    def finish_or_fail(self, trainer: pl.Trainer) -> None:
+        """Finish the background save; a failed one ends the run on every rank with exit 74."""
+        self.settle_background(trainer)
 
     def wait_for_upload(self) -> None:
         """Block until the newest checkpoint is on object storage (a no-op without checkpoint.remote)."""

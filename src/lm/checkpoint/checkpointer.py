@@ -32,7 +32,7 @@ from lm.checkpoint.remote import RemoteCheckpoints, fetch_newer, remote_behind, 
 from lm.config import CheckpointConfig, DataConfig, RunConfig
 from lm.model import ModelConfig
 from lm.store import rundir
-from lm.store.lock import LOCK
+from lm.store.lock import LOCK, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class Checkpointer:
         self.format = fmt
         self._io: AtomicCheckpointIO | None = None
         self._saver: RunCheckpoint | None = None
+        self.lock: RunLock | None = None
+        """Rank 0's lock on the run directory (set once taken), which the saver confirms before each write."""
 
     @classmethod
     def open(
@@ -93,17 +95,17 @@ class Checkpointer:
             self._io = AtomicCheckpointIO(fmt=self.format)
         return self._io
 
-    @property
-    def saver(self) -> RunCheckpoint:
-        """The run's save callback (when to save, `last.ckpt`, rotation, uploads), handed to every part of the
-        step that asks for a save or reads the newest saved step."""
+    def saver(self, consensus=None) -> RunCheckpoint:
+        """The run's save callback (when to save, `last.ckpt`, rotation, uploads), made once and handed to
+        every part of the step that asks for a save or reads the newest saved step. `consensus`: the ranks'
+        agreement it votes in (failures found between saves)."""
         if self._saver is None:
-            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io())
+            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io(), self.lock, consensus)
         return self._saver
 
-    def callbacks(self, meter=None) -> list[pl.Callback]:
+    def callbacks(self, meter=None, consensus=None) -> list[pl.Callback]:
         """The resume check (first of all callbacks) and the save callback (last but the progress bar)."""
-        return [resume_check.ResumeCheck(meter), self.saver]
+        return [resume_check.ResumeCheck(meter), self.saver(consensus)]
 
     def mirror_behind(self) -> str | None:
         """At the end of a run: None when there is no bucket or it holds the latest checkpoint, else what it

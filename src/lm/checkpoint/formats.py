@@ -211,6 +211,9 @@ class AsyncShardedFolder(ShardedFolder):
         """Rank 0's callable(path) once a checkpoint is complete and in place (set by the save callback)."""
         self.stager: Any = None
         self.group: Any = None
+        self.failure: OSError | None = None
+        """A failed background write (or rank 0's finish) found by `poll`, kept for the ranks to agree on
+        (the saver's consensus) instead of raised on this rank alone."""
 
     def save(self, checkpoint: dict[str, Any], path: Path) -> int:
         import torch.distributed as dist
@@ -231,9 +234,14 @@ class AsyncShardedFolder(ShardedFolder):
         return 0  # the size is known once written (`wait`)
 
     def poll(self) -> None:
-        """Finish the save in flight if its write is done (rank 0 renames and links), without waiting."""
+        """Finish the save in flight if its write is done (rank 0 renames and links), without waiting. Its
+        write is done on the ranks at different steps: a failure is kept in `failure`, never raised here, so
+        no rank leaves the others in the next step's collectives."""
         if self.pending is not None and self.pending[0].done():
-            self.wait()
+            try:
+                self.wait()
+            except OSError as e:
+                self.failure = e
 
     def wait(self) -> int:
         """Block until the save in flight is written and in place; returns its size on rank 0 (else 0).

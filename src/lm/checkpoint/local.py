@@ -19,13 +19,13 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from lm.base.exits import UNWRITABLE, CheckpointSaveError, Refused, report_progress
+from lm.base.exits import UNWRITABLE, CheckpointSaveError, Refused, RunDirRemoved, report_progress
 from lm.base.findings import Finding
 from lm.checkpoint.files import LAST, checkpoint_step, read, remove, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
 from lm.numbers.scale_out import recommend_format, save_plans
 from lm.store import rundir
-from lm.store.atomic import nearest_folder, unwritable_cause, unwritable_fix
+from lm.store.atomic import check_owned, nearest_folder, unwritable_cause, unwritable_fix
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +57,51 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.expected_bytes = expected_bytes
         """Bytes the next checkpoint is expected to take; updated to the real size after each save."""
         self.format = fmt
+        self.defer = False
+        """Keep a failed save (`failure`) instead of raising it: the saver sets it while Lightning's
+        `save_checkpoint` runs, whose barrier the other ranks would otherwise wait in for ever."""
+        self.failure: OSError | None = None
 
     @staticmethod
     def temporary_path(path: Path) -> Path:
         return temporary_path(path)
 
+    def space_problem(self, path: Path) -> CheckpointSaveError | None:
+        """Why a save at `path` would not fit (None: it fits), before touching the disk."""
+        need = int(self.expected_bytes * SAFETY)
+        free = shutil.disk_usage(nearest_folder(path.parent)).free
+        if need <= free:
+            return None
+        return CheckpointSaveError(
+            f"not saving {path.name}: it needs ~{gib(need)} and {path.parent} has {gib(free)} free. "
+            f"The previous checkpoints are intact; free space (or lower checkpoint.keep_last) and rerun "
+            f"the same command to resume from the last one"
+        )
+
     def check_space(self, path: Path) -> None:
         """Refuse a save that would not fit, before touching the disk."""
-        need = int(self.expected_bytes * SAFETY)
-        free = shutil.disk_usage(path.parent).free
-        if need > free:
-            raise CheckpointSaveError(
-                f"not saving {path.name}: it needs ~{gib(need)} and {path.parent} has {gib(free)} free. "
-                f"The previous checkpoints are intact; free space (or lower checkpoint.keep_last) and rerun "
-                f"the same command to resume from the last one"
-            )
+        if (problem := self.space_problem(path)) is not None:
+            raise problem
+
+    def take_failure(self) -> OSError | None:
+        """The failure a deferred save kept (cleared)."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        try:
+            self.save(checkpoint, path, storage_options)
+        except (CheckpointSaveError, RunDirRemoved) as e:
+            if not self.defer:
+                raise
+            self.failure = e
+
+    def save(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """`save_checkpoint`, raising its failure."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
+        check_owned(path)  # a run directory removed or taken over is never written into
         path.parent.mkdir(parents=True, exist_ok=True)
         self.check_space(path)
         try:

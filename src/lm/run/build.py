@@ -189,9 +189,9 @@ def build_callbacks(
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
-    resume_check, saver = checkpointer.callbacks(meter)
-    run_state = meter.run
     consensus = Consensus()
+    resume_check, saver = checkpointer.callbacks(meter, consensus)
+    run_state = meter.run
     s = cfg.spot
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     nonfinite = NonFiniteGuard(s.max_nonfinite, ckpt_dir, run_state, saver)

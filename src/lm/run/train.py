@@ -35,6 +35,7 @@ from lm.run import build
 from lm.run.doctor import Target, preflight
 from lm.run.report import write_report
 from lm.store import atomic, rundir
+from lm.store.atomic import removed_message
 from lm.store.lock import RunLock
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def open_run(
     run_dir = checkpointer.run_dir
     if rank_zero_only.rank == 0:
         lock = RunLock(run_dir).acquire()
+        checkpointer.lock = lock  # the saver confirms it before every checkpoint it writes
         on_exit.callback(lock.release)
         on_exit.push(functools.partial(explain_removal, lock))  # before the release: it reads the lock
         atomic.remove_orphaned_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))
@@ -164,11 +166,7 @@ def explain_removal(lock: RunLock, kind, error: BaseException | None, tb) -> Non
     a ledger), with an error that points elsewhere; say what happened instead (exit 74). A stop signal's or
     a rollback's exit (SystemExit) keeps its own code."""
     if isinstance(error, Exception) and lock.removed():
-        raise RunDirRemoved(
-            f"the run directory {lock.path.parent} was removed while the run was training; nothing to save to "
-            f"(its checkpoints and logs went with it, and this process stops rather than write a partial "
-            f"copy). Restore the folder to resume, or start over with run.resume=false or another run.name",
-        ) from error
+        raise RunDirRemoved(removed_message(lock.path.parent)) from error
 
 
 def stop_data_workers(trainer: pl.Trainer) -> None:

@@ -13,16 +13,49 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from lm.base.exits import DISK_FULL, UNWRITABLE, DiskFull
+from lm.base.exits import DISK_FULL, UNWRITABLE, DiskFull, RunDirRemoved
 
 log = logging.getLogger(__name__)
 
 TMP = re.compile(r"\.tmp-(\d+)$")
 """`<name>.tmp-<pid>`: a write in progress, or the remains of one whose process was killed."""
+
+
+_owned: dict[str, Callable[[], bool]] = {}
+"""Run directories this process holds (`RunLock`), each with the check that it still does."""
+
+
+def own(run_dir: Path, still_ours: Callable[[], bool]) -> None:
+    """Before every write under `run_dir`, ask `still_ours()`: a folder removed or taken over by another
+    trainer is never written into (`RunDirRemoved`, exit 74)."""
+    _owned[os.path.abspath(run_dir)] = still_ours
+
+
+def disown(run_dir: Path) -> None:
+    _owned.pop(os.path.abspath(run_dir), None)
+
+
+def check_owned(path: Path) -> None:
+    """Refuse a write under a run directory this process held and no longer does."""
+    where = os.path.abspath(path)
+    for root, still_ours in _owned.items():
+        if (where == root or where.startswith(root + os.sep)) and not still_ours():
+            raise RunDirRemoved(removed_message(Path(root), Path(where).name))
+
+
+def removed_message(run_dir: Path, not_written: str | None = None) -> str:
+    """What a run whose directory was removed (or taken over by another trainer) says as it stops."""
+    what = f"; {not_written} was not written" if not_written else ""
+    return (
+        f"the run directory {run_dir} was removed while the run was training (or replaced: its .lock is gone "
+        f"or another trainer's); nothing to save to{what} (its checkpoints and logs went with it, and this "
+        f"process stops rather than write a partial copy into a folder that may now be another run's). "
+        f"Restore the folder to resume, or start over with run.resume=false or another run.name"
+    )
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -35,6 +68,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 def open_atomic(path: Path) -> Iterator[BinaryIO]:
     """A binary file that becomes `path` when the block ends (fsync, rename); on any error it is removed and
     `path` keeps its old content. For writers that want a file object (`savefig`)."""
+    check_owned(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -52,6 +86,7 @@ def open_atomic(path: Path) -> Iterator[BinaryIO]:
 def append_atomic(path: Path, data: bytes | str) -> None:
     """Append `data` to `path` whole or not at all: a failed append is cut back to the old end, so the next
     append never continues a torn line."""
+    check_owned(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
     try:

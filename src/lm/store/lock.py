@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from lm.base.exits import Unavailable
+from lm.store import atomic
 
 LOCK = ".lock"
 
@@ -50,11 +51,13 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self.fd = fd
+        atomic.own(self.path.parent, lambda: not self.removed())  # every run-file write checks it first
         return self
 
     def release(self) -> None:
         """Give the lock up now. Unlocked explicitly rather than only closed: forked children (DataLoader
         workers) share the descriptor and would keep the lock while they live."""
+        atomic.disown(self.path.parent)
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
