@@ -19,6 +19,8 @@ The wings of `src/lm`, bottom to top (docs/architecture.md draws the tree, one l
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,25 @@ def test_the_cycle_finder_finds_the_cycles_this_layout_removed(cycle):
 def test_the_package_root_holds_a_handful_of_files():
     root = sorted(p.name for p in (SRC / "lm").glob("*.py"))
     assert len(root) <= ROOT_FILES_AT_MOST, f"src/lm/ holds {root}: put each new module in its wing"
+
+
+OPTIONAL = (
+    "lm.numbers.loss_prior",  # forecast models other than the schedule law, and shape priors
+    "lm.numbers.reference",  # the reference-curve forecast
+    "lm.run.references",
+    "lm.interop.evaluation",  # benchmarks at milestones (evals=)
+    "lm.callbacks.milestone_evals",
+    "lm.interop.hf",  # model.init_from (and export, eval, sample)
+    "lm.tools",  # the verbs around runs: planner, calibration, ablation, SkyPilot, bench, export
+)
+"""What the training core loads only when a config or verb asks for it (function-local imports where the
+config says so); a plain run's process never imports these."""
+
+
+def test_the_training_core_loads_optional_features_only_when_asked():
+    code = "import sys, lm.run.train, lm.run.build, lm.run.doctor; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    found = [m for m in loaded.stdout.split() if m.startswith(OPTIONAL)]
+    assert found == [], f"the training core imports optional features at module level: {found}"

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -29,11 +29,11 @@ from lm.callbacks.steps import StepWatch
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
-from lm.numbers.loss_prior import fit_forecast, read_priors
 from lm.numbers.lr_schedule import multipliers
-from lm.numbers.reference import Curve, ReferenceForecast
-from lm.numbers.reference import forecast as reference_forecast
 from lm.store import rundir
+
+if TYPE_CHECKING:
+    from lm.numbers.reference import Curve, ReferenceForecast
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,11 @@ class EarlyStopper(Callback):
         """The run's RunState: the stopper's history and decision (`stopper`), the LR cooldown it starts."""
         self.optim, self.schedule_steps = optim, schedule_steps
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
-        self.priors = read_priors(cfg.forecast_prior) if cfg.forecast_prior else {}
+        self.priors = {}
+        if cfg.forecast_prior:
+            from lm.numbers.loss_prior import read_priors  # the forecast's priors: loaded when configured
+
+            self.priors = read_priors(cfg.forecast_prior)
         """Shape priors for the forecast (early_stopping.forecast_prior): read once, so a bad file fails at start."""
         self.references = references or []
         """Reference curves (early_stopping.forecast_reference), read and checked against the run at build."""
@@ -193,6 +197,8 @@ class EarlyStopper(Callback):
             law = fit_schedule_law(steps, losses, plan_mult, min_points=self.cfg.forecast_min_points)
         else:
             model, priors, n = self.cfg.forecast_model, self.priors, self.cfg.forecast_min_points
+            from lm.numbers.loss_prior import fit_forecast  # other forecast models: loaded when configured
+
             law = fit_forecast(steps, losses, plan_mult, model, priors, min_points=n)
         if law is None:
             return None
@@ -216,7 +222,9 @@ class EarlyStopper(Callback):
         if plan_steps <= 0:
             return None
         steps, losses = [p.step for p in self.points], [p.loss for p in self.points]
-        return reference_forecast(self.references, steps, losses, plan_steps, self.cfg.forecast_reference_map)
+        from lm.numbers.reference import forecast  # reference curves: loaded when configured
+
+        return forecast(self.references, steps, losses, plan_steps, self.cfg.forecast_reference_map)
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 

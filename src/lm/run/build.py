@@ -26,7 +26,6 @@ from omegaconf import DictConfig
 from lm.callbacks.activation_stride import ActivationCheckpointingStride
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.milestone_evals import BenchmarkEvaluator
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
@@ -44,12 +43,9 @@ from lm.engine import activation_checkpointing, runtime
 from lm.engine.module import LMModule
 from lm.engine.parallel import build_strategy, cluster_plugins
 from lm.engine.runtime import resolve_runtime
-from lm.interop import hf
 from lm.numbers import cost, run_plan
 from lm.numbers.batch_ramp import seq_len_warmup
 from lm.numbers.memory import Workload
-from lm.numbers.reference import curve_key
-from lm.run.references import load_references
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -121,6 +117,8 @@ def build_module(
         lr_cooldown=(lambda: run_state.lr_cooldown) if run_state is not None else None,
     )
     if cfg.model.init_from is not None and init_from:
+        from lm.interop import hf  # an optional feature: loaded when configured
+
         hf.load_init_from(module.model)
     return module
 
@@ -208,6 +206,8 @@ def build_callbacks(
     if cfg.sampling.prompts:
         callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
     if cfg.evals.tasks:
+        from lm.callbacks.milestone_evals import BenchmarkEvaluator  # optional: loaded when configured
+
         callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
     # 5. the votes of the step boundary (budget, stop signal, slow host), each acting on the previous step's
     # agreement; the guards' verdicts (the non-finite guard's `found_inf` first, the spike guard joins it);
@@ -251,11 +251,22 @@ def stopper(
         consensus=consensus,
         optim=cfg.optim,
         schedule_steps=plan.schedule_steps,
-        references=load_references(
-            cfg.early_stopping.forecast_reference,
-            curve_key(cfg.optim, plan.schedule_steps, plan.tokens_per_step, cfg.data),
-            required=cfg.early_stopping.forecast_model == "reference",
-        ),
+        references=references(cfg, plan),
+    )
+
+
+def references(cfg: LMConfig, plan: run_plan.RunPlan) -> list:
+    """The reference curves `early_stopping.forecast_reference` names, read and checked against the run
+    (none configured: nothing of the reference forecast is loaded)."""
+    if not cfg.early_stopping.forecast_reference:
+        return []
+    from lm.numbers.reference import curve_key  # an optional feature: loaded when configured
+    from lm.run.references import load_references
+
+    return load_references(
+        cfg.early_stopping.forecast_reference,
+        curve_key(cfg.optim, plan.schedule_steps, plan.tokens_per_step, cfg.data),
+        required=cfg.early_stopping.forecast_model == "reference",
     )
 
 

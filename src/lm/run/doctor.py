@@ -34,9 +34,7 @@ from lm.engine import runtime
 from lm.engine.fp8 import fp8_findings
 from lm.engine.kernels import vocab_findings
 from lm.engine.optim import optimizer_findings
-from lm.interop.evaluation import evals_findings
-from lm.interop.hf import init_from_findings
-from lm.numbers import cost, memory, reference, run_plan
+from lm.numbers import cost, memory, run_plan
 from lm.store import rundir
 from lm.store.bench_file import measured_mfu
 
@@ -168,6 +166,10 @@ def check_price(t: Target) -> list[Finding]:
 
 
 def check_evals(t: Target) -> list[Finding]:
+    if not t.cfg.evals.tasks:
+        return []
+    from lm.interop.evaluation import evals_findings  # an optional feature: loaded when configured
+
     return evals_findings(t.cfg.evals)
 
 
@@ -179,7 +181,11 @@ def check_init_from(t: Target) -> list[Finding]:
     resumes = c.run.resume and (
         c.checkpoint.remote is not None or bool(resume_candidates(t.run_dir / rundir.CHECKPOINTS))
     )
-    return [] if resumes else init_from_findings(c.model, c.data.seq_len)
+    if resumes or c.model.init_from is None:
+        return []
+    from lm.interop.hf import init_from_findings  # an optional feature: loaded when configured
+
+    return init_from_findings(c.model, c.data.seq_len)
 
 
 def check_optimizer(t: Target) -> list[Finding]:
@@ -187,7 +193,12 @@ def check_optimizer(t: Target) -> list[Finding]:
 
 
 def check_forecast(t: Target) -> list[Finding]:
-    return reference.cadence_findings(t.cfg.early_stopping, t.plan.end_steps, t.cfg.trainer.val_every_steps)
+    s = t.cfg.early_stopping
+    if s.forecast_model != "reference" and not s.use_forecast:
+        return []  # no forecast decides anything
+    from lm.numbers import reference  # an optional feature: loaded when configured
+
+    return reference.cadence_findings(s, t.plan.end_steps, t.cfg.trainer.val_every_steps)
 
 
 def check_tokenizer(t: Target) -> list[Finding]:

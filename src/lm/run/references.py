@@ -84,7 +84,7 @@ def recorded_curve(record: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def load_references(paths: list[str], run_key: dict[str, Any], required: bool = True) -> list[Curve]:
-    """Every reference, each refused (ValueError naming the key) when it does not share the run's key.
+    """Every reference, each refused (`Refused`, naming the key) when it does not share the run's key.
 
     `required=False` (`forecast_model` other than `reference`: `lm plan --sibling` names a sibling that may
     not have run yet): a reference that is not there, or has not finished, is left out with a warning that

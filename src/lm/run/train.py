@@ -29,7 +29,6 @@ from lm.engine.kernels import sdpa_backends
 from lm.engine.module import LMModule
 from lm.engine.parallel import check_strategy
 from lm.engine.runtime import resolve_runtime
-from lm.interop import hf
 from lm.numbers import cost, run_plan
 from lm.run import build
 from lm.run.doctor import Target, preflight
@@ -152,6 +151,8 @@ def open_run(
         checkpointer.archive_run()
     checkpointer.check_resumable(ckpt_path, cfg.model, cfg.optim.name, cfg.data)
     if cfg.model.init_from is not None and ckpt_path is None:  # a resume continues from its checkpoint
+        from lm.interop import hf  # an optional feature: loaded when configured
+
         hf.check_init_from(cfg.model)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
