@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lm.base.exits import Refused
+from lm.base.exits import EXIT_CONFIG, Refused
 
 if TYPE_CHECKING:
     from lm.config import LMConfig
@@ -168,7 +168,6 @@ def cmd_sweep_summary(args: argparse.Namespace) -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> None:
-    from lm.base.exits import EXIT_CONFIG
     from lm.tools.ablate import ablate
 
     try:
@@ -370,7 +369,6 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from lm.base.exits import EXIT_CONFIG
     from lm.tools.export import export
 
     given = {"dtype": args.dtype, "vocab": args.vocab}

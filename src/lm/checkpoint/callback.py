@@ -33,8 +33,7 @@ from lm.checkpoint.local import (
 )
 from lm.checkpoint.remote import CheckpointUploader, RemoteCheckpoints
 from lm.config import CheckpointConfig
-from lm.store.atomic import removed_message
-from lm.store.lock import RunLock
+from lm.store.atomic import check_owned, lost_run_dir, removed_message
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,9 @@ class RunCheckpoint(pl.Callback):
         cfg: CheckpointConfig,
         remote: RemoteCheckpoints | None = None,
         io: AtomicCheckpointIO | None = None,
-        lock: RunLock | None = None,
         consensus=None,
     ) -> None:
         self.dirpath = Path(dirpath)
-        self.lock = lock
-        """Rank 0's lock on the run directory, confirmed before every save and every `OWNER_CHECK_S`."""
         self.consensus = consensus
         """The ranks' agreement on failures found between saves (lm.callbacks.consensus.Consensus)."""
         if consensus is not None:
@@ -124,8 +120,8 @@ class RunCheckpoint(pl.Callback):
         taken over (rank 0, every `OWNER_CHECK_S`), or a background write failed (on any rank)."""
         lost = False
         now = time.monotonic()
-        if self.lock is not None and now - self._owner_checked >= OWNER_CHECK_S:
-            self._owner_checked, lost = now, self.lock.removed()
+        if now - self._owner_checked >= OWNER_CHECK_S:  # rank 0's lock (lm.store.atomic.own)
+            self._owner_checked, lost = now, lost_run_dir(self.dirpath) is not None
         failure = self.background.failure if self.background is not None else None
         if self.consensus is not None:  # every rank casts both votes at every call; one process: at once
             lost = self.consensus.decide(trainer, "run_dir_lost", lost)
@@ -143,8 +139,10 @@ class RunCheckpoint(pl.Callback):
 
     def write_problem(self, trainer: pl.Trainer, path: Path) -> OSError | None:
         """This rank's reason not to write the checkpoint at `path` (None: go ahead)."""
-        if self.lock is not None and self.lock.removed():
-            return RunDirRemoved(removed_message(self.dirpath.parent, path.name))
+        try:
+            check_owned(path)  # rank 0's lock still the run directory's
+        except RunDirRemoved as e:
+            return e
         if trainer.is_global_zero or self.io.format.collective:  # the ranks that write
             return self.io.space_problem(path)
         return None

@@ -32,7 +32,7 @@ from lm.checkpoint.remote import RemoteCheckpoints, fetch_newer, remote_behind, 
 from lm.config import CheckpointConfig, DataConfig, RunConfig
 from lm.model import ModelConfig
 from lm.store import rundir
-from lm.store.lock import LOCK, RunLock
+from lm.store.lock import LOCK
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,6 @@ class Checkpointer:
         self.format = fmt
         self._io: AtomicCheckpointIO | None = None
         self._saver: RunCheckpoint | None = None
-        self.lock: RunLock | None = None
-        """Rank 0's lock on the run directory (set once taken), which the saver confirms before each write."""
 
     @classmethod
     def open(
@@ -100,7 +98,7 @@ class Checkpointer:
         every part of the step that asks for a save or reads the newest saved step. `consensus`: the ranks'
         agreement it votes in (failures found between saves)."""
         if self._saver is None:
-            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io(), self.lock, consensus)
+            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io(), consensus)
         return self._saver
 
     def callbacks(self, meter=None, consensus=None) -> list[pl.Callback]:

@@ -140,7 +140,6 @@ def open_run(
     run_dir = checkpointer.run_dir
     if rank_zero_only.rank == 0:
         lock = RunLock(run_dir).acquire()
-        checkpointer.lock = lock  # the saver confirms it before every checkpoint it writes
         on_exit.callback(lock.release)
         on_exit.push(functools.partial(explain_removal, lock))  # before the release: it reads the lock
         atomic.remove_orphaned_temporaries(run_dir, skip=("archive", rundir.CHECKPOINTS))

@@ -39,12 +39,20 @@ def disown(run_dir: Path) -> None:
     _owned.pop(os.path.abspath(run_dir), None)
 
 
-def check_owned(path: Path) -> None:
-    """Refuse a write under a run directory this process held and no longer does."""
+def lost_run_dir(path: Path) -> Path | None:
+    """The run directory holding `path` that this process held and no longer does (removed, or taken over by
+    another trainer); None when `path` is under none of them or it is still ours."""
     where = os.path.abspath(path)
     for root, still_ours in _owned.items():
         if (where == root or where.startswith(root + os.sep)) and not still_ours():
-            raise RunDirRemoved(removed_message(Path(root), Path(where).name))
+            return Path(root)
+    return None
+
+
+def check_owned(path: Path) -> None:
+    """Refuse a write under a run directory this process held and no longer does."""
+    if (root := lost_run_dir(path)) is not None:
+        raise RunDirRemoved(removed_message(root, Path(path).name))
 
 
 def removed_message(run_dir: Path, not_written: str | None = None) -> str:
