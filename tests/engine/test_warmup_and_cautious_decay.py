@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lm.base.exits import Refused
 from lm.config import DataConfig, OptimConfig, to_objects
@@ -77,6 +78,60 @@ def test_a_fused_step_the_guards_skip_is_not_decayed_either():
     opt.found_inf = torch.zeros(())
     opt.step()
     assert not all(torch.equal(p, x) for p, x in zip(model.parameters(), before, strict=True))
+
+
+class CloneLog(TorchFunctionMode):
+    """Records every tensor copy (`Tensor.clone`) in `events`, beside the markers a test appends."""
+
+    def __init__(self, events: list[str]):
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.clone:
+            self.events.append("clone")
+        return func(*args, **(kwargs or {}))
+
+
+def test_cautious_decay_copies_the_parameters_after_the_closure_not_at_the_activation_peak():
+    """Issue 48: the copy of the decayed parameters is taken once Lightning's closure (forward and backward)
+    has returned, so it never sits beside the activations; while the closure runs the groups keep their
+    configured decay and nothing has been copied."""
+    model = model_with_grads()
+    opt = optim.build(model, OptimConfig(lr=1e-2, weight_decay=0.3, cautious_weight_decay=True), fused=False)
+    events: list[str] = []
+
+    def closure():
+        events.append("closure")
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
+        return torch.zeros(())
+
+    with CloneLog(events):
+        opt.step(closure)
+    assert events[0] == "closure" and events.count("clone") > 0, events[:5]
+
+
+@pytest.mark.parametrize("where", ["closure", "step"])
+def test_an_exception_inside_the_step_leaves_the_configured_decay(where):
+    """Issue 48: an exception inside the closure (an out-of-memory error in the backward) or inside the step
+    itself leaves every group's weight_decay as configured, and the next step decays as a fresh one would."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.3, cautious_weight_decay=True)
+    model, reference = model_with_grads(), model_with_grads()
+    opt = optim.build(model, cfg, fused=False)
+
+    def fail(*args):
+        raise torch.OutOfMemoryError("trial")
+
+    hook = opt.register_step_pre_hook(fail) if where == "step" else None
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step(fail if where == "closure" else None)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
+    if hook is not None:
+        hook.remove()
+    opt.step()
+    optim.build(reference, cfg, fused=False).step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_cautious_decay_off_is_torchs_adamw_bit_for_bit():

@@ -16,6 +16,7 @@ sqrt(max(1, rows/cols))) needs its own, ~10-50x larger `optim.muon_lr`.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -122,38 +123,48 @@ def cautious_decay(optimizer: torch.optim.Optimizer) -> None:
     """Make `optimizer`'s decoupled weight decay cautious (`optim.cautious_weight_decay`): x <- x - lr·u -
     lr·wd·[u·x >= 0]·x, coordinate by coordinate, where u is the step's own update (Chen et al. 2025).
 
-    Any optimizer, fused kernels included: a pre-step hook sets each decayed group's `weight_decay` to 0 and
-    keeps its parameters as they were; the post-step hook reads the update off the change (x - x' = lr·u),
-    applies the decay where it has the parameter's sign, and restores the group's `weight_decay`, so the
-    state dict, the LR schedule and a resume see the configured value. The decay is torch's (lr·wd·x of the
-    weights before the step), masked. A step that updates nothing decays nothing, as torch's: parameters
-    without a gradient once the step ran (Lightning's closure computes them inside `step`; the non-finite
-    guard drops them), and a fused step its `found_inf` verdict skipped. Costs one copy of the decayed
-    parameters during the step."""
-    before: dict[int, tuple[float, list[torch.Tensor]]] = {}
+    Any optimizer, fused kernels included: the step runs the closure (Lightning's forward and backward) first,
+    then keeps the decayed parameters as they were and steps with each decayed group's `weight_decay` at 0;
+    the update is read off the change (x - x' = lr·u) and the decay applied where it has the parameter's
+    sign. The decay is torch's (lr·wd·x of the weights before the step), masked. A step that updates nothing
+    decays nothing, as torch's: parameters without a gradient (the non-finite guard drops them) and a fused
+    step its `found_inf` verdict skipped.
 
-    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for i, group in enumerate(opt.param_groups):
-            if group["weight_decay"]:
-                before[i] = (group["weight_decay"], [p.detach().clone() for p in group["params"]])
+    Costs one copy of the decayed parameters that have a gradient, held during the optimizer step only: taken
+    after the closure, when the activations of the backward pass are freed, never beside them at the step's
+    peak (what `lm.numbers.memory` and `activation_checkpointing=auto`'s trial measure). `weight_decay` is
+    restored in a `finally`, so an exception inside the step (an out-of-memory error a caller catches) leaves
+    the configured value for the state dict, the LR schedule and the next step. The step is wrapped on the
+    instance, as torch's LR schedulers wrap it, because a step hook runs before the closure and cannot see
+    the step fail."""
+    torch_step = type(optimizer).step  # torch's own step, its hooks included
+
+    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        decayed = [(group, group["weight_decay"]) for group in self.param_groups if group["weight_decay"]]
+        olds = [[p.detach().clone() if p.grad is not None else None for p in g["params"]] for g, _ in decayed]
+        try:
+            for group, _ in decayed:
                 group["weight_decay"] = 0.0
+            torch_step(self)
+        finally:
+            for group, decay in decayed:
+                group["weight_decay"] = decay
+        skipped = getattr(self, "found_inf", None)  # the guards' verdict for a fused step (1.0: skipped)
+        with torch.no_grad():
+            for (group, decay), before in zip(decayed, olds, strict=True):
+                for p, old in zip(group["params"], before, strict=True):
+                    if old is None or p.grad is None:
+                        continue
+                    keep = (old - p).mul_(old) >= 0  # lr·u·x >= 0: the update has the parameter's sign
+                    masked = old.mul_(keep) if skipped is None else old.mul_(keep).mul_(1 - skipped)
+                    p.sub_(masked, alpha=group["lr"] * decay)
+        return loss
 
-    @torch.no_grad()
-    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        skipped = getattr(opt, "found_inf", None)  # the guards' verdict for a fused step (1.0: skipped)
-        for i, (decay, olds) in before.items():
-            group = opt.param_groups[i]
-            group["weight_decay"] = decay
-            for p, old in zip(group["params"], olds, strict=True):
-                if p.grad is None:
-                    continue
-                keep = (old - p).mul_(old) >= 0  # lr·u·x >= 0: the update has the parameter's sign
-                decayed = old.mul_(keep) if skipped is None else old.mul_(keep).mul_(1 - skipped)
-                p.sub_(decayed, alpha=group["lr"] * decay)
-        before.clear()
-
-    optimizer.register_step_pre_hook(pre)
-    optimizer.register_step_post_hook(post)
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
