@@ -274,7 +274,7 @@ class Attention(nn.Module):
     def rotate(
         self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary embedding of queries and keys (one call, so a fused kernel can take both: lm.knobs)."""
+        """Rotary embedding of queries and keys (one call, so a fused kernel can take both: lm.engine.kernels)."""
         return apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
 
 
