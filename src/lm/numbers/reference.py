@@ -43,6 +43,7 @@ RECORDED_RATIO_ERRORS = ((0.1, 0.113), (0.2, 0.161), (0.3, 0.166), (0.5, 0.154),
 """The same for the `ratio` map."""
 
 KEY_FIELDS = (
+    "optim.name",
     "optim.schedule",
     "optim.warmup_fraction",
     "optim.decay_fraction",
@@ -50,25 +51,53 @@ KEY_FIELDS = (
     "tokens_per_step",
     "data.seq_len",
     "data.seed",
+    "data.batch_ramp_fraction",
+    "data.batch_ramp_start",
+    "data.seq_len_warmup_fraction",
+    "data.seq_len_warmup_start",
 )
-"""What a reference must share with the run: the LR schedule's shape (warm-up as a fraction of the run, so a
-reference of another length at matched tokens per parameter qualifies), the tokens of one optimizer step and the
-data order. A key that a recorded curve lacks is not compared, and the forecast lists it as unchecked."""
+"""What a reference must share with the run: the optimizer, the LR schedule's shape (warm-up as a fraction of
+the run, so a reference of another length at matched tokens per parameter qualifies), the configured tokens of
+one full optimizer step (batch x seq_len x accumulation x devices, never an average over a batch ramp), the data
+order, and the shape of the batch ramp and of the sequence-length warm-up (each as a fraction of the run, 0
+when off, and its first share). A key that a recorded curve lacks is not compared, and the forecast lists it as
+unchecked."""
+
+FRACTIONS = ("optim.warmup_fraction", "data.batch_ramp_fraction", "data.seq_len_warmup_fraction")
+"""Keys that are a number of steps as a fraction of the run: compared within `WARMUP_TOLERANCE`."""
+
+
+def fraction(steps: int, schedule_steps: int) -> float:
+    """`steps` as a fraction of the run, to 4 significant digits (a 2,000-step warm-up of 10M steps is 0.0002)."""
+    return float(f"{steps / max(1, schedule_steps):.4g}")
 
 
 def curve_key(
     optim: OptimConfig, schedule_steps: int, tokens_per_step: int, data: DataConfig | None
 ) -> dict[str, Any]:
-    """The key of a run's curve (KEY_FIELDS) from its config; without `data`, no data keys."""
+    """The key of a run's curve (KEY_FIELDS) from its config; without `data`, no data keys. `tokens_per_step`
+    is the configured full step (`RunPlan.tokens_per_step`)."""
     key = {
+        "optim.name": optim.name,
         "optim.schedule": optim.schedule,
-        "optim.warmup_fraction": round(optim.warmup_steps / max(1, schedule_steps), 4),
+        "optim.warmup_fraction": fraction(optim.warmup_steps, schedule_steps),
         "optim.decay_fraction": optim.decay_fraction if optim.schedule == "wsd" else None,
         "optim.min_lr_ratio": optim.min_lr_ratio,
         "tokens_per_step": tokens_per_step,
     }
     if data is not None:
-        key |= {"data.seq_len": data.seq_len, "data.seed": data.seed}
+        ramp = data.batch_ramp_steps > 0 and data.batch_ramp_start < 1
+        warm = data.seq_len_warmup_steps > 0 and data.seq_len_warmup_start < 1
+        key |= {
+            "data.seq_len": data.seq_len,
+            "data.seed": data.seed,
+            "data.batch_ramp_fraction": fraction(data.batch_ramp_steps, schedule_steps) if ramp else 0.0,
+            "data.batch_ramp_start": data.batch_ramp_start if ramp else None,
+            "data.seq_len_warmup_fraction": fraction(data.seq_len_warmup_steps, schedule_steps)
+            if warm
+            else 0.0,
+            "data.seq_len_warmup_start": data.seq_len_warmup_start if warm else None,
+        }
     return key
 
 
@@ -112,12 +141,13 @@ class Curve:
 
 
 WARMUP_TOLERANCE = 0.1
-"""How far (relative) a reference's warm-up fraction may be from the run's: a warm-up rounded to whole steps
-at another length (45 of 905 steps against 169 of 3,385) is the same schedule shape."""
+"""How far (relative) a reference's warm-up, batch ramp or sequence-length warm-up may be from the run's, as
+fractions of each run: a warm-up rounded to whole steps at another length (45 of 905 steps against 169 of
+3,385) is the same schedule shape. `lm plan --sibling` picks its steps so that its own land within half this."""
 
 
 def same(k: str, a: Any, b: Any) -> bool:
-    if k == "optim.warmup_fraction" and isinstance(a, float) and isinstance(b, float):
+    if k in FRACTIONS and isinstance(a, float | int) and isinstance(b, float | int):
         return abs(a - b) <= WARMUP_TOLERANCE * max(a, b)
     return a == b
 
@@ -129,7 +159,8 @@ def mismatch(reference: Curve, run_key: dict[str, Any]) -> str | None:
             return (
                 f"early_stopping.forecast_reference {reference.name!r} differs from this run in {k}: "
                 f"{reference.key[k]!r} there, {run_key[k]!r} here; a reference must share the LR schedule's "
-                "shape, the tokens per step and the data order"
+                "shape, the optimizer, the tokens per step, the data order, the batch ramp and the sequence-length "
+                "warm-up"
             )
     return None
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.base.exits import Refused
 from lm.config import DataConfig, OptimConfig
+from lm.numbers.batch_ramp import ramp_of
 from lm.numbers.reference import Curve, curve_key, mismatch
 from lm.store import rundir
 
@@ -54,14 +55,23 @@ def run_directory_record(run_dir: Path) -> dict[str, Any]:
     # TensorBoard holds a step's scalars at the step before the trainer's global step (the stopper's).
     steps = [s + 1 for s in val.steps]
     total = optim.total_steps or int(raw.trainer.max_steps)  # the steps the schedule spans (RunPlan's rule)
-    per_step = round(tokens.values[-1] / (tokens.steps[-1] + 1))  # what it trained, whatever its world size
     return {
         "name": str(run_dir),
         "steps": steps,
         "losses": list(val.values),
         "total_steps": total,
-        "key": curve_key(optim, total, per_step, data),
+        "key": curve_key(optim, total, configured_tokens_per_step(raw, data, tokens), data),
     }
+
+
+def configured_tokens_per_step(raw: DictConfig, data: DataConfig, tokens: Any) -> int:
+    """The run's full optimizer step in tokens, batch x seq_len x accumulation x processes, as its plan counts it
+    (`RunPlan.tokens_per_step`): not the tokens trained over the steps, an average under a batch ramp. The
+    processes are read off what it trained against one process's ramp (`trainer.devices` may say `auto`)."""
+    accumulate = int(raw.trainer.get("accumulate_grad_batches", 1))
+    one = ramp_of(data, accumulate, 1)
+    world = max(1, round(tokens.values[-1] / one.tokens_through(int(tokens.steps[-1]) + 1)))
+    return one.tokens_per_step * world
 
 
 def typed(raw: DictConfig, key: str, schema: type) -> Any:

@@ -19,6 +19,7 @@ from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.batch_ramp import BatchRamp
 from lm.numbers.loss_law import ChinchillaLaw
+from lm.numbers.reference import WARMUP_TOLERANCE
 from lm.tools.budget import BudgetPlan, CorpusSize, Hardware, experiment_yaml, run_cost, warmup_steps
 
 MIN_STEPS = 40
@@ -42,20 +43,48 @@ def sibling_model(model: ModelConfig) -> ModelConfig | None:
     return replace(model, d_model=heads * model.head_dim, n_head=heads, n_kv_head=kv, ffn_hidden=ffn)
 
 
+MATCH = WARMUP_TOLERANCE / 2
+"""How close (relative) the sibling's warm-up and ramp, rounded to its whole steps, land to the plan's fractions:
+half the key's tolerance, so the plan accepts its sibling as a reference whatever the rounding."""
+
+
+def whole(fraction: float, steps: int) -> int:
+    """`fraction` of `steps` in whole steps (at least one)."""
+    return max(1, round(fraction * steps))
+
+
+def matched_steps(target: int, fractions: list[float], longest: int) -> int:
+    """The step count nearest `target` (at least MIN_STEPS, at most `longest`) at which each of `fractions`
+    rounds to whole steps within MATCH of itself: a 40-step sibling of a plan warmed up over 2% cannot warm
+    up over 0.8 steps, so it trains 48-52 steps instead. `longest` (the plan's own steps) always matches."""
+
+    def fits(s: int) -> bool:
+        return all(abs(whole(f, s) / s - f) <= MATCH * f for f in fractions if f > 0)
+
+    target = min(max(MIN_STEPS, target), longest)
+    for d in range(longest):
+        for s in (target - d, target + d):
+            if MIN_STEPS <= s <= longest and fits(s):
+                return s
+    return longest
+
+
 def make_sibling(
     p: BudgetPlan, law: ChinchillaLaw, corpus: int, seq_len: int
 ) -> tuple[BudgetPlan, int] | None:
     """(the sibling as a plan, its LR warm-up steps): `p`'s model at half the width, the same tokens per step,
     micro-batch and accumulation (the key's tokens per step; a smaller model fits the same micro-batch), at
-    `p`'s tokens per parameter, its warm-up the same fraction of its run. Throughput is `p`'s scaled by the
+    `p`'s tokens per parameter, its LR warm-up and batch ramp the same fractions of its run as the plan's (its
+    steps moved to the nearest count where both round to whole steps within `MATCH`). Throughput is `p`'s scaled by the
     FLOPs per token (the same MFU: optimistic for a smaller model, which reaches less). None when the model has
     no half."""
     model = sibling_model(p.model)
     if model is None:
         return None
     n = memory.parameter_count(model)[0]
-    steps = max(MIN_STEPS, round(p.steps * n / p.params))
-    ratio = steps / p.steps
+    warmup_fraction = warmup_steps(p.steps) / p.steps
+    ramp_fraction = p.ramp.steps / p.steps if p.ramp is not None else 0.0
+    steps = matched_steps(round(p.steps * n / p.params), [warmup_fraction, ramp_fraction], p.steps)
     rate = p.hw.tokens_per_sec * cost.flops_per_token(p.model, seq_len) / cost.flops_per_token(model, seq_len)
     hw = Hardware(
         p.hw.gpu, rate, f"{p.hw.throughput_source}, scaled by FLOPs/token", p.hw.price_on_demand,
@@ -63,7 +92,7 @@ def make_sibling(
     )  # fmt: skip
     ramp = None
     if p.ramp is not None:
-        ramp = replace(p.ramp, steps=max(1, round(p.ramp.steps * ratio)))
+        ramp = replace(p.ramp, steps=whole(ramp_fraction, steps))
     full = BatchRamp(p.micro_batch, seq_len, p.accumulate, 1)
     d = (ramp or full).tokens_through(steps)
     hours, usd = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
@@ -88,8 +117,7 @@ def make_sibling(
         repeat_cost=loss - law.loss(n, d),
         ramp=ramp,
     )
-    warmup = max(1, round(warmup_steps(p.steps) * ratio))
-    return sibling, warmup
+    return sibling, whole(warmup_fraction, steps)
 
 
 def sibling_yaml(
