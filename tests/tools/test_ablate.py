@@ -123,7 +123,8 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     assert rows["good"].usd_per_point_ratio < 1.0
     assert rows["good"].fractions["0.5"].mean == pytest.approx(mean)
     # The baseline against its own seeds: exactly 1x, no seed dropped.
-    assert rows[BASELINE].tokens_ratio.mean == pytest.approx(1.0) and rows[BASELINE].tokens.reached == "3/3"
+    assert rows[BASELINE].tokens_ratio.mean == pytest.approx(1.0)
+    assert rows[BASELINE].tokens.reached == "3/3 measured"
 
 
 def test_jobs_are_seed_major_and_fractions_round_to_validations(tmp_path):
@@ -295,19 +296,170 @@ def test_muon_flops_are_newton_schulz_per_block_matrix():
 # -- censoring, Holm, the LR search, the ladder (constructed data) ---------------------------------------------
 
 
-def test_a_seed_that_never_reaches_its_target_is_censored_not_dropped():
-    from lm.tools.ablate.analysis import token_ratio
+def test_a_seed_that_never_reaches_its_target_is_a_bound_not_an_observation():
+    """Once, censored seeds entered the t interval at their bounds (doc_mask at s128: 0.996 [0.988, 1.003] with
+    3 of 5 seeds never reaching the target). Now only measured seeds make an interval."""
+    from lm.tools.ablate.analysis import LOWER, UPPER, token_ratio
 
-    spec = Spec(name="t", variants={"slow": []}, seeds=[0, 1, 2])
+    spec = Spec(name="t", variants={"slow": [], "fast": []}, seeds=[0, 1, 2])
     base = {0: 3.0, 1: 3.1, 2: 2.95}
     results = [result(BASELINE, s, v) for s, v in base.items()]
     # Seeds 0 and 1 reach their baseline's final at 3/4 of the run; seed 2 ends above it.
     results += [result("slow", 0, 2.9), result("slow", 1, 3.0), result("slow", 2, 3.05)]
     ratio = token_ratio(results, spec, "slow", base_tokens=1000.0)
-    assert sorted(ratio.per_seed) == [0, 1, 2]  # all three seeds in the interval
-    assert ratio.above == {2: pytest.approx(1.0)}  # never reached within its run: the ratio is above 1.0
-    assert ratio.per_seed[0] == pytest.approx(0.75) and ratio.per_seed[1] == pytest.approx(0.75)
-    assert "censored above: s2 > 1.00" in ratio.reached and ratio.reached.startswith("2/3")
+    assert sorted(ratio.per_seed) == [0, 1, 2]  # every seed listed, none dropped
+    assert ratio.status == {0: UPPER, 1: UPPER, 2: LOWER}  # a curve's reading is an upper bound
+    assert ratio.above == {2: pytest.approx(1.0)} and ratio.per_seed[0] == pytest.approx(0.75)
+    assert ratio.interval is None and ratio.bound is None  # bounds both ways: no estimate, no interval
+    assert ratio.text == "no estimate (bounds both ways)"
+    assert ratio.reached == "0/3 measured, at most: s0 <= 0.750, s1 <= 0.750, at least: s2 > 1.000"
+    # Every seed reached it: still upper bounds, so a one-sided bound of the mean, not a t interval.
+    results += [result("fast", s, v - 0.1) for s, v in base.items()]
+    fast = token_ratio(results, spec, "fast", base_tokens=1000.0)
+    assert fast.interval is None and fast.bound == ("at most", pytest.approx(0.75))
+    assert fast.text == "<= 0.750 (bound)"
+
+
+def test_a_crossing_inside_the_decay_is_named():
+    from lm.tools.ablate.analysis import token_ratio
+
+    spec = Spec(name="t", variants={"v": []}, seeds=[0, 1])
+    # wsd over 100 steps, the last 20% decayed: a crossing past step 80 (800 tokens) reads the decay's drop.
+    shape = Shape(
+        steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512, decay_start=80
+    )
+    results = [result(BASELINE, 0, 3.0), result(BASELINE, 1, 3.1)]
+    results += [result("v", 0, 2.95), result("v", 1, 2.8)]  # seed 0 crosses at 875 tokens, seed 1 at 500
+    ratio = token_ratio(results, spec, "v", base_tokens=1000.0, shape=shape)
+    assert ratio.in_decay == [0] and "1/2 crossings inside the decay" in ratio.reached
+
+
+def test_a_diverged_baseline_seed_leaves_the_pairs_and_every_verdict_stands():
+    """Once, one inf in the baseline's finals made every difference -inf ± nan, every Holm p 1.0 and every
+    verdict "within noise" (a clear win and a clear loss included)."""
+    spec = Spec(name="t", variants={"win": [], "loss": [], "noise": []}, seeds=[0, 1, 2, 3, 4])
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    base = {0: 3.0, 1: 3.1, 2: 2.95, 3: 3.05, 4: 3.02}
+    results = [result(BASELINE, s, v) for s, v in base.items() if s != 4]
+    results.append(RunResult("baseline-s4", BASELINE, 4, 1.0, "diverged", final=math.inf))
+    jitter = [0.004, -0.003, 0.002, -0.001, 0.0]
+    results += [result("win", s, v - 0.1 + jitter[s]) for s, v in base.items()]
+    results += [result("loss", s, v + 0.1 + jitter[s]) for s, v in base.items()]
+    results += [result("noise", s, v + (0.01 if s % 2 else -0.01)) for s, v in base.items()]
+    rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys([BASELINE, *spec.variants], shape))}
+    assert rows["win"].verdict == "wins" and rows["loss"].verdict == "loses"
+    assert rows["noise"].verdict == "within noise"
+    assert rows["win"].delta.n == 4 and rows["win"].delta.mean == pytest.approx(-0.1, abs=0.005)
+    assert rows["win"].left_out == ["baseline s4"] and rows[BASELINE].seeds == 4
+    assert all(math.isfinite(rows[a].p_holm) for a in spec.variants)
+    # The same with the variant's seed diverged instead: listed under the variant.
+    results = [r for r in results if not (r.arm == "win" and r.seed == 1)]
+    results.append(RunResult("win-s1", "win", 1, 1.0, "diverged", final=math.inf))
+    rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys([BASELINE, *spec.variants], shape))}
+    assert rows["win"].left_out == ["win s1", "baseline s4"] and rows["win"].delta.n == 3
+
+
+def test_the_speedup_reads_the_baselines_complete_runs_in_log_tokens(tmp_path):
+    """Wen et al. 2025's speed-up: the baseline trained to 0.5, 0.6, 0.8 and 1.0 of the tokens (each its own
+    complete schedule); a variant's ratio is its tokens over the baseline tokens with its final loss."""
+    from lm.tools.ablate.analysis import LOWER, MEASURED, UPPER, speedup
+
+    spec = Spec(name="t", variants={"slow": [], "fast": [], "slowest": []}, seeds=[0, 1, 2],
+                fractions={BASELINE: [0.5, 0.6, 0.8]})  # fmt: skip
+    shape = Shape(steps=100, val_every=10, tokens_per_step=10, flops_per_token=1.0, vocab_size=512)
+    jobs = plan_jobs(spec, tmp_path, dict.fromkeys(spec.arms, shape))
+    assert [j.name for j in jobs if j.seed == 0 and j.arm == BASELINE] == [
+        "baseline-s0", "baseline-f0.5-s0", "baseline-f0.6-s0", "baseline-f0.8-s0"
+    ]  # fmt: skip
+    offset = {0: 0.0, 1: 0.05, 2: -0.03}
+
+    def loss(seed: int, tokens: float) -> float:  # linear in log tokens: the interpolation is exact
+        return 4.0 + offset[seed] - 0.2 * math.log(tokens)
+
+    results = [result(BASELINE, s, loss(s, 1000.0)) for s in offset]
+    results += [
+        result(BASELINE, s, loss(s, 1000.0 * f), f, int(100 * f)) for s in offset for f in (0.5, 0.6, 0.8)
+    ]
+    results += [result("slow", s, loss(s, 625.0)) for s in offset]  # the baseline's loss at 0.625x: ratio 1.6
+    results += [result("fast", s, loss(s, 1000.0) - 0.05) for s in offset]  # better than the longest baseline
+    results += [result("slowest", s, loss(s, 400.0)) for s in offset]  # worse than the shortest
+    slow = speedup(results, spec, "slow")
+    assert slow.interval.mean == pytest.approx(1.6) and set(slow.status.values()) == {MEASURED}
+    assert slow.interval.low == pytest.approx(1.6) and slow.interval.high == pytest.approx(1.6)
+    assert "speed-up" in slow.method and slow.per_seed == {s: pytest.approx(1.6) for s in offset}
+    fast = speedup(results, spec, "fast")
+    assert fast.interval is None and fast.bound == ("at most", pytest.approx(1.0))
+    assert set(fast.status.values()) == {UPPER} and fast.text == "<= 1.000 (bound)"
+    slowest = speedup(results, spec, "slowest")
+    assert slowest.bound == ("at least", pytest.approx(2.0)) and set(slowest.status.values()) == {LOWER}
+    # Through the summary: the row reads the speed-up, and the modelled dollars follow it.
+    rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys(spec.arms, shape))}
+    assert rows["slow"].tokens_ratio.mean == pytest.approx(1.6)
+    assert rows["slow"].usd_to_target_ratio.mean == pytest.approx(1.6)
+
+
+def test_the_speedups_interval_is_a_bootstrap_over_seeds_and_names_an_open_end():
+    from lm.tools.ablate.analysis import speedup
+
+    spec = Spec(name="t", variants={"v": []}, seeds=list(range(6)), fractions={BASELINE: [0.5]})
+    results = []
+    for s in range(6):
+        results += [result(BASELINE, s, 3.0 + 0.01 * s), result(BASELINE, s, 3.2 + 0.01 * s, 0.5, 50)]
+        # Around the middle of the range, noisy: some resamples fall past the longest run.
+        results.append(result("v", s, 3.0 + 0.01 * s + (0.1 if s % 2 else -0.06)))
+    ratio = speedup(results, spec, "v")
+    assert ratio.interval.low < ratio.interval.mean < ratio.interval.high
+    assert ratio.open_ends == "" or ratio.open_ends in ("low", "both")
+    assert ratio.interval.n == 6
+
+
+def test_holm_runs_across_every_shape_of_a_ladder(tmp_path):
+    """Once, Holm's family was one shape's variants: a ladder of three shapes x three levers tested nine times
+    and corrected for three."""
+    from lm.tools.ablate import Campaign
+    from lm.tools.ablate.runner import result_file, run_config
+
+    spec = Spec(name="t", variants={"a": [], "b": []}, seeds=[0, 1, 2, 3], shapes={"s1": [], "s2": []},
+                tokens_per_param=1.0)  # fmt: skip
+    shape = Shape(
+        steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512, params=1000
+    )
+    big = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.0, vocab_size=512, params=8000)
+    shapes = {"s1": dict.fromkeys(spec.arms, shape), "s2": dict.fromkeys(spec.arms, big)}
+    campaign = Campaign(spec, tmp_path, {"s1": [], "s2": []}, shapes)
+    gap = {"a": -0.02, "b": 0.0}
+    for shape_name in shapes:
+        for job in campaign.finals(shape_name, {}):
+            final = (
+                3.0
+                + 0.1 * job.seed
+                + gap.get(job.arm, 0.0)
+                + (0.01 * (-1) ** job.seed if job.arm != BASELINE else 0)
+            )
+            record = {"config": run_config(job), "steps": job.steps,
+                      "result": vars(result(job.arm, job.seed, final)) | {"job": job.name, "shape": shape_name}}  # fmt: skip
+            rundir.write_record(result_file(tmp_path, job), record)
+    reports = campaign.reports()
+    rows = [r for rep in reports for r in rep.rows if r.arm != BASELINE]
+    assert len(rows) == 4 and {r.family for r in rows} == {4}
+    ps = sorted(r.p for r in rows)
+    assert min(r.p_holm for r in rows) == pytest.approx(min(1.0, 4 * ps[0]))
+
+
+def test_the_lr_grid_cost_is_flagged_where_it_exceeds_the_difference():
+    from lm.tools.ablate.analysis import lr_grid_cost
+
+    # s48's baseline search (experiments/2026-11-27-levers): 3e-3, 1e-2 and 3.33e-2.
+    scores = {1e-3: 4.2647, 3e-3: 3.3105, 1e-2: 3.2266, 3.33e-2: 4.5675}
+    cost = lr_grid_cost(scores, 1e-2)
+    assert cost == pytest.approx(0.138, abs=0.002)
+    assert lr_grid_cost(scores, 1e-3) is None  # on the edge: nothing to fit
+    assert lr_grid_cost({1e-3: 3.0, 3e-3: 2.9, 1e-2: math.inf}, 3e-3) is None
+    row = ArmRow("v", "", 5, None, t_interval([-0.05, -0.06, -0.04]), "paired", None, None, "-", None, 1.0, None,
+                 None, None, None, lr_grid_cost=cost)  # fmt: skip
+    assert row.lr_flag
+    row.lr_grid_cost = 0.01
+    assert not row.lr_flag
 
 
 def test_holm_corrects_ten_comparisons():
@@ -405,20 +557,24 @@ def test_an_unbracketed_optimum_says_so_when_extensions_run_out(tmp_path):
     assert not states[BASELINE].bracketed
 
 
+def ratio_row(params: int, ratios: list[float], arm: str = "v") -> ArmRow:
+    from lm.tools.ablate.analysis import MEASURED, TokenRatio
+
+    tokens = TokenRatio(
+        t_interval(ratios),
+        per_seed=dict(enumerate(ratios)),
+        status=dict.fromkeys(range(len(ratios)), MEASURED),
+    )
+    return ArmRow(arm, "", len(ratios), None, None, "paired", None, None, "-", tokens, 1.0, None, None,
+                  None, None, params=params, delta_per_seed={i: r - 1 for i, r in enumerate(ratios)})  # fmt: skip
+
+
 def test_the_ladder_trend_is_fitted_in_log_size_and_carried_to_the_target():
-    from lm.tools.ablate.analysis import TokenRatio
     from lm.tools.ablate.ladder import trend
 
-    def row(params: int, ratios: list[float]):
-        tokens = TokenRatio(t_interval(ratios), per_seed=dict(enumerate(ratios)))
-        return ArmRow("v", "", len(ratios), None, None, "paired", None, None, "-", tokens, 1.0, None, None,
-                      None, None, params=params)  # fmt: skip
-
-    # The ratio rises 0.05 per e-fold of parameters: the gain shrinks with scale.
-    import math
-
+    # The ratio rises 0.05 per e-fold of parameters: the gain shrinks with scale, on every fit.
     rows = {
-        f"s{i}": [row(int(1e5 * math.e**i), [0.6 + 0.05 * i + d for d in (-0.01, 0.0, 0.01)])]
+        f"s{i}": [ratio_row(int(1e5 * math.e**i), [0.6 + 0.05 * i + d for d in (-0.01, 0.0, 0.01)])]
         for i in range(3)
     }
     found = trend("v", rows, target_params=int(1e5 * math.e**6), flops_ratio_at_target=1.05)
@@ -426,5 +582,37 @@ def test_the_ladder_trend_is_fitted_in_log_size_and_carried_to_the_target():
     assert found.at_target.mean == pytest.approx(0.9, abs=1e-6)
     assert found.at_target.low < 0.9 < found.at_target.high
     assert found.usd_at_target.mean == pytest.approx(0.945, abs=1e-6)
-    flat = {f"s{i}": [row(int(1e5 * math.e**i), [0.7, 0.75, 0.8][:: 1 - 2 * (i % 2)])] for i in range(3)}
+    assert [f.label for f in found.fits] == [
+        "all rungs",
+        "without s0 (the largest 2)",
+        "without s1",
+        "without s2",
+    ]
+    assert all(f.direction == "shrinks" for f in found.fits)
+    flat = {
+        f"s{i}": [ratio_row(int(1e5 * math.e**i), [0.7, 0.75, 0.8][:: 1 - 2 * (i % 2)])] for i in range(3)
+    }
     assert trend("v", flat, int(1e8), None).direction == "holds"
+
+
+def test_a_trend_that_leans_on_one_rung_says_the_fits_disagree():
+    """Once, one line through every rung said "shrinks" (or carried 0.6x to 1.3x at 1B) when the smallest rung
+    alone made the slope; the fits without it are flat."""
+    from lm.tools.ablate.ladder import DELTA, DISAGREE, trend
+
+    means = [0.6, 0.9, 0.9]
+    rows = {
+        f"s{i}": [ratio_row(int(1e5 * math.e ** (2 * i)), [m - 0.005, m, m + 0.005])]
+        for i, m in enumerate(means)
+    }
+    found = trend("v", rows, target_params=int(1e5 * math.e**9), flops_ratio_at_target=None)
+    assert found.fits[0].direction == "shrinks" and found.fits[1].direction == "holds"
+    assert found.direction == DISAGREE
+    assert found.fits[1].at_target.mean == pytest.approx(0.9, abs=1e-6)  # the largest rungs: flat
+    delta = trend("v", rows, int(1e5 * math.e**9), None, quantity=DELTA)
+    assert delta.means == pytest.approx([-0.4, -0.1, -0.1]) and delta.direction == DISAGREE
+    # A rung with a bounded seed leaves the tokens fit (named), and a rung whose grid costs more is flagged.
+    rows["s1"][0].tokens.status[0] = "upper bound"
+    rows["s1"][0].lr_grid_cost, rows["s1"][0].delta = 0.5, t_interval([-0.11, -0.1, -0.09])
+    found = trend("v", rows, int(1e5 * math.e**9), None)
+    assert found.left_out == ["s1"] and found.shapes == ["s0", "s2"] and found.flagged == ["s1"]

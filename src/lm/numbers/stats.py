@@ -4,7 +4,12 @@ With three to five seeds the normal approximation is far too narrow (z = 1.96 ag
 every interval is Student's t (95%, two-sided, scipy's exact quantiles). A lever is compared with its baseline
 seed by seed where both ran the same
 seed (the same data order, and the same initialisation where the shapes agree): the paired difference removes
-the seed-to-seed spread the two share, which is most of it. Welch's interval serves the unpaired case.
+the seed-to-seed spread the two share, which is most of it. Welch's interval serves the unpaired case, its p
+with Welch-Satterthwaite's degrees of freedom.
+
+A seed whose value is not finite (a diverged run) has no difference to take: it leaves the comparison, and the
+caller lists it. A value known only as a bound (a seed that never reached a target) is never averaged as if
+observed: `mean_bound` gives the one-sided bound of the mean those bounds imply.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
+
+from lm.base.exits import Refused
 
 
 def t_quantile(df: float, level: float = 0.95) -> float:
@@ -33,6 +40,8 @@ class Interval:
     low: float
     high: float
     n: int
+    df: float | None = None
+    """Degrees of freedom of the t the interval was built with (n - 1 unless Welch's); None: not a t interval."""
 
     @property
     def half(self) -> float:
@@ -52,7 +61,7 @@ def t_interval(values: Sequence[float]) -> Interval | None:
         return Interval(mean, mean, mean, 1)
     sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
     half = t_quantile(len(xs) - 1) * sd / math.sqrt(len(xs))
-    return Interval(mean, mean - half, mean + half, len(xs))
+    return Interval(mean, mean - half, mean + half, len(xs), len(xs) - 1)
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float]) -> Interval | None:
@@ -63,16 +72,24 @@ def welch_interval(a: Sequence[float], b: Sequence[float]) -> Interval | None:
     va = math.fsum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
     vb = math.fsum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
     se = math.sqrt(va + vb)
+    n = min(len(a), len(b))
     if se == 0:
-        return Interval(ma - mb, ma - mb, ma - mb, min(len(a), len(b)))
+        return Interval(ma - mb, ma - mb, ma - mb, n, len(a) + len(b) - 2)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile(df) * se
-    return Interval(ma - mb, ma - mb - half, ma - mb + half, min(len(a), len(b)))
+    return Interval(ma - mb, ma - mb - half, ma - mb + half, n, df)
+
+
+def finite(values: dict[int, float]) -> dict[int, float]:
+    """The seeds whose value is a finite number (a diverged run's inf or a NaN leaves)."""
+    return {s: v for s, v in values.items() if math.isfinite(v)}
 
 
 def difference(variant: dict[int, float], baseline: dict[int, float]) -> tuple[Interval | None, str]:
-    """Interval of variant - baseline, and how it was formed: paired over the seeds both have (two or more),
-    else Welch over all values."""
+    """Interval of variant - baseline, and how it was formed: paired over the seeds both have with finite
+    values (two or more), else Welch over each arm's finite values. A non-finite value of either arm leaves
+    (an inf - inf has no meaning, and one inf made every mean inf and every interval NaN)."""
+    variant, baseline = finite(variant), finite(baseline)
     shared = sorted(set(variant) & set(baseline))
     if len(shared) >= 2:
         return t_interval([variant[s] - baseline[s] for s in shared]), "paired"
@@ -91,19 +108,29 @@ def verdict(diff: Interval | None, lower_is_better: bool = True) -> str:
 
 
 def p_value(diff: Interval | None) -> float | None:
-    """Two-sided p of "no difference" for a difference interval formed by `difference` (t with n - 1 degrees
-    of freedom; a paired difference's n is its seed count). None with fewer than two values."""
+    """Two-sided p of "no difference" for a difference interval formed by `difference`, with the degrees of
+    freedom its interval was built with (a paired difference's n - 1; Welch-Satterthwaite's for Welch's).
+    None with fewer than two values."""
     if diff is None or diff.n < 2:
         return None
     if diff.half == 0:
         return 0.0 if diff.mean != 0 else 1.0
-    se = diff.half / t_quantile(diff.n - 1)
-    return float(2 * stats.t.sf(abs(diff.mean) / se, diff.n - 1))
+    df = diff.df if diff.df is not None else diff.n - 1
+    se = diff.half / t_quantile(df)
+    return float(2 * stats.t.sf(abs(diff.mean) / se, df))
 
 
 def holm(p_values: dict[str, float | None]) -> dict[str, float | None]:
     """Holm's step-down adjustment of several comparisons' p values (family-wise error at the chosen level):
-    the k-th smallest of m is multiplied by m - k + 1, kept monotone, capped at 1."""
+    the k-th smallest of m is multiplied by m - k + 1, kept monotone, capped at 1. None (no test) stays None;
+    a NaN is refused: sorted among numbers it lands anywhere and silently reorders the family."""
+    bad = sorted(name for name, p in p_values.items() if p is not None and not 0 <= p <= 1)
+    if bad:
+        raise Refused(
+            f"Holm's correction got p values that are not in [0, 1] for {bad}: a comparison took a non-finite "
+            "value (a diverged seed) into its test; leave such seeds out of the difference first "
+            "(lm.numbers.stats.difference does) and list them beside the row"
+        )
     known = sorted((p, name) for name, p in p_values.items() if p is not None)
     adjusted: dict[str, float | None] = {name: None for name, p in p_values.items() if p is None}
     running = 0.0
@@ -126,3 +153,20 @@ def percentile_interval(values: Sequence[float], estimate: float, level: float =
     """A bootstrap's percentile interval around `estimate`."""
     lo, hi = np.quantile(np.asarray(values, dtype=float), [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(estimate), float(lo), float(hi), len(values))
+
+
+def mean_bound(values: Sequence[float], side: str, level: float = 0.95) -> float | None:
+    """The one-sided `level` confidence bound of the mean of values that are themselves bounds: `upper` when
+    each is an upper bound on its seed's true value (the true mean is then below the bounds' mean, so the
+    bounds' upper confidence limit is one for it too), `lower` the mirror. None for fewer than two values."""
+    xs = [float(v) for v in values]
+    if len(xs) < 2:
+        return None
+    mean = math.fsum(xs) / len(xs)
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    margin = float(stats.t.ppf(level, len(xs) - 1)) * sd / math.sqrt(len(xs))
+    if side == "upper":
+        return mean + margin
+    if side == "lower":
+        return mean - margin
+    raise ValueError(f"side must be 'upper' or 'lower', got {side!r}")

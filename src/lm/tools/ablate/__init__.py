@@ -13,18 +13,22 @@ later reuses the others' runs. The stages, per shape:
 
 Per arm and shape (`ablation.md`, `.csv`, `.json`, `ablation.png`, `lr.png`, `ladder.png`):
 - final validation loss (the evaluation at the last step, the end of the decay): mean and 95% t interval;
-- the difference to the baseline, paired by seed, its p value and Holm's adjustment across the variants; the
-  verdict (wins / loses / within noise) from the adjusted p;
-- tokens to reach the baseline's final loss of the same seed, over the baseline's tokens (the target's own
-  spread is in the interval; a seed that never reaches it is censored, reported with its bound, and enters
-  the interval at that bound). From `fractions` runs (each decayed) or else the full run's curve, whose decay
-  is still ahead mid-run: an upper bound, labelled so;
+- the difference to the baseline, paired by seed (a seed whose final is not finite in either arm leaves the
+  pair and is listed), its p value and Holm's adjustment across every comparison of the spec, all shapes
+  together; the verdict (wins / loses / within noise) from the adjusted p; what the LR grid's spacing may cost,
+  flagged where it exceeds the difference;
+- tokens for the same loss, over the baseline's: with `fractions: {baseline: [...]}` the speed-up of Wen et
+  al. 2025 (the baseline tokens whose final loss equals the variant's, interpolated in log tokens between the
+  baseline's complete runs, a bootstrap over seeds; outside their range a bound); else from the arm's own
+  shorter runs, else off its curve (upper bounds only). A seed known only as a bound is never an observation
+  in a t interval: bounds give a one-sided bound of the mean;
 - FLOPs per token (the cost model's formula plus Muon's Newton-Schulz FLOPs per step over the tokens of a
   step) and seconds per step measured with every arm's steps interleaved in one process, as ratios;
 - modelled dollars to the baseline's final loss (tokens x FLOPs ratios) and per loss point;
-- with `shapes`, the tokens ratio fitted against non-embedding parameters (a line in log N, a bootstrap over
-  each shape's seeds) and carried to `extrapolate_to` (plan_1b), labelled as an extrapolation, with "grows /
-  holds / shrinks with scale" from the slope's interval.
+- with `shapes`, the paired Δ and (where every seed of a rung is measured) the tokens ratio fitted against
+  non-embedding parameters (a line in log N, a bootstrap over each shape's seeds) and carried to
+  `extrapolate_to` (plan_1b), labelled as an extrapolation; beside it the fits without each rung and on the
+  largest rungs, and "grows / holds / shrinks with scale" only where every fit agrees.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from lm.tools.ablate.analysis import (
     ArmRow,
     RunResult,
     best_value,
+    judge,
+    lr_grid_cost,
     lr_scores,
     read_run,
     summarize,
@@ -180,10 +186,14 @@ class Campaign:
             report.keys = {arm: s.key for arm, s in states.items()}
             report.best = {arm: s.best for arm, s in states.items() if s.best is not None}
             report.bracketed = {arm: s.bracketed for arm, s in states.items()}
+            costs = {arm: lr_grid_cost(s.scores, (s.best or {}).get(s.key)) for arm, s in states.items()}
             if any(r.arm == BASELINE and r.final is not None for r in results):
                 shape_times = (times or {}).get(shape)
-                report.rows = summarize(self.spec, results, arm_shapes, shape_times, report.best, shape)
+                report.rows = summarize(
+                    self.spec, results, arm_shapes, shape_times, report.best, shape, costs
+                )
             reports.append(report)
+        judge([r for rep in reports for r in rep.rows])  # one family: every comparison of the spec
         return reports
 
 

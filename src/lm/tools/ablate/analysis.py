@@ -1,5 +1,7 @@
-"""Reading an ablation's runs back and judging them: final losses over seeds, each arm's best LR, tokens to the
-baseline's final loss seed by seed (censored seeds kept, never dropped), Holm's correction across the arms."""
+"""Reading an ablation's runs back and judging them: final losses over seeds (a diverged seed listed, out of the
+paired statistics), each arm's best LR and what its grid's spacing may cost, the tokens ratio (a speed-up from
+the baseline's complete runs where the spec trains them; bounds, never observations, where a seed is only
+bounded), Holm's correction across every comparison of the spec."""
 
 from __future__ import annotations
 
@@ -8,8 +10,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from lm.base.exits import Refused
-from lm.numbers.stats import Interval, difference, holm, holm_verdict, p_value, t_interval
+from lm.numbers.stats import (
+    Interval,
+    difference,
+    finite,
+    holm,
+    holm_verdict,
+    mean_bound,
+    p_value,
+    percentile_interval,
+    t_interval,
+)
 from lm.store import rundir
 from lm.tools.ablate.runner import diverged, finished, machine, recorded, result_file, run_config
 from lm.tools.ablate.spec import BASELINE, Job, Shape, Spec
@@ -89,12 +103,12 @@ def tokens_to_reach(points: list[tuple[float, float]], target: float) -> tuple[f
     """The first token count at which the loss reaches `target`, linear between points (tokens, loss).
 
     Returns (tokens, censored): censored when the first point is already below the target (the true count
-    is at most that); (None, False) when no point reaches it."""
+    is at most that; exactly on it is a reading); (None, False) when no point reaches it."""
     points = sorted(points)
     if not points:
         return None, False
     if points[0][1] <= target:
-        return points[0][0], True
+        return points[0][0], points[0][1] < target
     for (t0, l0), (t1, l1) in itertools.pairwise(points):
         if l1 <= target:
             return t0 + (l0 - target) / (l0 - l1) * (t1 - t0), False
@@ -128,31 +142,68 @@ def best_value(scores: dict[float, float | None]) -> float | None:
 
 # -- the summary of one shape ---------------------------------------------------------------------------------
 
+MEASURED, UPPER, LOWER = "measured", "upper bound", "lower bound"
+"""What a seed's tokens ratio is: read between two complete runs, or only bounded (the true ratio is at most,
+or at least, the value)."""
+SPEEDUP_BOOTSTRAP = 2000
+
 
 @dataclass
 class TokenRatio:
-    """Tokens an arm needs to reach its seed's baseline final loss, over the baseline's tokens, seed by seed."""
+    """Tokens an arm needs for the loss it is compared at, over the baseline's tokens (below 1: it needs fewer).
+
+    Three ways to read it, best first: the baseline's complete runs at several lengths (`speed-up`: the baseline
+    tokens whose final loss equals the variant's, Wen et al. 2025); the arm's own shorter complete runs against
+    the baseline's final loss (`shorter runs`); the arm's validation curve (`curve`), whose points are not
+    decayed, so each seed's reading is only an upper bound. Only measured values make an interval; bounds make a
+    one-sided bound of the mean, never observations in a t interval."""
 
     interval: Interval | None
-    """t interval over seeds; a censored seed enters at its bound."""
-    above: dict[int, float] = field(default_factory=dict)
-    """Seeds that never reached their target: the ratio is above this bound."""
-    below: dict[int, float] = field(default_factory=dict)
-    """Seeds already below the target at the first point read: the ratio is at most this bound."""
+    """The ratio and its 95% interval, when every seed is measured (a bootstrap over seeds for `speed-up`)."""
+    bound: tuple[str, float] | None = None
+    """("at most" | "at least", value): what the bounds say when some seed is only bounded."""
     method: str = "-"
     per_seed: dict[int, float] = field(default_factory=dict)
+    status: dict[int, str] = field(default_factory=dict)
+    """Per seed: MEASURED, UPPER or LOWER."""
+    in_decay: list[int] = field(default_factory=list)
+    """Seeds whose curve reached the target inside the arm's LR decay: the reading is mostly the loss gap
+    rescaled by the decay's drop, not a count of tokens."""
+    open_ends: str = ""
+    """`low` / `high` / `both`: the bootstrap's end that fell outside the baseline's lengths is only a bound."""
+
+    @property
+    def above(self) -> dict[int, float]:
+        return {s: v for s, v in self.per_seed.items() if self.status.get(s) == LOWER}
+
+    @property
+    def below(self) -> dict[int, float]:
+        return {s: v for s, v in self.per_seed.items() if self.status.get(s) == UPPER}
 
     @property
     def reached(self) -> str:
         n = len(self.per_seed)
-        text = f"{n - len(self.above)}/{n}"
-        if self.above:
-            text += ", censored above: " + ", ".join(f"s{s} > {b:.2f}" for s, b in sorted(self.above.items()))
+        measured = sum(st == MEASURED for st in self.status.values())
+        text = f"{measured}/{n} measured"
         if self.below:
-            text += ", censored below: " + ", ".join(
-                f"s{s} <= {b:.2f}" for s, b in sorted(self.below.items())
-            )
+            text += ", at most: " + ", ".join(f"s{s} <= {b:.3f}" for s, b in sorted(self.below.items()))
+        if self.above:
+            text += ", at least: " + ", ".join(f"s{s} > {b:.3f}" for s, b in sorted(self.above.items()))
+        if self.in_decay:
+            text += f"; {len(self.in_decay)}/{n} crossings inside the decay"
         return text
+
+    @property
+    def text(self) -> str:
+        """The ratio as the report writes it: an interval, a bound, or why there is neither."""
+        if self.interval is not None:
+            iv, lo, hi = self.interval, self.interval.low, self.interval.high
+            low = f"<={lo:.3f}" if self.open_ends in ("low", "both") else f"{lo:.3f}"
+            high = f">={hi:.3f}" if self.open_ends in ("high", "both") else f"{hi:.3f}"
+            return f"{iv.mean:.3f}" if iv.n == 1 else f"{iv.mean:.3f} [{low}, {high}]"
+        if self.bound is not None:
+            return f"{'<=' if self.bound[0] == 'at most' else '>='} {self.bound[1]:.3f} (bound)"
+        return "-" if not self.per_seed else "no estimate (bounds both ways)"
 
 
 def finals(results: list[RunResult], arm: str, fraction: float = 1.0) -> dict[int, float]:
@@ -161,36 +212,142 @@ def finals(results: list[RunResult], arm: str, fraction: float = 1.0) -> dict[in
     }
 
 
-def token_ratio(results: list[RunResult], spec: Spec, arm: str, base_tokens: float) -> TokenRatio:
-    """Per seed: the tokens at which `arm` reaches the baseline's final loss of the SAME seed (so the target's
-    own seed-to-seed spread is in the interval), over the baseline's tokens. Read off the arm's shorter runs'
-    final losses (each decayed) when the spec has `fractions` for it, else off its full run's curve, whose
-    decay is still ahead mid-run (an upper bound)."""
-    target = finals(results, BASELINE)
+def summarize_seeds(ratio: TokenRatio) -> TokenRatio:
+    """The interval from measured seeds alone, else the one-sided bound the bounds allow (a measured value is
+    a bound of either kind); none when bounds point both ways."""
+    values = list(ratio.per_seed.values())
+    kinds = set(ratio.status.values()) - {MEASURED}
+    if not kinds:
+        ratio.interval = t_interval(values)
+    elif len(kinds) == 1:
+        side = "upper" if kinds == {UPPER} else "lower"
+        value = mean_bound(values, side) if len(values) >= 2 else values[0]
+        ratio.bound = ("at most" if side == "upper" else "at least", value)
+    return ratio
+
+
+def token_ratio(
+    results: list[RunResult], spec: Spec, arm: str, base_tokens: float, shape: Shape | None = None
+) -> TokenRatio:
+    """The arm's tokens ratio, by the best method its runs allow (see TokenRatio): the baseline's lengths
+    (`fractions.baseline`), else the arm's own shorter runs, else its curve (upper bounds)."""
+    if arm != BASELINE and spec.fractions.get(BASELINE):
+        return speedup(results, spec, arm)
+    target = {s: v for s, v in finals(results, BASELINE).items() if math.isfinite(v)}
     use_fractions = bool(spec.fractions.get(arm)) and arm != BASELINE
     ratio = TokenRatio(None)
     ratio.method = "shorter runs' final losses (each decayed)" if use_fractions else "full run's curve"
     if arm != BASELINE and not use_fractions:
-        ratio.method += " (upper bound)"
+        ratio.method += " (upper bounds)"
+    decay_tokens = None
+    if shape is not None and shape.decay_start is not None:
+        decay_tokens = shape.tokens_through(shape.decay_start)
     for seed in sorted(set(finals(results, arm)) & set(target)):
         runs = [r for r in results if r.arm == arm and r.seed == seed and r.final is not None]
         full = next(r for r in runs if r.fraction == 1.0)
         if not math.isfinite(full.final):
-            continue  # diverged: no tokens to read
+            continue  # diverged: no tokens to read (the row lists it)
         if use_fractions:
             points = [(r.tokens[-1], r.final) for r in runs if math.isfinite(r.final)]
         else:
             points = list(zip(full.tokens, full.val_loss, strict=True))
         tokens, below = tokens_to_reach(points, target[seed])
         if tokens is None:  # never reached within its longest run: the ratio is above that run's tokens
-            ratio.above[seed] = max(t for t, _ in points) / base_tokens
-            ratio.per_seed[seed] = ratio.above[seed]
+            ratio.per_seed[seed], ratio.status[seed] = max(t for t, _ in points) / base_tokens, LOWER
             continue
         ratio.per_seed[seed] = tokens / base_tokens
-        if below:
-            ratio.below[seed] = ratio.per_seed[seed]
-    ratio.interval = t_interval(list(ratio.per_seed.values()))
+        # The baseline against its own seeds is 1 by construction; a mid-run point of a curve is not decayed
+        # (the tokens to that loss with a decay there are fewer): an upper bound.
+        exact = arm == BASELINE or (use_fractions and not below)
+        ratio.status[seed] = MEASURED if exact else UPPER
+        if not use_fractions and arm != BASELINE and decay_tokens is not None and tokens > decay_tokens:
+            ratio.in_decay.append(seed)
+    return summarize_seeds(ratio)
+
+
+def baseline_tokens_for(points: list[tuple[float, float]], loss: float) -> tuple[float, str]:
+    """The baseline tokens whose final loss equals `loss`, linear in log tokens between the baseline's
+    complete runs (tokens, final loss): (tokens, MEASURED), or the range's edge with LOWER / UPPER when `loss`
+    lies outside what the runs span (the baseline needs fewer tokens than its shortest run, or more than its
+    longest)."""
+    logged = [(math.log(t), v) for t, v in points]
+    at, first = tokens_to_reach(logged, loss)
+    if at is None:  # the variant is below the baseline's longest run: more than the longest
+        return max(t for t, _ in points), "beyond"
+    if first:  # at or above the shortest run's loss: at most the shortest
+        return math.exp(at), "before"
+    return math.exp(at), MEASURED
+
+
+def speedup(results: list[RunResult], spec: Spec, arm: str, seed: int = 0) -> TokenRatio:
+    """Wen et al. 2025's speed-up, as a tokens ratio: the variant's tokens over the baseline tokens whose final
+    loss equals the variant's final loss, the baseline's final losses at its several lengths interpolated in
+    log tokens. The estimate is from the means over seeds (paired seeds only: those where the variant and the
+    baseline at every length are finite), its interval a bootstrap over those seeds; per seed, the same against
+    that seed's baseline runs (the ladder's trend resamples them). Outside the baseline's lengths a value is a
+    bound: a variant better than the longest baseline run needs at most its tokens over that run's."""
+    lengths = sorted({1.0, *spec.fractions[BASELINE]})
+    base = {f: finals(results, BASELINE, f) for f in lengths}
+    tokens = {
+        f: next((r.tokens[-1] for r in results if r.arm == BASELINE and r.fraction == f and r.tokens), None)
+        for f in lengths
+    }
+    mine = finals(results, arm)
+    variant_tokens = next(
+        (r.tokens[-1] for r in results if r.arm == arm and r.fraction == 1.0 and r.tokens), None
+    )
+    ratio = TokenRatio(None, method="speed-up: the baseline's complete runs at " + ", ".join(f"{f:g}" for f in lengths)
+                       + " of the tokens, interpolated in log tokens (bootstrap over seeds)")  # fmt: skip
+    if variant_tokens is None or any(t is None for t in tokens.values()):
+        return ratio
+    seeds = sorted(
+        s for s in mine if math.isfinite(mine[s]) and all(math.isfinite(base[f].get(s, math.inf)) for f in lengths)
+    )  # fmt: skip
+    if not seeds:
+        return ratio
+
+    def estimate(chosen: list[int]) -> tuple[float, str]:
+        points = [(tokens[f], float(np.mean([base[f][s] for s in chosen]))) for f in lengths]
+        at, where = baseline_tokens_for(points, float(np.mean([mine[s] for s in chosen])))
+        return variant_tokens / at, where
+
+    bound_kind = {"before": LOWER, "beyond": UPPER, MEASURED: MEASURED}
+    for s in seeds:
+        value, where = estimate([s])
+        ratio.per_seed[s], ratio.status[s] = value, bound_kind[where]
+    point, where = estimate(seeds)
+    if where != MEASURED:
+        ratio.bound = ("at least" if where == "before" else "at most", point)
+        return ratio
+    rng = np.random.default_rng(seed)
+    draws = [estimate(list(rng.choice(seeds, size=len(seeds)))) for _ in range(SPEEDUP_BOOTSTRAP)]
+    ratio.interval = percentile_interval([v for v, _ in draws], point)
+    ratio.interval = Interval(point, ratio.interval.low, ratio.interval.high, len(seeds))
+    share = {w: sum(d == w for _, d in draws) / len(draws) for w in ("before", "beyond")}
+    ends = [e for e, w in (("low", "beyond"), ("high", "before")) if share[w] > 0.025]
+    ratio.open_ends = "both" if len(ends) == 2 else ends[0] if ends else ""
     return ratio
+
+
+def lr_grid_cost(scores: dict[float, float | None], best: float | None) -> float | None:
+    """Loss the grid's spacing may cost at its optimum: the best score minus the minimum of the parabola through
+    it and its two neighbours in log LR (within them). None when the optimum is on the edge, a neighbour is
+    unscored or not finite, or the three points do not curve upward."""
+    if best is None:
+        return None
+    values = sorted(scores)
+    i = values.index(best) if best in values else -1
+    if i <= 0 or i >= len(values) - 1:
+        return None
+    xs = [math.log10(v) for v in values[i - 1 : i + 2]]
+    ys = [scores[v] for v in values[i - 1 : i + 2]]
+    if any(y is None or not math.isfinite(y) for y in ys):
+        return None
+    a, b, c = np.polyfit(xs, ys, 2)
+    if a <= 0:
+        return None
+    x = min(max(-b / (2 * a), xs[0]), xs[2])
+    return max(0.0, float(ys[1] - (a * x * x + b * x + c)))
 
 
 @dataclass
@@ -218,6 +375,22 @@ class ArmRow:
     lr: dict[str, float] = field(default_factory=dict)
     shape: str = ""
     params: int = 0
+    left_out: list[str] = field(default_factory=list)
+    """Seeds out of the paired statistics because a final of either arm is not finite (`baseline s3`)."""
+    delta_per_seed: dict[int, float] = field(default_factory=dict)
+    lr_grid_cost: float | None = None
+    """The larger of the two arms' `lr_grid_cost`s: loss the LR grid's spacing may cost this comparison."""
+    family: int = 0
+    """Comparisons Holm's correction was taken over (every variant at every shape of the spec)."""
+
+    @property
+    def lr_flag(self) -> bool:
+        """The LR grid may cost more loss than the difference this row reports."""
+        return (
+            self.lr_grid_cost is not None
+            and self.delta is not None
+            and self.lr_grid_cost > abs(self.delta.mean)
+        )
 
     @property
     def tokens_ratio(self) -> Interval | None:
@@ -248,31 +421,45 @@ def catalog_gpu(spec: Spec):
 def summarize(
     spec: Spec, results: list[RunResult], shapes: dict[str, Shape], times: dict[str, float] | None = None,
     lr: dict[str, dict[str, float]] | None = None, shape_name: str = "",
+    grid_costs: dict[str, float | None] | None = None,
 ) -> list[ArmRow]:  # fmt: skip
-    """One row per arm that has finished runs at one shape; Holm's correction across the variants."""
+    """One row per arm that has finished runs at one shape; Holm's correction across its variants (a ladder's
+    campaign takes it again across every shape: `judge`). A seed whose final is not finite in either arm leaves
+    the paired statistics and is listed in the row."""
     gpu = catalog_gpu(spec)
     base = finals(results, BASELINE)
     target = t_interval([v for v in base.values() if math.isfinite(v)])
     base_shape = shapes[BASELINE]
-    times = times or {}
+    times, costs = times or {}, grid_costs or {}
     base_tokens = base_shape.tokens_through(base_shape.steps)
     base_usd = modelled_usd(base_tokens, base_shape.flops_per_token, spec, gpu)
     rows = []
     for arm in spec.arms:
         overrides = spec.arm_overrides(arm, shape_name)
-        mine = {s: v for s, v in finals(results, arm).items() if math.isfinite(v)}
+        everything = finals(results, arm)
+        mine = finite(everything)
         if not mine:
             continue
         shape = shapes[arm]
         final = t_interval(list(mine.values()))
-        delta, paired = difference(mine, base) if arm != BASELINE else (None, "-")
-        tokens = token_ratio(results, spec, arm, base_tokens)
+        left_out = [f"{arm} s{s}" for s in sorted(set(everything) - set(mine))]
+        if arm != BASELINE:
+            left_out += [f"{BASELINE} s{s}" for s in sorted(set(base) - set(finite(base))) if s in everything]
+        delta, paired = difference(everything, base) if arm != BASELINE else (None, "-")
+        shared = sorted(set(mine) & set(finite(base))) if arm != BASELINE else []
+        tokens = token_ratio(results, spec, arm, base_tokens, shape)
         flops_ratio = shape.flops_per_token / base_shape.flops_per_token
         usd = modelled_usd(shape.tokens_through(shape.steps), shape.flops_per_token, spec, gpu)
         per_point = usd / (math.log(shape.vocab_size) - final.mean) if usd is not None else None
         base_point = (
             base_usd / (math.log(base_shape.vocab_size) - target.mean) if base_usd and target else None
         )
+        usd_ratio = None
+        if tokens.interval is not None:
+            iv = tokens.interval
+            usd_ratio = Interval(iv.mean * flops_ratio, iv.low * flops_ratio, iv.high * flops_ratio, iv.n)
+        arm_costs = [costs.get(arm), costs.get(BASELINE)] if arm != BASELINE else []
+        known_costs = [c for c in arm_costs if c is not None]
         rows.append(
             ArmRow(
                 arm=arm, overrides=" ".join(overrides) or "(base)", seeds=len(mine), final=final, delta=delta,
@@ -281,17 +468,26 @@ def summarize(
                 step_time_ratio=times[arm] / times[BASELINE] if arm in times and BASELINE in times else None,
                 usd=usd, usd_per_point=per_point,
                 usd_per_point_ratio=per_point / base_point if per_point and base_point else None,
-                usd_to_target_ratio=t_interval([t * flops_ratio for t in tokens.per_seed.values()]),
+                usd_to_target_ratio=usd_ratio,
                 fractions={
-                    f"{f:g}": t_interval(list(finals(results, arm, f).values()))
+                    f"{f:g}": t_interval(list(finite(finals(results, arm, f)).values()))
                     for f in spec.fractions.get(arm, [])
                 },
-                lr=(lr or {}).get(arm, {}), shape=shape_name, params=shape.params,
+                lr=(lr or {}).get(arm, {}), shape=shape_name, params=shape.params, left_out=left_out,
+                delta_per_seed={s: everything[s] - base[s] for s in shared},
+                lr_grid_cost=max(known_costs) if known_costs else None,
             )
         )  # fmt: skip
-    adjusted = holm({r.arm: r.p for r in rows if r.arm != BASELINE})
-    for r in rows:
-        if r.arm != BASELINE:
-            r.p_holm = adjusted[r.arm]
-            r.verdict = holm_verdict(r.delta, r.p_holm)
+    judge(rows)
     return rows
+
+
+def judge(rows: list[ArmRow]) -> None:
+    """Holm's correction across every comparison in `rows` (all shapes of a ladder together: a spec is one
+    family), and each row's verdict from its adjusted p."""
+    compared = [r for r in rows if r.arm != BASELINE]
+    adjusted = holm({f"{r.shape}/{r.arm}": r.p for r in compared})
+    family = sum(r.p is not None for r in compared)
+    for r in compared:
+        r.p_holm, r.family = adjusted[f"{r.shape}/{r.arm}"], family
+        r.verdict = holm_verdict(r.delta, r.p_holm)

@@ -1,9 +1,13 @@
 """A lever's gain across a ladder of shapes, fitted against model size and carried to a larger config.
 
-The gain is the tokens ratio (tokens to the baseline's final loss, over the baseline's), seed by seed at each
-shape. The trend is a line in log(non-embedding parameters) through the shapes' means; its interval is a
-bootstrap that resamples each shape's seeds, so it carries the seed noise of every rung but not the doubt
-about the line itself (three rungs cannot test that): the extrapolation is labelled so wherever it appears.
+Two quantities, each seed by seed at each shape: the difference in final loss to the baseline (paired), and the
+tokens ratio where every seed of a rung is measured (a speed-up from the baseline's complete runs, or the arm's
+own shorter runs; a rung with bounded seeds stays out of the fit and is named). The trend is a line in
+log(non-embedding parameters) through the shapes' means; its interval a bootstrap that resamples each shape's
+seeds, so it carries the seed noise of every rung but not the doubt about the line itself. That doubt is shown
+instead: beside the fit on every rung, the fit without each rung in turn and the fit on the largest rungs;
+"grows / holds / shrinks" is said only where they all agree. A rung whose LR grid may cost more loss than the
+effects it compares is named.
 """
 
 from __future__ import annotations
@@ -14,27 +18,49 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lm.numbers.stats import Interval, percentile_interval
-from lm.tools.ablate.analysis import ArmRow
+from lm.tools.ablate.analysis import MEASURED, ArmRow
 from lm.tools.ablate.spec import BASELINE
 
 BOOTSTRAP = 4000
+TOKENS, DELTA = "tokens ratio", "Δ final loss"
+DISAGREE = "fits disagree"
+
+
+@dataclass
+class Fit:
+    """One line through some of the rungs."""
+
+    label: str
+    rungs: list[str]
+    slope: Interval
+    """Change of the quantity per e-fold of non-embedding parameters."""
+    at_target: Interval
+    direction: str
 
 
 @dataclass
 class Trend:
-    """One arm's tokens ratio against model size, and where the line lands at the target size."""
+    """One arm's quantity against model size, and where the lines land at the target size."""
 
     arm: str
+    quantity: str
+    shapes: list[str]
     params: list[int]
     means: list[float]
     slope: Interval
-    """Change of the tokens ratio per e-fold of non-embedding parameters."""
+    """The fit on every rung."""
     at_target: Interval
     target_params: int
     flops_ratio_at_target: float | None = None
     usd_at_target: Interval | None = None
     direction: str = "holds"
-    per_shape: dict[str, Interval | None] = field(default_factory=dict)
+    """The fits' common direction, or DISAGREE."""
+    fits: list[Fit] = field(default_factory=list)
+    """Every fit: all rungs first, then each rung left out, then the largest rungs."""
+    flagged: list[str] = field(default_factory=list)
+    """Rungs whose LR grid may cost more loss than the effects they compare."""
+    left_out: list[str] = field(default_factory=list)
+    """Rungs without a value for every seed (bounded tokens ratios): not in any fit."""
 
 
 def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -44,8 +70,8 @@ def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 def direction(slope: Interval) -> str:
-    """The gain (1 - ratio) `grows` when the ratio falls with size (the slope's interval below 0), `shrinks`
-    when it rises (above 0), else `holds` (within noise)."""
+    """The gain (a lower ratio or Δ is better) `grows` when the quantity falls with size (the slope's interval
+    below 0), `shrinks` when it rises (above 0), else `holds` (within noise)."""
     if slope.high < 0:
         return "grows"
     if slope.low > 0:
@@ -53,41 +79,77 @@ def direction(slope: Interval) -> str:
     return "holds"
 
 
+def rung_values(row: ArmRow, quantity: str) -> np.ndarray | None:
+    """The row's per-seed values of `quantity`, or None where a seed is missing or only bounded."""
+    if quantity == DELTA:
+        values = list(row.delta_per_seed.values())
+    else:
+        statuses = set(row.tokens.status.values())
+        values = list(row.tokens.per_seed.values()) if statuses == {MEASURED} else []
+    return np.array(values) if values else None
+
+
+def subsets(names: list[str]) -> list[tuple[str, list[int]]]:
+    """(label, rung indices) of every fit: all rungs, each left out (with three or more), the largest half
+    (at least two; with three rungs it is the fit without the smallest, labelled both ways once)."""
+    n = len(names)
+    found = [("all rungs", list(range(n)))]
+    if n >= 3:
+        found += [(f"without {names[i]}", [j for j in range(n) if j != i]) for i in range(n)]
+        largest = list(range(n - max(2, math.ceil(n / 2)), n))
+        if largest != found[1][1]:
+            found.append((f"largest {len(largest)}", largest))
+        else:
+            found[1] = (f"{found[1][0]} (the largest {len(largest)})", largest)
+    return found
+
+
 def trend(
     arm: str, rows_by_shape: dict[str, list[ArmRow]], target_params: int, flops_ratio_at_target: float | None,
-    seed: int = 0,
+    seed: int = 0, quantity: str = TOKENS,
 ) -> Trend | None:  # fmt: skip
-    """The arm's trend over the shapes where it has per-seed ratios (at least two shapes), else None."""
-    rungs = []
+    """The arm's trend of `quantity` over the shapes where every seed has a value (at least two shapes)."""
+    rungs, left_out, flagged = [], [], []
     for shape, rows in rows_by_shape.items():
+        if any(r.lr_flag for r in rows):
+            flagged.append(shape)
         row = next((r for r in rows if r.arm == arm), None)
-        if row is not None and len(row.tokens.per_seed) >= 1:
-            rungs.append((shape, row.params, np.array(list(row.tokens.per_seed.values()))))
+        if row is None:
+            continue
+        values = rung_values(row, quantity)
+        if values is None:
+            left_out.append(shape)
+        else:
+            rungs.append((shape, row.params, values))
     if len(rungs) < 2 or len({p for _, p, _ in rungs}) < 2:
         return None
     rungs.sort(key=lambda r: r[1])
+    names = [n for n, _, _ in rungs]
     x = np.log([p for _, p, _ in rungs])
     means = np.array([v.mean() for _, _, v in rungs])
-    intercept, slope = fit_line(x, means)
     x_target = math.log(target_params)
     rng = np.random.default_rng(seed)
-    slopes, preds = np.empty(BOOTSTRAP), np.empty(BOOTSTRAP)
-    for i in range(BOOTSTRAP):
-        resampled = np.array([rng.choice(v, size=len(v)).mean() for _, _, v in rungs])
-        b0, b1 = fit_line(x, resampled)
-        slopes[i], preds[i] = b1, b0 + b1 * x_target
-    slope_ci = percentile_interval(slopes, slope)
-    at_target = percentile_interval(preds, intercept + slope * x_target)
+    resampled = np.array([[rng.choice(v, size=len(v)).mean() for _, _, v in rungs] for _ in range(BOOTSTRAP)])
+    fits, preds_all = [], None
+    for label, idx in subsets(names):
+        intercept, slope = fit_line(x[idx], means[idx])
+        slopes, preds = np.empty(BOOTSTRAP), np.empty(BOOTSTRAP)
+        for i in range(BOOTSTRAP):
+            b0, b1 = fit_line(x[idx], resampled[i, idx])
+            slopes[i], preds[i] = b1, b0 + b1 * x_target
+        slope_ci = percentile_interval(slopes, slope)
+        at = percentile_interval(preds, intercept + slope * x_target)
+        fits.append(Fit(label, [names[i] for i in idx], slope_ci, at, direction(slope_ci)))
+        preds_all = preds if preds_all is None else preds_all
+    directions = {f.direction for f in fits}
     usd = None
-    if flops_ratio_at_target is not None:
-        usd = percentile_interval(preds * flops_ratio_at_target, at_target.mean * flops_ratio_at_target)
-    per_shape = {}
-    for shape, rows in rows_by_shape.items():
-        row = next((r for r in rows if r.arm == arm), None)
-        per_shape[shape] = row.tokens.interval if row else None
+    if flops_ratio_at_target is not None and quantity == TOKENS:
+        full = fits[0].at_target
+        usd = percentile_interval(preds_all * flops_ratio_at_target, full.mean * flops_ratio_at_target)
     return Trend(
-        arm, [p for _, p, _ in rungs], [float(m) for m in means], slope_ci, at_target, target_params,
-        flops_ratio_at_target, usd, direction(slope_ci), per_shape,
+        arm, quantity, names, [p for _, p, _ in rungs], [float(m) for m in means], fits[0].slope,
+        fits[0].at_target, target_params, flops_ratio_at_target, usd,
+        directions.pop() if len(directions) == 1 else DISAGREE, fits, flagged, left_out,
     )  # fmt: skip
 
 
@@ -95,12 +157,13 @@ def trends(
     rows_by_shape: dict[str, list[ArmRow]], arms: list[str], target_params: int,
     flops_at_target: dict[str, float | None],
 ) -> list[Trend]:  # fmt: skip
-    """Every variant's trend (the baseline's ratio is 1 by construction)."""
+    """Every variant's trends: Δ final loss, and the tokens ratio where rungs measure it (the baseline's is 1)."""
     found = []
     for arm in arms:
         if arm == BASELINE:
             continue
-        t = trend(arm, rows_by_shape, target_params, flops_at_target.get(arm))
-        if t is not None:
-            found.append(t)
+        for quantity in (DELTA, TOKENS):
+            t = trend(arm, rows_by_shape, target_params, flops_at_target.get(arm), quantity=quantity)
+            if t is not None:
+                found.append(t)
     return found

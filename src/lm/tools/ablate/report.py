@@ -84,23 +84,37 @@ def lr_table(report: ShapeReport) -> list[str]:
 def arm_table(spec: Spec, report: ShapeReport) -> list[str]:
     lines = [
         "| arm | overrides | LR | seeds | final val loss [95% CI] | Δ vs baseline [95% CI] | p | p (Holm) | verdict | "
-        "tokens to baseline's final, x [95% CI] | reached | FLOPs/token x | s/step x (measured) | "
-        "modelled $ to baseline's final, x [95% CI] | modelled $ / loss point | x |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "left out (not finite) | LR grid cost | tokens for the same loss, x [95% CI or bound] | seeds | "
+        "FLOPs/token x | s/step x (measured) | modelled $ to baseline's final, x [95% CI] | modelled $ / loss point | x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.rows:
         delta = fmt_interval(r.delta) + (" (Welch)" if r.paired == "welch" else "")
         lr = " ".join(f"{lr_tag(k)}={v:g}" for k, v in r.lr.items()) or "-"
+        cost = (
+            "-" if r.lr_grid_cost is None else f"{r.lr_grid_cost:.3f}" + (" **> |Δ|**" if r.lr_flag else "")
+        )
+        usd = fmt_interval(r.usd_to_target_ratio, 3)
+        if r.usd_to_target_ratio is None and r.tokens.bound is not None:
+            side, value = r.tokens.bound
+            usd = f"{'<=' if side == 'at most' else '>='} {value * r.flops_ratio:.3f} (bound)"
         lines.append(
             f"| {r.arm} | `{r.overrides}` | {lr} | {r.seeds} | {fmt_interval(r.final)} | {delta} | {fmt_p(r.p)} | "
-            f"{fmt_p(r.p_holm)} | **{r.verdict}** | {fmt_interval(r.tokens_ratio, 3)} | {r.tokens.reached} | "
-            f"{fmt_ratio(r.flops_ratio)} | {fmt_ratio(r.step_time_ratio)} | {fmt_interval(r.usd_to_target_ratio, 3)} | "
+            f"{fmt_p(r.p_holm)} | **{r.verdict}** | {', '.join(r.left_out) or '-'} | {cost} | {r.tokens.text} | "
+            f"{r.tokens.reached} | {fmt_ratio(r.flops_ratio)} | {fmt_ratio(r.step_time_ratio)} | {usd} | "
             f"{'-' if r.usd_per_point is None else f'${r.usd_per_point:.3g}'} | {fmt_ratio(r.usd_per_point_ratio)} |"
         )
     methods = sorted({f"{r.arm}: {r.tokens.method}" for r in report.rows if r.arm != BASELINE})
     if methods:
-        lines += ["", "Tokens to the baseline's final loss (each seed against the same seed's baseline) were read "
-                  "off: " + "; ".join(methods) + "."]  # fmt: skip
+        lines += ["", "Tokens for the same loss (below 1: the arm needs fewer) were read off: " + "; ".join(methods)
+                  + ". A curve's reading is an upper bound (its points are not decayed), and one inside the decay "
+                  "mostly rescales the loss gap by the decay's drop; bounds give a one-sided 95% bound of the "
+                  "mean, never a t interval."]  # fmt: skip
+    flagged = [r.arm for r in report.rows if r.lr_flag]
+    if flagged:
+        lines += ["", f"**LR grid flag:** the grid's spacing may cost more loss than the difference measured for "
+                  f"{', '.join(flagged)} (LR grid cost: the best grid score minus the minimum of the parabola "
+                  "through it and its neighbours in log LR, the larger of the two arms')."]  # fmt: skip
     shorter = [r for r in report.rows if r.fractions]
     if shorter:
         lines += ["", "Shorter runs (each with its own warm-up and decay):", "",
@@ -117,21 +131,33 @@ def trend_table(trends: list[Trend], spec: Spec) -> list[str]:
     lines = [
         "## The gain across the ladder, carried to the target (an extrapolation)",
         "",
-        f"Tokens ratio against non-embedding parameters: a line in log(N) through each shape's mean, its 95% "
-        f"interval a bootstrap over each shape's seeds (seed noise only: the line's form is assumed). Target: "
-        f"`{target}` ({trends[0].target_params:,} non-embedding parameters).",
+        f"Each quantity against non-embedding parameters: a line in log(N) through each shape's mean, its 95% "
+        f"interval a bootstrap over each shape's seeds (seed noise only: the line's form is assumed). Beside the "
+        f"fit on every rung, the fit without each rung and on the largest rungs; the direction is said only where "
+        f"every fit agrees. Target: `{target}` ({trends[0].target_params:,} non-embedding parameters).",
         "",
-        "| arm | tokens ratio per shape (N: mean) | slope per e-fold of N [95%] | the gain with scale | "
-        "tokens ratio at the target [95%] (extrapolated) | FLOPs/token x at the target | "
-        "modelled $ ratio at the target [95%] (extrapolated) |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | quantity | per shape (N: mean) | fit | slope per e-fold of N [95%] | direction | "
+        "at the target [95%] (extrapolated) | the gain with scale (all fits) | flagged / left-out rungs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in trends:
-        rungs = ", ".join(f"{p:,}: {m:.3f}" for p, m in zip(t.params, t.means, strict=True))
-        lines.append(
-            f"| {t.arm} | {rungs} | {fmt_interval(t.slope, 3)} | **{t.direction}** | "
-            f"{fmt_interval(t.at_target, 3)} | {fmt_ratio(t.flops_ratio_at_target)} | {fmt_interval(t.usd_at_target, 3)} |"
-        )
+        rungs = ", ".join(f"{p:,}: {m:+.3f}" if t.quantity != "tokens ratio" else f"{p:,}: {m:.3f}"
+                          for p, m in zip(t.params, t.means, strict=True))  # fmt: skip
+        notes = []
+        if t.flagged:
+            notes.append("LR grid costs more than the effects at " + ", ".join(t.flagged))
+        if t.left_out:
+            notes.append("no measurement at " + ", ".join(t.left_out))
+        for i, f in enumerate(t.fits):
+            head = f"| {t.arm} | {t.quantity} | {rungs} |" if i == 0 else "| | | |"
+            tail = f" **{t.direction}** | {'; '.join(notes) or '-'} |" if i == 0 else " | |"
+            lines.append(f"{head} {f.label} | {fmt_interval(f.slope, 3)} | {f.direction} | "
+                         f"{fmt_interval(f.at_target, 3)} |{tail}")  # fmt: skip
+    usd = [t for t in trends if t.usd_at_target is not None]
+    if usd:
+        lines += ["", "Modelled dollars at the target (tokens ratio x FLOPs/token ratio there, the fit on every rung): "
+                  + "; ".join(f"{t.arm} {fmt_interval(t.usd_at_target, 3)} (FLOPs x {t.flops_ratio_at_target:.3f})"
+                              for t in usd) + "."]  # fmt: skip
     return [*lines, ""]
 
 
@@ -142,8 +168,10 @@ def markdown(spec: Spec, reports: list[ShapeReport], trends: list[Trend]) -> str
         f"Base: `{' '.join(spec.base) or '(defaults)'}`; seeds {spec.seeds}"
         + (f"; LR searched on seeds {spec.search_seeds}, every arm then at its own best" if spec.lr else "")
         + ".",
-        "Intervals are 95% Student t over seeds; Δ is variant - baseline, paired by seed; p is the paired t test's, "
-        "Holm-adjusted across the variants of a shape (the verdict uses the adjusted p < 0.05). Dollars are "
+        "Intervals are 95% Student t over seeds; Δ is variant - baseline, paired by seed (a seed whose final is not "
+        "finite in either arm leaves the pair and is listed); p is the paired t test's, Holm-adjusted across "
+        f"every comparison of the spec, all shapes together ({family(reports)} tests; the verdict uses the "
+        "adjusted p < 0.05). Dollars are "
         f"modelled: FLOPs / (MFU {spec.mfu:g} x {spec.gpu}'s bf16 peak) at its {spec.pricing} price; a loss point "
         "is the drop from a uniform guess (ln V) to the final loss. Step times: medians of all arms' steps "
         "interleaved in one process on this machine (`step_times.json`).",
@@ -163,6 +191,10 @@ def markdown(spec: Spec, reports: list[ShapeReport], trends: list[Trend]) -> str
     return "\n".join(lines) + "\n"
 
 
+def family(reports: list[ShapeReport]) -> int:
+    return max((r.family for rep in reports for r in rep.rows), default=0)
+
+
 def triple(x: Interval | None) -> tuple[Any, Any, Any]:
     return (x.mean, x.low, x.high) if x is not None else (None, None, None)
 
@@ -172,8 +204,9 @@ def csv_text(reports: list[ShapeReport]) -> str:
     writer = csv.writer(buf)
     writer.writerow([
         "shape", "params", "variant", "overrides", "lr", "seeds", "final_mean", "final_low", "final_high",
-        "delta_mean", "delta_low", "delta_high", "p", "p_holm", "verdict", "tokens_ratio_mean",
-        "tokens_ratio_low", "tokens_ratio_high", "reached", "flops_ratio", "step_time_ratio", "modelled_usd",
+        "delta_mean", "delta_low", "delta_high", "p", "p_holm", "holm_family", "verdict", "left_out",
+        "lr_grid_cost", "lr_flag", "tokens_method", "tokens_ratio_mean", "tokens_ratio_low", "tokens_ratio_high",
+        "tokens_bound", "reached", "flops_ratio", "step_time_ratio", "modelled_usd",
         "modelled_usd_per_loss_point", "usd_per_point_ratio", "usd_to_target_ratio_mean",
         "usd_to_target_ratio_low", "usd_to_target_ratio_high",
     ])  # fmt: skip
@@ -181,7 +214,9 @@ def csv_text(reports: list[ShapeReport]) -> str:
         for r in report.rows:
             writer.writerow([
                 report.name, r.params, r.arm, r.overrides, json.dumps(r.lr), r.seeds, *triple(r.final),
-                *triple(r.delta), r.p, r.p_holm, r.verdict, *triple(r.tokens_ratio), r.tokens.reached,
+                *triple(r.delta), r.p, r.p_holm, r.family, r.verdict, " ".join(r.left_out), r.lr_grid_cost,
+                r.lr_flag, r.tokens.method, *triple(r.tokens_ratio),
+                "" if r.tokens.bound is None else f"{r.tokens.bound[0]} {r.tokens.bound[1]:.6g}", r.tokens.reached,
                 r.flops_ratio, r.step_time_ratio, r.usd, r.usd_per_point, r.usd_per_point_ratio,
                 *triple(r.usd_to_target_ratio),
             ])  # fmt: skip
@@ -253,21 +288,27 @@ def plot_lr(path: Path, spec: Spec, reports: list[ShapeReport]) -> None:
 
 
 def plot_trend(path: Path, trends: list[Trend]) -> None:
-    """Tokens ratio against non-embedding parameters, with the extrapolated point at the target."""
+    """Each quantity against non-embedding parameters, with the extrapolated point at the target (one panel
+    per quantity)."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for t in trends:
-        (line,) = ax.plot(t.params, t.means, marker="o", label=t.arm)
-        ax.errorbar([t.target_params], [t.at_target.mean], fmt="s", color=line.get_color(),
-                    yerr=[[t.at_target.mean - t.at_target.low], [t.at_target.high - t.at_target.mean]])  # fmt: skip
-        ax.plot(
-            [t.params[-1], t.target_params], [t.means[-1], t.at_target.mean], ls=":", color=line.get_color()
-        )
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("non-embedding parameters (square: the target, extrapolated)")
-    ax.set_ylabel("tokens to the baseline's final loss, x")
-    ax.legend()
+    quantities = sorted({t.quantity for t in trends})
+    fig, axes = plt.subplots(1, len(quantities), figsize=(7 * len(quantities), 4.5), squeeze=False)
+    for ax, quantity in zip(axes[0], quantities, strict=True):
+        for t in (t for t in trends if t.quantity == quantity):
+            (line,) = ax.plot(t.params, t.means, marker="o", label=f"{t.arm} ({t.direction})")
+            ax.errorbar([t.target_params], [t.at_target.mean], fmt="s", color=line.get_color(),
+                        yerr=[[t.at_target.mean - t.at_target.low], [t.at_target.high - t.at_target.mean]])  # fmt: skip
+            ax.plot(
+                [t.params[-1], t.target_params],
+                [t.means[-1], t.at_target.mean],
+                ls=":",
+                color=line.get_color(),
+            )
+        ax.axhline(1.0 if quantity == "tokens ratio" else 0.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("non-embedding parameters (square: the target, extrapolated from every rung)")
+        ax.set_ylabel(quantity)
+        ax.legend(fontsize=8)
     write_atomic(path, figure_bytes(fig))
 
 

@@ -13,7 +13,8 @@ A spec is YAML; every key but `variants` is optional:
         all: [data.seq_len_warmup_start=0.25]
         s64: [data.seq_len_warmup_steps=40]
         s128: [data.seq_len_warmup_steps=160]
-    fractions:                   # shorter runs of a variant (each with its own LR decay), at its best LR
+    fractions:                   # shorter runs of an arm (each with its own LR decay), at its best LR
+      baseline: [0.5, 0.6, 0.8]  # the baseline at several lengths: each variant's speed-up (Wen et al. 2025)
       qk_norm: [0.6, 0.8]
     lr:                          # each arm at its own best LR (a 1-D grid per arm, log-spaced)
       grid: {optim.lr: [1e-3, 3e-3, 1e-2]}       # every arm's grid unless `arms` names its own
@@ -266,6 +267,9 @@ class Shape:
     """The arm's batch-size ramp (data.batch_ramp_steps): its first steps train fewer tokens."""
     params: int = 0
     """Non-embedding parameters: the ladder's size axis."""
+    decay_start: int | None = None
+    """The step the LR starts to fall at (wsd: the last `optim.decay_fraction`; cosine: the warm-up's end;
+    None: constant): a loss read off the curve after it is partly decayed."""
 
     def tokens_through(self, steps: int) -> int:
         """Tokens the arm's first `steps` optimizer steps train."""
@@ -300,7 +304,9 @@ def arm_shape(overrides: list[str]) -> Shape:
     optimizer = optim.muon_flops_per_step(cfg.model, cfg.optim) / plan.tokens_per_step
     flops = cost.flops_per_token(cfg.model, cfg.data.seq_len) + optimizer
     params = cost.non_embedding_params(cfg.model)
-    return Shape(steps, every, plan.tokens_per_step, flops, cfg.data.vocab_size, plan.ramp, params)
+    o = cfg.optim
+    decay = {"wsd": steps - int(o.decay_fraction * steps), "cosine": o.warmup_steps}.get(o.schedule)
+    return Shape(steps, every, plan.tokens_per_step, flops, cfg.data.vocab_size, plan.ramp, params, decay)
 
 
 def ladder_overrides(spec: Spec, shape: str) -> list[str]:
