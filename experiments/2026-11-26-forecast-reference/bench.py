@@ -64,39 +64,66 @@ def law_forecast(method: str, record: dict, steps, losses) -> reference.Predicti
 def run(laws: bool = True) -> dict:
     records = {p.stem: json.loads(p.read_text()) for p in sorted(CURVES.glob("*.json"))}
     curves = {name: read_reference(CURVES / f"{name}.json") for name in records}
+    refs_of = {
+        name: [c for n, c in curves.items() if n != name and reference.mismatch(c, target.key) is None]
+        for name, target in curves.items()
+    }
+    pairs = {}  # (target, donor, fraction, map) -> error: every out-of-sample forecast of one curve from another
+    for name, target in curves.items():
+        for f in FRACTIONS:
+            seen = target.fractions <= f + 1e-9
+            for r, how in itertools.product(refs_of[name], ("offset", "ratio")):
+                e = (
+                    reference.offset_forecast(r, target.fractions[seen], target.losses[seen], how)
+                    - target.final
+                )
+                pairs[name, r.name, f, how] = e
     rows = []
     for name, target in curves.items():
-        refs = [c for n, c in curves.items() if n != name and reference.mismatch(c, target.key) is None]
+        refs = refs_of[name]
         for f in FRACTIONS:
             seen = target.fractions <= f + 1e-9  # the points up to and at this fraction
             if not seen.any():
                 continue
             steps, losses = target.steps[seen], target.losses[seen]
-            fr = target.fractions[seen]
             row = {"target": name, "fraction": f, "points": int(seen.sum()), "final": target.final}
             for how, tag in (("offset", ""), ("ratio", "_ratio")):
                 row["pair" + tag] = {
-                    r.name: reference.offset_forecast(r, fr, losses, how) - target.final for r in refs
+                    d: e for (t, d, g, h), e in pairs.items() if t == name and g == f and h == how
                 }
-                s = reference.forecast(refs, steps, losses, target.total_steps, how) if refs else None
+                # The interval's calibration without any pair that involves this target: out of sample here too.
+                held_out = tuple(
+                    abs(e) for (t, d, g, h), e in pairs.items() if g == f and h == how and name not in (t, d)
+                )
+                s = (
+                    reference.forecast(refs, steps, losses, target.total_steps, how, held_out)
+                    if refs
+                    else None
+                )
                 if s is not None:
-                    p = s.prediction
-                    row["set" + tag] = {
-                        "error": p.loss - target.final,
-                        "covered": p.low <= target.final <= p.high,
-                        "half": (p.high - p.low) / 2,
-                        "reference": s.reference,
-                    }
+                    row["set" + tag] = scored(s, target.final)
             for law in ("schedule", "multi_power") if laws else ():
                 p = law_forecast(law, records[name], steps, losses) if seen.sum() >= 3 else None
                 if p is not None:
                     row[law] = {"error": p.loss - target.final, "covered": p.low <= target.final <= p.high}
             rows.append(row)
+    table = summary(rows)
     return {
         "rows": rows,
         "recorded_errors": recorded_errors(rows),
         "recorded_ratio_errors": recorded_errors(rows, "pair_ratio"),
-        "summary": summary(rows),
+        "summary": table,
+        "goals": goals({"all": table}, None, ("set", "set_ratio", "schedule", "multi_power")),
+    }
+
+
+def scored(s: reference.ReferenceForecast, final: float) -> dict:
+    p = s.prediction
+    return {
+        "error": p.loss - final,
+        "covered": p.low <= final <= p.high,
+        "half": (p.high - p.low) / 2,
+        "reference": Path(s.reference).name,
     }
 
 
@@ -145,54 +172,104 @@ def run_ladder(root: Path, laws: bool = True) -> dict:
         pools = {
             "smaller": [c for n, c in curves.items() if size[n] < size[name]],
             "others": [c for n, c in curves.items() if n != name],
+            # The floor: the best reference there is, the same shape from another init seed.
+            "seeds": [c for n, c in curves.items() if n != name and size[n] == size[name]],
         }
         for f in FRACTIONS:
             seen = target.fractions <= f + 1e-9
             steps, losses = target.steps[seen], target.losses[seen]
             row = {"target": name, "fraction": f, "points": int(seen.sum()), "final": target.final}
+            row["largest"] = size[name] == largest
+            if pools["seeds"]:  # the floor, one reference at a time (a user has one sibling)
+                row["seed_pairs"] = {
+                    Path(c.name).name: reference.offset_forecast(c, target.fractions[seen], losses)
+                    - target.final
+                    for c in pools["seeds"]
+                }
             for (pool, refs), (how, tag) in itertools.product(
                 pools.items(), (("offset", ""), ("ratio", "_ratio"))
             ):
                 if not refs:
                     continue
                 s = reference.forecast(refs, steps, losses, target.total_steps, how)
-                p = s.prediction
-                row[pool + tag] = {
-                    "error": p.loss - target.final,
-                    "covered": p.low <= target.final <= p.high,
-                    "half": (p.high - p.low) / 2,
-                    "reference": Path(s.reference).name,
-                }
+                row[pool + tag] = scored(s, target.final)
             for law in ("schedule", "multi_power") if laws else ():
                 p = law_forecast(law, records[name], steps, losses) if seen.sum() >= 3 else None
                 if p is not None:
                     row[law] = {"error": p.loss - target.final, "covered": p.low <= target.final <= p.high}
             rows.append(row)
     finals = {n: c.final for n, c in curves.items()}
+    table, largest_only = (
+        summary(rows, LADDER_METHODS),
+        summary([r for r in rows if r["largest"]], LADDER_METHODS),
+    )
     return {
         "rows": rows,
         "finals": finals,
         "seed_spread": float(np.std(seeds, ddof=1)) if len(seeds) > 1 else None,
-        "summary": summary(
-            rows, ("smaller", "others", "smaller_ratio", "others_ratio", "schedule", "multi_power")
+        "summary": table,
+        "largest": largest_only,
+        "goals": goals(
+            {"all": table, "largest": largest_only}, largest_only["seed_pairs|30%"], LADDER_METHODS[1:]
         ),
     }
 
 
-def recorded_errors(rows: list[dict], method: str = "pair") -> list[list[float]]:
+LADDER_METHODS = (
+    "seed_pairs",
+    "seeds",
+    "smaller",
+    "others",
+    "smaller_ratio",
+    "others_ratio",
+    "schedule",
+    "multi_power",
+)
+"""`seed_pairs`: the same-shape other-seed floor, each of the largest shape's seeds forecast from each other
+one alone (6 forecasts); `seeds`: from both at once."""
+
+
+def goals(summary_of: dict, floor: dict | None, methods) -> list[dict]:
+    """Issue 48's goals per forecaster: RMS from 30% of the run within 1.25x the same-shape other-seed floor
+    (on the largest shape's seeds, where the floor is measured), and 90% intervals covering >= 85% of the
+    forecasts from 30% on (30, 50, 80%), out of sample."""
     out = []
-    for f in FRACTIONS:
-        errs = [abs(e) for r in rows if r["fraction"] == f for e in r[method].values()]
-        out.append([f, round(max(errs), 3)])
+    for m in methods:
+        rms = summary_of["largest" if floor else "all"].get(f"{m}|30%", {}).get("rms")
+        cells = [summary_of["all"].get(f"{m}|{f}") for f in ("30%", "50%", "80%")]
+        cells = [c for c in cells if c and c["covered"] is not None]
+        covered, n = sum(c["covered"] for c in cells), sum(c["n"] for c in cells)
+        ratio = rms / floor["rms"] if floor and rms is not None else None
+        out.append(
+            {
+                "method": m,
+                "rms_30": rms,
+                "floor_rms_30": floor["rms"] if floor else None,
+                "rms_over_floor": ratio,
+                "rms_goal_met": None if ratio is None else ratio <= 1.25,
+                "covered": covered,
+                "n": n,
+                "coverage_goal_met": None if not n else covered / n >= 0.85,
+            }
+        )
     return out
+
+
+def recorded_errors(rows: list[dict], method: str = "pair") -> dict[float, tuple[float, ...]]:
+    """Every pair's |error| by fraction, sorted: lm.numbers.reference.RECORDED_ERRORS (the interval's
+    calibration errors)."""
+    return {
+        f: tuple(sorted(round(abs(e), 3) for r in rows if r["fraction"] == f for e in r[method].values()))
+        for f in FRACTIONS
+    }
 
 
 def summary(rows: list[dict], methods=METHODS) -> dict:
     out = {}
     for method in methods:
         for f in FRACTIONS:
-            if method.startswith("pair"):
-                errs = [e for r in rows if r["fraction"] == f for e in r[method].values()]
+            if method.startswith("pair") or method == "seed_pairs":
+                errs = [e for r in rows if r["fraction"] == f and method in r for e in r[method].values()]
                 cov = []
             else:
                 picked = [r[method] for r in rows if r["fraction"] == f and method in r]
@@ -228,9 +305,33 @@ def main() -> None:
         print(
             f"| {method} | {f} | {v['n']} | {v['worst']:.3f} | {v['rms']:.3f} | {v['within_0.02']} | {cov} |"
         )
+    if "largest" in res:
+        print("\nthe largest shape's seeds only (where the floor is measured):")
+        for k, v in res["largest"].items():
+            cov = "-" if v["covered"] is None else f"{v['covered']}/{v['n']}"
+            print(f"| {k.replace('|', ' | ')} | {v['n']} | {v['worst']:.3f} | {v['rms']:.3f} | {cov} |")
+    print(
+        "\n| forecaster | RMS from 30% | floor RMS | x floor (goal <= 1.25) | 90% interval covers, 30-80% (goal >= 85%) |"
+    )
+    print("|---|---|---|---|---|")
+    for g in res["goals"]:
+        rms = "-" if g["rms_30"] is None else f"{g['rms_30']:.3f}"
+        floor = "-" if g["floor_rms_30"] is None else f"{g['floor_rms_30']:.3f}"
+        x = (
+            "-"
+            if g["rms_over_floor"] is None
+            else f"{g['rms_over_floor']:.2f}x " + ("met" if g["rms_goal_met"] else "missed")
+        )
+        cov = (
+            "-"
+            if not g["n"]
+            else f"{g['covered']}/{g['n']} = {g['covered'] / g['n']:.0%} "
+            + ("met" if g["coverage_goal_met"] else "missed")
+        )
+        print(f"| {g['method']} | {rms} | {floor} | {x} | {cov} |")
     if "recorded_errors" in res:
-        print("\nRECORDED_ERRORS =", tuple(tuple(x) for x in res["recorded_errors"]))
-        print("RECORDED_RATIO_ERRORS =", tuple(tuple(x) for x in res["recorded_ratio_errors"]))
+        print("\nRECORDED_ERRORS =", res["recorded_errors"])
+        print("RECORDED_RATIO_ERRORS =", res["recorded_ratio_errors"])
     else:
         print(
             "\nfinal losses:",

@@ -34,7 +34,8 @@ def test_a_run_parallel_to_its_reference_is_forecast_exactly_with_the_recorded_i
     assert f.prediction.loss == pytest.approx(run.final, abs=1e-12)
     assert f.reference == "small" and f.offset == pytest.approx(-0.3) and f.fraction == pytest.approx(0.3)
     half = (f.prediction.high - f.prediction.low) / 2
-    assert half == pytest.approx(reference.recorded_error(0.3)) and "recorded curves" in f.interval_from
+    assert half == pytest.approx(reference.conformal(reference.recorded_errors(0.3)))
+    assert f.interval_from == "conformal over 16 recorded forecasts and 0 among the references"
 
 
 def test_the_ratio_map_forecasts_a_run_proportional_to_its_reference_exactly():
@@ -49,7 +50,7 @@ def test_the_ratio_map_forecasts_a_run_proportional_to_its_reference_exactly():
     assert offset.prediction.loss < run.final - 0.02  # the gap at 30% is larger than at the end
     assert ratio.record()["map"] == "ratio" and offset.record()["map"] == "offset"
     half = (ratio.prediction.high - ratio.prediction.low) / 2
-    assert half == pytest.approx(reference.recorded_error(0.3, "ratio"))
+    assert half == pytest.approx(reference.conformal(reference.recorded_errors(0.3, "ratio")))
     from lm.config import EarlyStoppingConfig
 
     with pytest.raises(Refused, match="forecast_reference_map='scaled': use offset or ratio"):
@@ -61,13 +62,31 @@ def test_several_references_give_a_leave_one_curve_out_interval_and_the_nearest_
     run = synthetic("d", 1.8)
     f = forecast(refs, run.steps[:6], run.losses[:6], 1000)
     assert f.reference == "c"  # the smallest offset at the newest point
-    assert f.interval_from == "leave-one-curve-out over 3 references (6 forecasts)"
-    # Parallel curves: every leave-one-out error is 0, so the interval is the noise floor.
-    assert f.prediction.high - f.prediction.loss == pytest.approx(reference.NOISE)
-    # A reference whose gap to the others widens makes the interval wider than the floor.
+    assert f.interval_from == "conformal over 16 recorded forecasts and 6 among the references"
+    # Parallel curves: every leave-one-out error is 0; the recorded errors set the bound (one meaning).
+    recorded = reference.recorded_errors(0.3)
+    assert f.prediction.high - f.prediction.loss == pytest.approx(
+        reference.conformal([*recorded, *[0.0] * 6])
+    )
+    # A reference whose gap to the others widens (by 0.14 from 30% on) widens the interval past the recorded.
     widening = Curve("w", refs[0].steps, refs[0].losses + 0.2 * refs[0].fractions, 1000, refs[0].key)
     g = forecast([*refs, widening], run.steps[:6], run.losses[:6], 1000)
-    assert g.prediction.high - g.prediction.loss > 0.1
+    half = g.prediction.high - g.prediction.loss
+    assert half == pytest.approx(0.14, abs=1e-9) and half > max(recorded)
+
+
+def test_the_interval_is_the_split_conformal_rank():
+    """The ceil((n + 1) x 0.9)-th smallest of n errors: the 18th of 19, the largest of 9 or fewer."""
+    errors = [0.01 * i for i in range(1, 20)]
+    assert reference.conformal(errors) == pytest.approx(0.18)
+    assert (
+        reference.conformal(errors[:9]) == pytest.approx(0.09) and reference.conformal([]) == reference.NOISE
+    )
+    assert reference.recorded_errors(0.45) == reference.RECORDED_ERRORS[0.3]  # the earlier fraction's
+    assert (
+        reference.recorded_errors(0.05) == reference.RECORDED_ERRORS[0.1]
+        and reference.recorded_errors(1.0) == ()
+    )
 
 
 def test_curves_compare_at_the_same_fraction_when_their_lengths_differ():
@@ -124,12 +143,10 @@ def bench():
     return load_script(BENCH / "bench.py", "reference_bench")
 
 
-def test_the_one_reference_interval_is_what_the_benchmark_measures():
+def test_the_recorded_calibration_errors_are_what_the_benchmark_measures():
     rows = bench().run(laws=False)["rows"]
-    measured = bench().recorded_errors(rows)
-    assert [tuple(x) for x in measured] == list(reference.RECORDED_ERRORS[: len(measured)])
-    ratio = bench().recorded_errors(rows, "pair_ratio")
-    assert [tuple(x) for x in ratio] == list(reference.RECORDED_RATIO_ERRORS[: len(ratio)])
+    assert bench().recorded_errors(rows) == reference.RECORDED_ERRORS
+    assert bench().recorded_errors(rows, "pair_ratio") == reference.RECORDED_RATIO_ERRORS
 
 
 def test_the_benchmark_error_from_30_percent_does_not_grow():
@@ -152,8 +169,8 @@ def test_the_held_out_ladder_error_from_30_percent_does_not_grow():
 
 
 def test_the_20_tokens_per_parameter_ladder_error_from_30_percent_does_not_grow():
-    """`record_ladder.sh DIR 20`'s ladder (4 shapes <= 2.5x apart at ~20 tokens per parameter, 3 seeds of the largest),
-    both maps: there the ratio map's worst error from 30% is about half the offset's."""
+    """`record_ladder.sh DIR 20`'s ladder (4 shapes <= 2.5x apart at ~20 tokens per parameter, 3 seeds of the
+    largest), both maps."""
     committed = json.loads((BENCH / "ladder20.json").read_text())["summary"]
     result = bench().run_ladder(ROOT / "tests" / "fixtures" / "ladder20", laws=False)
     assert result["seed_spread"] == pytest.approx(0.0162, abs=1e-3)
@@ -161,7 +178,70 @@ def test_the_20_tokens_per_parameter_ladder_error_from_30_percent_does_not_grow(
         for f in ("30%", "50%", "80%"):
             key = f"{method}|{f}"
             assert result["summary"][key]["worst"] <= committed[key]["worst"] + 0.002, key
-    assert result["summary"]["smaller_ratio|30%"]["worst"] < 0.5 * result["summary"]["smaller|30%"]["worst"]
+
+
+def test_the_default_map_is_the_one_the_selection_benchmark_chose():
+    """The map is chosen on the recorded curves (lower RMS from 30% of the run) and only reported on the two
+    ladders, which chose nothing: there the ratio map does better (experiments/2026-11-26-forecast-reference)."""
+    from lm.config import EarlyStoppingConfig
+
+    summary = bench().summary(bench().run(laws=False)["rows"])
+    chosen = min(
+        ("offset", "ratio"),
+        key=lambda m: summary["set" + ("" if m == "offset" else "_ratio") + "|30%"]["rms"],
+    )
+    assert EarlyStoppingConfig().forecast_reference_map == chosen
+
+
+COVERAGE_FLOOR = {
+    "recorded": {"set": (26, 30), "set_ratio": (28, 30)},
+    "ladder37": {
+        "smaller": (13, 15),
+        "others": (17, 18),
+        "smaller_ratio": (13, 15),
+        "others_ratio": (17, 18),
+    },
+    "ladder20": {
+        "smaller": (14, 15),
+        "others": (17, 18),
+        "smaller_ratio": (15, 15),
+        "others_ratio": (18, 18),
+    },
+}
+"""Out-of-sample coverage of the 90% interval from 30% of the run (30, 50 and 80%), as committed: on the
+recorded curves each target's calibration leaves out every pair that involves it; the ladders calibrate on the
+recorded curves alone."""
+
+
+@pytest.mark.parametrize("benchmark", COVERAGE_FLOOR)
+def test_the_90_percent_interval_covers_out_of_sample_what_it_did(benchmark):
+    """Guards coverage as the tests above guard error: a narrower interval (the 70th percentile, or the errors'
+    median) covers fewer targets and fails here. Each benchmark's goal (>= 85%) is met at the committed
+    numbers: 87% and 93% on the recorded curves, 87-100% on the ladders."""
+    if benchmark == "recorded":
+        goals = bench().run(laws=False)["goals"]
+    else:
+        goals = bench().run_ladder(ROOT / "tests" / "fixtures" / benchmark, laws=False)["goals"]
+    got = {g["method"]: (g["covered"], g["n"]) for g in goals}
+    for method, (covered, n) in COVERAGE_FLOOR[benchmark].items():
+        assert got[method][1] == n and got[method][0] >= covered, (method, got[method])
+        assert covered / n >= 0.85
+
+
+def test_the_ladders_report_each_forecaster_beside_the_same_shape_other_seed_floor():
+    """The floor: each of the largest shape's seeds forecast from another seed alone (the best reference there
+    is). From 30% of the run its RMS is 0.043 (~4 tokens per parameter) and 0.067 (~20): a forecaster's error
+    is read against it (goal: within 1.25x), and a change that makes the user's case (strictly smaller
+    references) worse against it fails here."""
+    for ladder, floor, ratios in (
+        ("ladder37", 0.043, {"smaller": 1.69, "smaller_ratio": 1.14}),
+        ("ladder20", 0.067, {"smaller": 2.43, "smaller_ratio": 0.80}),
+    ):
+        result = bench().run_ladder(ROOT / "tests" / "fixtures" / ladder, laws=False)
+        goals = {g["method"]: g for g in result["goals"]}
+        assert result["largest"]["seed_pairs|30%"]["rms"] == pytest.approx(floor, abs=1e-3)
+        for method, ratio in ratios.items():
+            assert goals[method]["rms_over_floor"] <= ratio + 0.01, (ladder, method)
 
 
 def test_the_cadence_line_appears_only_where_a_forecast_decides():

@@ -12,14 +12,18 @@ tokens per parameter, the collapse form of Qiu et al. 2025, "Scaling collapse re
 compute-optimally trained neural networks"). The reference is interpolated linearly in f. With several
 references the one nearest this run at f (the smallest offset) is used.
 
-The 90% interval is empirical, never an in-sample fit: with two or more references, each is forecast from every
-other one at this run's fraction (leave-one-curve-out) and the interval's half-width is the 90th percentile of
-those errors; with one reference, the errors measured on lm's recorded curves (`RECORDED_ERRORS`) stand in, and
-the forecast says so. Either way the half-width is at least `NOISE`, one evaluation's noise.
+The 90% interval has one meaning whatever the references: a split-conformal bound on |error| over forecasts
+that never saw this run. Its calibration errors are lm's recorded pairs at this fraction (`RECORDED_ERRORS`,
+measured on tests/fixtures/curves: a forecast of each curve from every other one with the same key) pooled with
+the references' forecasts of each other (leave-one-curve-out, with two or more). The half-width is the
+ceil((n + 1) x 0.9)-th smallest of those n errors (Vovk et al. 2005; Angelopoulos & Bates 2021), never less than
+`NOISE`. Its coverage is measured out of sample on the two ladders that chose nothing
+(experiments/2026-11-26-forecast-reference, "2026-11-28"), and a test keeps it there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +37,48 @@ from lm.numbers.loss_law import Prediction
 NOISE = 0.01
 """The least half-width of an interval: one in-run validation point's noise on the recorded curves (0.009-0.019)."""
 
-RECORDED_ERRORS = ((0.1, 0.249), (0.2, 0.107), (0.3, 0.119), (0.5, 0.115), (0.8, 0.085), (1.0, NOISE))
-"""(fraction of the run, largest |error| of the forecast) over every ordered pair of lm's recorded curves with
-the same schedule, length and batch (16 pairs of tiny/small/medium shapes, 0.2-10 tokens per parameter, scored on
-the in-run validation loss): experiments/2026-11-26-forecast-reference/bench.py writes them,
-tests/numbers/test_reference.py keeps them equal to what it measures. The interval of a forecast from one
-reference, interpolated in the fraction; before 10% the first value."""
-RECORDED_RATIO_ERRORS = ((0.1, 0.113), (0.2, 0.161), (0.3, 0.166), (0.5, 0.154), (0.8, 0.099), (1.0, NOISE))
+COVERAGE = 0.9
+"""The interval's nominal coverage."""
+
+RECORDED_ERRORS = {
+    0.1: (0.007, 0.007, 0.011, 0.011, 0.038, 0.038, 0.054, 0.054, 0.12, 0.12, 0.158, 0.158, 0.242, 0.242, 0.249, 0.249),
+    0.2: (0.0, 0.0, 0.005, 0.005, 0.026, 0.026, 0.026, 0.026, 0.051, 0.051, 0.083, 0.083, 0.088, 0.088, 0.107, 0.107),
+    0.3: (0.002, 0.002, 0.024, 0.024, 0.026, 0.026, 0.049, 0.049, 0.051, 0.051, 0.073, 0.073, 0.1, 0.1, 0.119, 0.119),
+    0.5: (0.024, 0.025, 0.029, 0.029, 0.048, 0.048, 0.054, 0.054, 0.064, 0.064, 0.067, 0.067, 0.095, 0.095, 0.114, 0.115),
+    0.8: (0.0, 0.0, 0.009, 0.009, 0.023, 0.023, 0.024, 0.024, 0.033, 0.033, 0.036, 0.036, 0.036, 0.036, 0.085, 0.085),
+}  # fmt: skip
+"""|error| of every ordered pair of lm's recorded curves with the same schedule, length and batch (16 pairs of
+tiny/small/medium shapes, 0.2-10 tokens per parameter, scored on the in-run validation loss), by fraction of the
+run: the interval's calibration errors. experiments/2026-11-26-forecast-reference/bench.py writes them and
+tests/numbers/test_reference.py keeps them equal to what it measures. A fraction between two uses the earlier
+one's (errors shrink as a run goes on); from 100% the interval is `NOISE`."""
+RECORDED_RATIO_ERRORS = {
+    0.1: (0.01, 0.012, 0.035, 0.036, 0.045, 0.049, 0.051, 0.052, 0.054, 0.061, 0.065, 0.066, 0.082, 0.091, 0.105, 0.113),
+    0.2: (0.004, 0.004, 0.016, 0.018, 0.02, 0.021, 0.048, 0.049, 0.067, 0.072, 0.1, 0.106, 0.113, 0.125, 0.151, 0.161),
+    0.3: (0.026, 0.028, 0.04, 0.041, 0.064, 0.065, 0.065, 0.071, 0.09, 0.096, 0.107, 0.113, 0.15, 0.152, 0.159, 0.166),
+    0.5: (0.038, 0.039, 0.051, 0.054, 0.056, 0.057, 0.087, 0.087, 0.088, 0.093, 0.093, 0.095, 0.113, 0.122, 0.141, 0.154),
+    0.8: (0.006, 0.006, 0.012, 0.012, 0.028, 0.029, 0.031, 0.032, 0.039, 0.044, 0.045, 0.047, 0.05, 0.054, 0.094, 0.099),
+}  # fmt: skip
 """The same for the `ratio` map."""
+
+
+def conformal(errors, coverage: float = COVERAGE) -> float:
+    """The split-conformal bound on |error|: the ceil((n + 1) x coverage)-th smallest of n errors (the largest
+    when n is too small for the rank: then the bound covers less than `coverage`, and the forecast says from
+    how many)."""
+    a = np.sort(np.abs(np.asarray(errors, float)))
+    if not len(a):
+        return NOISE
+    return float(a[min(len(a), math.ceil((len(a) + 1) * coverage)) - 1])
+
+
+def recorded_errors(fraction: float, how: str = "offset") -> tuple[float, ...]:
+    """The recorded calibration errors at `fraction` of the run (`RECORDED_ERRORS`); none from 100%."""
+    table = RECORDED_ERRORS if how == "offset" else RECORDED_RATIO_ERRORS
+    if fraction >= 1.0:
+        return ()
+    return table[max([f for f in table if f <= fraction + 1e-9], default=min(table))]
+
 
 KEY_FIELDS = (
     "optim.name",
@@ -204,11 +242,6 @@ def loo_errors(references: list[Curve], fraction: float, how: str = "offset") ->
     return errors
 
 
-def recorded_error(fraction: float, how: str = "offset") -> float:
-    xs, ys = zip(*(RECORDED_ERRORS if how == "offset" else RECORDED_RATIO_ERRORS), strict=True)
-    return float(np.interp(fraction, xs, ys))
-
-
 @dataclass(frozen=True)
 class ReferenceForecast:
     """The final loss from a reference, with the reference's name and where the interval comes from."""
@@ -219,7 +252,7 @@ class ReferenceForecast:
     """This run's loss minus the reference's at the newest fraction."""
     fraction: float
     interval_from: str
-    """`leave-one-curve-out over N references` or `lm's recorded curves (one reference)`."""
+    """Where the interval's calibration errors come from, and how many."""
     unchecked: list[str]
     how: str = "offset"
     """The map (`MAPS`)."""
@@ -240,10 +273,16 @@ class ReferenceForecast:
 
 
 def forecast(
-    references: list[Curve], steps, losses, total_steps: int, how: str = "offset"
+    references: list[Curve],
+    steps,
+    losses,
+    total_steps: int,
+    how: str = "offset",
+    calibration: tuple[float, ...] | None = None,
 ) -> ReferenceForecast | None:
     """The run's final loss after `total_steps` from its validation points so far (None before the first),
-    each reference moved onto the run by `how` (`MAPS`)."""
+    each reference moved onto the run by `how` (`MAPS`). `calibration`: the recorded errors to pool (default
+    `recorded_errors` at this fraction; a benchmark that scores a recorded curve passes those without it)."""
     if not references or len(steps) == 0:
         return None
     fractions = np.asarray(steps, float) / total_steps
@@ -251,14 +290,10 @@ def forecast(
     f = float(fractions[-1])
     nearest = min(references, key=lambda r: abs(float(losses[-1]) - r.at(f)))
     loss = offset_forecast(nearest, fractions, losses, how)
-    errors = loo_errors(references, f, how) if len(references) > 1 else []
-    if errors:
-        half = float(np.quantile(np.abs(errors), 0.9))
-        source = f"leave-one-curve-out over {len(references)} references ({len(errors)} forecasts)"
-    else:
-        half = recorded_error(f, how)
-        source = "lm's recorded curves (one reference: no curve of its own to leave out)"
-    half = max(half, NOISE)
+    recorded = recorded_errors(f, how) if calibration is None else calibration
+    loo = loo_errors(references, f, how) if len(references) > 1 else []
+    half = max(conformal([*recorded, *loo]), NOISE)
+    source = f"conformal over {len(recorded)} recorded forecasts and {len(loo)} among the references"
     return ReferenceForecast(
         Prediction(loss, loss - half, loss + half),
         nearest.name,
