@@ -2,7 +2,7 @@
 
     <dir>/tokenizer.json            the tokenizer that made every shard (its sha256 is in the manifest)
     <dir>/train-00000.bin ...       flat streams of token ids, each document followed by end-of-text
-    <dir>/val-00000.bin ...         documents held out by a hash of their name
+    <dir>/val-00000.bin ...         documents held out by a hash of their text (`sources.split_key`)
     <dir>/progress/                 plan.json and one record per finished unit (what a resume trusts)
     <dir>/manifest.json             written last: its presence means the folder is complete
     <dir>/verified.json             what training last verified of each shard (`data.verify=cached`)
@@ -33,8 +33,27 @@ from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
 
-FORMAT_VERSION = 2
-"""Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads."""
+FORMAT_VERSION = 3
+"""Bump when the folder layout or token stream changes, so old caches get a new key instead of misreads, and
+say what changed in `FORMAT_CHANGES`."""
+
+FORMAT_CHANGES = {
+    3: "format 3 holds documents out for validation by a hash of their text, where format 2 hashed their "
+    "path as the glob returned it (so the same corpus in another folder got another validation set)",
+}
+"""What each format changed, for the refusal that meets an older folder."""
+
+
+def format_refusal(folder: Path, found: object, fix: str) -> str:
+    """The message for a dataset folder written in format `found` when this code writes `FORMAT_VERSION`."""
+    changes = "; ".join(
+        text for v, text in sorted(FORMAT_CHANGES.items()) if isinstance(found, int) and v > found
+    )
+    return (
+        f"{folder} has dataset format {found} but this code reads format {FORMAT_VERSION}"
+        + (f" ({changes})" if changes else "")
+        + f"; {fix}"
+    )
 
 
 MANIFEST = "manifest.json"
@@ -156,10 +175,7 @@ def load_manifest(path: str | Path, verify: bool = False) -> dict:
     except json.JSONDecodeError as e:
         raise Refused(f"{folder / MANIFEST} is not valid JSON ({e}); {fix}") from e
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise Refused(
-            f"{folder} has dataset format {manifest.get('format_version')} but this code reads format "
-            f"{FORMAT_VERSION}; {fix}"
-        )
+        raise Refused(format_refusal(folder, manifest.get("format_version"), fix))
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split in SPLITS:
         for shard in manifest["splits"][split]["shards"]:

@@ -40,13 +40,14 @@ from lm.data.manifest import (
     TOKENIZER,
     cache_key,
     dataset_dir,
+    format_refusal,
     load_manifest,
     resolve_cache_dir,
     summary,
     token_dtype,
 )
 from lm.data.mirror import dataset_cache, fetch_dataset, upload_dataset
-from lm.data.sources import Skip, Unit, UnitPlan, is_validation
+from lm.data.sources import Skip, Unit, UnitPlan, is_validation, split_key
 from lm.data.stdlib import stable_fraction
 from lm.data.tokenizer import (
     MIN_VOCAB_SIZE,
@@ -131,12 +132,12 @@ class ShardWriter:
 _worker: dict = {}
 
 
-def _init_worker(cfg: DataConfig, tokenizer_json: str, out: str, val_names: dict, counters) -> None:
+def _init_worker(cfg: DataConfig, tokenizer_json: str, out: str, forced: dict, counters) -> None:
     """Per-process state: each worker owns a tokenizer, so no Rust thread pool is shared across a fork."""
     tok = Tokenizer.from_str(tokenizer_json)
     tok.encode_special_tokens = True  # a literal "<|endoftext|>" inside a document is text, not a boundary
     eot = tokenizer_id(tok, cfg.eot_token)
-    _worker.update(cfg=cfg, tok=tok, eot=eot, out=Path(out), val_names=val_names, counters=counters)
+    _worker.update(cfg=cfg, tok=tok, eot=eot, out=Path(out), forced=forced, counters=counters)
 
 
 def _init_pool_worker(*args) -> None:
@@ -147,8 +148,11 @@ def _init_pool_worker(*args) -> None:
     _init_worker(*args)
 
 
-def _is_val(name: str, cfg: DataConfig, forced: dict) -> bool:
-    return forced[name] if name in forced else is_validation(name, cfg.val_fraction)
+def _is_val(text: str, cfg: DataConfig, forced: dict) -> bool:
+    """Whether a document goes to the val split: by its content (`split_key`), unless `forced_validation`
+    moved it across."""
+    key = split_key(text)
+    return forced[key] if key in forced else is_validation(key, cfg.val_fraction)
 
 
 def tokenize_unit(unit: Unit) -> dict:
@@ -167,7 +171,7 @@ def tokenize_unit(unit: Unit) -> dict:
         bufs: dict[str, list[int]] = {s: [] for s in SPLITS}
         n_bytes = 0
         for (name, text), enc in zip(batch, encodings):
-            split = "val" if _is_val(name, cfg, _worker["val_names"]) else "train"
+            split = "val" if _is_val(text, cfg, _worker["forced"]) else "train"
             bufs[split].extend(enc.ids)
             bufs[split].append(eot)
             size = len(text.encode("utf-8"))
@@ -220,25 +224,38 @@ def counters_add(n_bytes: int, n_tokens: int) -> None:
 
 
 def forced_validation(cfg: DataConfig, plan: UnitPlan) -> dict[str, bool]:
-    """When documents are whole files, make sure each split gets at least one (tiny corpora hash one-sided).
+    """{split key: is validation} overrides that give each split at least one document, decided before
+    anything is tokenized (a small corpus hashes one-sided by chance: 10 documents at data.val_fraction=0.3
+    leave val empty once in 35).
 
-    Returns {document name: is validation} overrides; empty for record-level sources, whose split sizes are
-    only known after reading (an empty split is then an error).
+    Documents are read in unit order until one falls on each side, about 1 / data.val_fraction of them, so a
+    large corpus costs a glance. Only a one-sided corpus is read whole: its document nearest the other side
+    moves across (every copy of its text with it), or, with fewer than two distinct texts, it is refused here,
+    naming the numbers, rather than after tokenizing.
     """
-    if cfg.source not in ("stdlib", "text"):
-        return {}
-    if any(sources.kind_of(f) != "text" for u in plan.units for f in u.files):
-        return {}
-    # Empty files hold no document, so they cannot be the one moved across.
-    names = [f for u in plan.units for f, size in zip(u.files, u.sizes) if size > 0]
-    if len(names) < 2:
-        return {}
-    val = [n for n in names if is_validation(n, cfg.val_fraction)]
-    if not val:
-        return {min(names, key=lambda n: stable_fraction(n, "val")): True}
-    if len(val) == len(names):
-        return {max(names, key=lambda n: stable_fraction(n, "val")): False}
-    return {}
+    skips: list[Skip] = []  # reported when the units are tokenized, or by the refusal below
+    fractions: dict[str, float] = {}
+    sides: set[bool] = set()
+    documents = 0
+    for unit in plan.units:
+        for doc in sources.read_unit(unit, cfg, skips):
+            documents += 1
+            key = split_key(doc.text)
+            fractions[key] = stable_fraction(key, "val")
+            sides.add(fractions[key] < cfg.val_fraction)
+            if len(sides) == 2:
+                return {}
+    if len(fractions) < 2:
+        kinds = sorted({s.reason for s in skips})[:5]
+        raise Refused(
+            f"the corpus is too small to split into train and val: {documents} document(s) with "
+            f"{len(fractions)} distinct text(s), {sum(s.count for s in skips)} input(s) skipped "
+            f"({'; '.join(kinds) or 'none'}); each split needs a text of its own: add documents, or check "
+            f"data.paths and data.text_field"
+        )
+    if True in sides:  # every document hashed to val: the one nearest train goes there
+        return {max(fractions, key=fractions.__getitem__): False}
+    return {min(fractions, key=fractions.__getitem__): True}
 
 
 def sample_documents(cfg: DataConfig, plan: UnitPlan, forced: dict):
@@ -250,7 +267,7 @@ def sample_documents(cfg: DataConfig, plan: UnitPlan, forced: dict):
     n_bytes = 0
     for unit in sorted(plan.units, key=lambda u: stable_fraction(str(u.files[:1] or u.index), "tokenizer")):
         for doc in sources.read_unit(unit, cfg, skips):
-            if not _is_val(doc.name, cfg, forced):
+            if not _is_val(doc.text, cfg, forced):
                 yield doc.text
                 n_bytes += len(doc.text)
                 if n_bytes >= cfg.tokenizer_sample_bytes:
@@ -282,9 +299,13 @@ def _claim(out: Path, key: str, in_cache: bool) -> None:
     """Make `out` ours for key `key`, or refuse: never mix two corpora's shards, never delete a user's files."""
     plan_file = out / PROGRESS / "plan.json"
     if plan_file.is_file():
-        theirs = json.loads(plan_file.read_text()).get("key")
+        recorded = json.loads(plan_file.read_text())
+        theirs = recorded.get("key")
         if theirs == key:
             return
+        if recorded.get("format_version") != FORMAT_VERSION:
+            fix = f"delete {out} (or choose another data.dir) and rerun to prepare it again"
+            raise Refused(format_refusal(out, recorded.get("format_version"), fix))
         raise Refused(
             f"{out} holds an unfinished preparation of a different corpus or config (key {theirs}, this one "
             f"is {key}); delete {out} or choose another data.dir"
@@ -392,7 +413,11 @@ def prepare(cfg: DataConfig) -> Path:
     key = cache_key(cfg, plan)
     out = dataset_dir(cfg, key)
     if (out / MANIFEST).is_file():
-        theirs = json.loads((out / MANIFEST).read_text()).get("key")
+        recorded = json.loads((out / MANIFEST).read_text())
+        theirs = recorded.get("key")
+        if recorded.get("format_version") != FORMAT_VERSION:
+            fix = f"delete {out} (or choose another data.dir) and rerun to prepare it again"
+            raise Refused(format_refusal(out, recorded.get("format_version"), fix))
         if theirs != key:
             raise Refused(
                 f"{out} holds a dataset prepared from a different corpus or config (key {theirs}, this one is "
@@ -522,6 +547,7 @@ def _manifest(cfg: DataConfig, plan: UnitPlan, key: str, records: list[dict], to
         "eot_token": cfg.eot_token,
         "tokenizer": cfg.tokenizer or "trained",
         "tokenizer_sha256": text_sha256(tokenizer_json),
+        "val_split": "sha256 of each document's text",
         "splits": splits,
         "skipped": skips[:MAX_LISTED_SKIPS],
         "skipped_count": sum(s.get("count", 1) for s in skips),

@@ -140,13 +140,21 @@ def plan_units(cfg: DataConfig) -> UnitPlan:
 
 
 def document_name(cfg: DataConfig, where: str) -> str:
-    """Stable name of a document (what the validation split hashes)."""
+    """Readable name of a document (what the manifest lists and skips name); the split never reads it."""
     return f"{cfg.name}/{cfg.subset}/{cfg.split}/{where}" if cfg.source == "hf" else where
 
 
-def is_validation(name: str, val_fraction: float) -> bool:
-    """Whether document `name` is held out; depends only on the name, so it is stable as the corpus grows."""
-    return stable_fraction(name, "val") < val_fraction
+def split_key(text: str) -> str:
+    """What decides a document's split: the sha256 of its text. Not its name, which for a local corpus is its
+    path as the glob returned it: keyed on the content, the same documents split the same way wherever the
+    corpus sits (another folder, a relative data.paths, a new volume) and copies of a text fall on one side."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def is_validation(key: str, val_fraction: float) -> bool:
+    """Whether the document with `split_key` `key` is held out; depends on nothing else, so a document keeps
+    its side as the corpus grows."""
+    return stable_fraction(key, "val") < val_fraction
 
 
 # --- reading -----------------------------------------------------------------------------------------------
