@@ -39,6 +39,7 @@ fmt:
     {{python}} -m ruff format .
     {{python}} -m ruff check --fix .
 
-# TensorBoard over every run.
+# TensorBoard over every run; its Custom Scalars tab opens on the run's story (loss, throughput, MFU).
 tb root="runs":
+    @echo "open http://localhost:6006/#custom_scalars"
     {{python}} -m tensorboard.main --logdir {{root}}
