@@ -91,9 +91,7 @@ def arm_table(spec: Spec, report: ShapeReport) -> list[str]:
     for r in report.rows:
         delta = fmt_interval(r.delta) + (" (Welch)" if r.paired == "welch" else "")
         lr = " ".join(f"{lr_tag(k)}={v:g}" for k, v in r.lr.items()) or "-"
-        cost = (
-            "-" if r.lr_grid_cost is None else f"{r.lr_grid_cost:.3f}" + (" **> |Δ|**" if r.lr_flag else "")
-        )
+        cost = "-" if r.lr_grid_cost is None else f"{r.lr_grid_cost:.3f}" + (" **flag**" if r.lr_flag else "")
         usd = fmt_interval(r.usd_to_target_ratio, 3)
         if r.usd_to_target_ratio is None and r.tokens.bound is not None:
             side, value = r.tokens.bound
