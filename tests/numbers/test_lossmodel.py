@@ -184,3 +184,27 @@ def test_repeated_tokens_and_excess_parameters_are_worth_less():
     target = BESIROGLU.loss(n, 3 * u, u)
     assert BESIROGLU.tokens_for(n, target, u) == pytest.approx(3 * u)
     assert BESIROGLU.tokens_for(n, BESIROGLU.loss(n, 1e6 * u), u) == float("inf")
+
+
+def test_the_window_price_off_a_least_squares_slope_is_quieter_than_its_end_points():
+    """The quieter stopper target (issue 48 item 5): $ per loss point off the slope over the window's points.
+    Exact on a straight line; over 2,000 noisy windows its spread is below that of the end points' difference
+    (what lm.callbacks.stopper.marginal_usd_per_loss_point reads)."""
+    import math
+
+    from lm.numbers.loss_law import usd_per_loss_point_fit
+
+    usd = [10.0, 15.0, 20.0, 25.0, 30.0]
+    assert usd_per_loss_point_fit(usd, [3.0, 2.9, 2.8, 2.7, 2.6]) == pytest.approx(50.0)
+    assert usd_per_loss_point_fit(usd, [3.0, 3.0, 3.1, 3.0, 3.1]) == math.inf
+    assert (
+        usd_per_loss_point_fit(usd[:2], [3.0, 2.9]) is None
+        and usd_per_loss_point_fit([1, None, 2], [3, 2, 1]) is None
+    )
+    rng = np.random.default_rng(0)
+    fit, ends = [], []
+    for _ in range(2000):
+        loss = 3.0 - 0.02 * np.arange(5) + rng.normal(0, 0.01, 5)
+        fit.append(1 / usd_per_loss_point_fit(usd, loss))
+        ends.append((loss[0] - loss[-1]) / (usd[-1] - usd[0]))  # the stopper's window reads its end points
+    assert np.std(fit) < 0.95 * np.std(ends)

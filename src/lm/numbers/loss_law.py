@@ -464,3 +464,19 @@ class ChinchillaLaw:
 
 BESIROGLU = ChinchillaLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024 (uncalibrated)")
 HOFFMANN = ChinchillaLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Hoffmann et al. 2022 (uncalibrated)")
+
+
+def usd_per_loss_point_fit(usd, losses) -> float | None:
+    """Dollars per point of validation loss off the least-squares slope of loss against dollars over the
+    points given (the stopper's trailing window: its window + 1 newest points), inf when the loss does not
+    fall, None with fewer than 3 points or no dollars. A quieter reading of the same price than the two end
+    points' difference: one validation's noise enters the slope with 0.8x the variance over 5 equally spaced
+    points, and no single point decides it (experiments/2026-11-28-stopper-regret)."""
+    if len(usd) < 3 or any(u is None for u in usd):
+        return None
+    x, y = np.asarray(usd, float), np.asarray(losses, float)
+    spread = float(((x - x.mean()) ** 2).sum())
+    if spread <= 0:
+        return None
+    slope = float(((x - x.mean()) * (y - y.mean())).sum()) / spread  # loss per dollar, negative when falling
+    return -1.0 / slope if slope < 0 else math.inf
