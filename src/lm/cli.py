@@ -1,43 +1,6 @@
-"""The `lm` command: verbs around training (training itself is `python train.py`).
+"""The `lm` command: the verbs around training (training itself is `python train.py`).
 
-lm config  [overrides...]   print the composed, validated config
-lm prepare [overrides...]   build the tokenizer and token shards the config trains on
-lm tokenizer train [--out tokenizer.json] [overrides...]
-                            train a byte-level BPE on a sample of the configured corpus
-lm selftest [--keep DIR] [--layers K] [overrides...]
-                            every path the config takes, run on this machine in minutes; a table, exit 1 on failure
-lm doctor [--strict] [overrides...]
-                            preflight: forgotten free optimizations, memory, disk, plan, $/token
-lm bench   [overrides with comma lists...]
-                            measure tokens/s, MFU, memory and $/Btok of each knob combination
-lm report  RUN_DIR          write report.md and plots: loss against dollars, phases, cost breakdown, samples
-lm sample  RUN_DIR|CKPT [PROMPT]
-                            continue a prompt with a run's checkpoint (no prompt: read prompts from stdin)
-lm export  RUN_DIR|CKPT --out DIR [--dtype fp32|bf16] [--vocab keep|truncate] [--license ID]
-                            the run as a Hugging Face Llama folder (safetensors, tokenizer, model card)
-           RUN_DIR|CKPT --format gguf --out FILE.gguf [--dtype fp32|fp16|bf16]
-                            the run as one GGUF file for llama.cpp
-lm eval RUN_DIR|HF_DIR --tasks arc_easy,piqa [--limit N] [--include-path DIR]
-                            benchmarks with lm-evaluation-harness -> eval.json + eval.md (in the run
-                            directory; beside an HF folder: <folder>.eval.json, or --into-folder)
-lm supervise [options] -- python train.py [overrides...]
-                            rerun a training command after preemptions (exit 75) and crashes
-lm ablate SPEC.yaml [--out DIR] [--parallel N] [--threads T] [--report-only]
-                            a baseline and variants over seeds at equal tokens, each at its own best LR, across
-                            a ladder of shapes: final loss with 95% intervals and Holm's correction, tokens to
-                            the baseline's loss, FLOPs and step-time ratios, modelled $/loss point, the trend
-lm sweep-summary SWEEP_DIR  (re)write sweep_summary.md/.csv: one row per job of a multirun, best first
-lm sky [--out sky/train.yaml] [--mfu 0.45] [overrides...]
-                            rank catalog GPUs by $/token for the config; write the SkyPilot task
-lm plan (--usd N | --target-loss L | --hours H) [--gpu G ...] [--corpus-tokens N] [overrides...]
-                            rank model x GPU plans for a budget; write the best as conf/experiment/<name>.yaml
-        [--calibrate [--calibrate-shapes 2x64,3x96] [--calibrate-steps 100,300]] [--law calibration.json]
-                            fit the loss law to short runs on this corpus first, or use a fitted one
-        [--sibling]         also write <name>_sibling.yaml (half the width, same tokens/param, ~6% of the
-                            cost): run it first, and the plan forecasts its final loss from its curve
-lm plan --scale-out model=8b [--gpu G ...]
-                            past one GPU: how many GPUs, host memory and save stall per checkpoint format
-"""
+`lm <verb> --help` gives each verb's options; docs/commands.md says what each does, with the manual's pages."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """FP8 training: the blocks' linear layers run their matmuls in float8 through torchao (the library torchtitan
 uses), scaled per tensor (`tensorwise`, the faster) or per row (`rowwise`, closer to bf16).
 
-`check_fp8` refuses what cannot pay before any data is prepared: FP8 without FP8 tensor cores (compute
-capability below 8.9), without torch.compile (nanochat measured FP8 without compile at 0.23x of bf16), or
-without torchao. `convert` swaps the chosen `nn.Linear`s for torchao's `Float8Linear` in place: the same
-parameters in the same precision and the same state-dict keys, so an FP8 checkpoint resumes bitwise, loads into
-a bf16 run and exports as any other (FP8 is how the matmuls are computed, not how the weights are stored).
-
-The embedding (no matmul) and the lm_head stay in high precision, as torchtitan and OLMo-core keep the output
-layer: the logits' small differences are the loss. Linear layers whose sides are not multiples of 16 (what
-`torch._scaled_mm` needs) stay too.
-"""
+`check_fp8` refuses what cannot pay before any data is prepared: no FP8 tensor cores (compute capability below
+8.9), no torch.compile (eager FP8 is slower than bf16), or no torchao. `convert` swaps the chosen `nn.Linear`s
+for torchao's `Float8Linear` in place with the same parameters, precision and state-dict keys, so an FP8
+checkpoint resumes bitwise, loads into a bf16 run and exports as any other. The embedding and lm_head stay in
+high precision (as torchtitan and OLMo-core keep the output layer: the logits' small differences are the
+loss), and so do linear layers whose sides are not multiples of 16 (what `torch._scaled_mm` needs)."""
 
 from __future__ import annotations
 

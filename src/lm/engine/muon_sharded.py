@@ -1,19 +1,13 @@
 """Muon on FSDP2 shards: each matrix orthogonalised once per step, by the rank that owns it.
 
-Under FSDP2 every parameter, gradient and Muon momentum buffer is a DTensor sharded by rows (`Shard(0)`), and
-Newton-Schulz needs the whole matrix. torch's `Muon` (2.13) takes the DTensors without complaint and does not
-give single-process Muon's weights (0.014 off after 20 steps in tests/engine/test_muon_fsdp.py's setting; this
-module: 0.0), and would compute every matrix on every rank if it did. Hence this module, the ZeRO-1
-design of Moonlight ("Muon is Scalable for LLM Training", 2025; torchtitan's and Dion's distributed Muon do the
-same): the matrices are dealt round-robin, matrix i to rank i mod W; each rank sends its rows of the Nesterov
-update of every matrix to that matrix's owner (`gather`), the owner orthogonalises the whole matrix with the
-same function the single-process optimizer uses, and sends each rank back its rows (`scatter`). The momentum,
-decoupled decay and LR scale are torch's `_single_tensor_muon` on the local rows, the scale taken from the
-global shape. With the same gradients the weights equal single-process Muon's (tests/engine/test_muon_fsdp.py).
-
-Cost per step: every matrix crosses the network twice (once to its owner, once back), fp32; the
-orthogonalisation FLOPs are divided by W instead of multiplied by it.
-"""
+Under FSDP2 parameters, gradients and momentum are row shards (`Shard(0)`) and Newton-Schulz needs the whole
+matrix; torch's `Muon` accepts the shards but does not give single-process Muon's weights. So, as Moonlight's
+ZeRO-1 Muon (torchtitan's and Dion's do the same): matrix i belongs to rank i mod W; each rank sends its rows of
+every matrix's Nesterov update to the owner (`gather`), the owner orthogonalises it with the single-process
+function and sends the rows back (`scatter`); momentum, decoupled decay and the LR scale (from the global shape)
+are torch's `_single_tensor_muon` on the local rows. With equal gradients the weights equal single-process
+Muon's (tests/engine/test_muon_fsdp.py). Cost: every matrix crosses the network twice a step in fp32; the
+orthogonalisation FLOPs are divided by W."""
 
 from __future__ import annotations
 

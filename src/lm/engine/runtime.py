@@ -218,11 +218,9 @@ def precision_findings(cuda: bool, precision: str, gpu: GpuConfig, tf32: bool) -
 
 
 def compile_findings(cuda: bool, kernels: KernelsConfig) -> list[Finding]:
-    """torch.compile off on a GPU; Liger beside compile, which measured slower than compile alone.
-
-    Gains are `lm bench` of the 1b model on an H100 (experiments/2026-11-23-gpu): eager 47.3K, Liger 65.3K,
-    Liger + compile 65.0K, compile 73.4K tokens/s. Liger's remaining gain is memory (no logits tensor), so
-    the Liger + compile warning says to keep it only where compile alone does not fit."""
+    """torch.compile off on a GPU; Liger beside compile, which measured slower than compile alone (the
+    gains quoted are `lm bench` on an H100, in docs/planning.md). Liger's remaining gain is memory (no logits
+    tensor), so the Liger + compile warning says to keep it only where compile alone does not fit."""
     if not cuda:
         return []
     liger = kernels.liger

@@ -1,23 +1,12 @@
-"""`lm bench`: measure the user's own model on this machine under each combination of knobs.
+"""`lm bench`: tokens/s, MFU, peak memory and $/billion tokens of the user's model on this machine, for each
+combination of knobs (`lm bench kernels=eager,compile activation_checkpointing=off,on`: comma lists expand as a
+Hydra multirun).
 
-    lm bench model=1b data.seq_len=2048 data.batch_size=8 kernels=eager,compile activation_checkpointing=off,on
-
-Comma lists are expanded like a Hydra multirun (Hydra's own override parser). Each combination runs in a
-fresh Python process (so an out-of-memory, a compile cache or a peak-memory counter never leaks into the
-next) that trains the run's module for `bench.warmup_steps + bench.steps` optimizer steps with the run's
-Trainer, both built by `lm.run.build` as `train.py` builds them: the same precision plugin, optimizer (fused
-AdamW on CUDA; `optim=adamw,muon` adds a line with Muon's step-time overhead), gradient clipping,
-accumulation, activation checkpointing and torch.compile, so the numbers are what training gets. Batches
-are random token ids of the configured shape, already in memory: the bench measures the model and its knobs,
-not the data pipeline (the doctor checks the workers).
-
-Each row: tokens/s over the timed steps, MFU (lm.numbers.cost's formula), peak memory (CUDA: max_memory_allocated;
-CPU: the process's peak RSS, which includes ~0.5 GB of libraries), the analytic estimate (lm.numbers.memory), status
-(`ok`, `does not fit` on an out-of-memory error, `error` with the message) and $/billion tokens at every
-price the catalog has for this device. The table is ranked by $/Btok at the chosen pricing (on one device:
-by tokens/s); the recommendation is the cheapest combination that fits. bench.json and bench.md are written
-atomically to `bench.out_dir`.
-"""
+Each combination runs in a fresh process (an out-of-memory, a compile cache or a peak-memory counter must not
+leak into the next) with the module and Trainer `lm.run.build` builds for training, so the numbers are what
+training gets; batches are random ids already in memory, so it measures the model and its knobs, not the data
+pipeline (the doctor checks the workers). Rows are ranked by $/Btok (one device: tokens/s) and the cheapest
+that fits is recommended; bench.json and bench.md go to `bench.out_dir`."""
 
 from __future__ import annotations
 
@@ -130,8 +119,7 @@ def measure(overrides: list[str], combo: list[str]) -> Result:
 
 def fit_steps(cfg: LMConfig, rt: runtime.Runtime, result: Result) -> Clock:
     """Train warmup_steps + steps optimizer steps on random tokens with the module and Trainer a run builds
-    (`lm.run.build`), on one device, without the run's callbacks, logger or saves (their overhead is measured
-    in experiments/2026-11-22-overhead)."""
+    (`lm.run.build`), on one device, without the run's callbacks, logger or saves."""
     b, t = cfg.data.batch_size, cfg.data.seq_len
     decision = build.decide_now(cfg, rt)  # `auto` measured as training would
     result.ac_every = decision.every

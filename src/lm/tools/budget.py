@@ -1,18 +1,12 @@
 """`lm plan`: what a budget (dollars, a target loss or hours) buys on a corpus, ranked, and the chosen plan
 written as an experiment file that `python train.py +experiment=<name>` runs.
 
-For every model preset (conf/model/*.yaml) and catalogued GPU: the throughput (peak bf16 FLOP/s x MFU /
-FLOPs per token; the MFU `lm bench` measured for that model and GPU where bench.json has one, else
-cost.ASSUMED_MFU, labelled "assumed"), the micro-batch and activation checkpointing that fit the GPU
-(lm.numbers.memory), the steps the budget buys, hours, dollars on demand and on spot (spot pays for the work lost at
-each interruption: half a checkpoint interval plus a restart), checkpoint storage, epochs of the corpus, and
-the expected final loss from the Chinchilla-form law L(N, D) = E + A/N^alpha + B/D^beta (lm.numbers.loss_law).
-
-The law's constants are published fits on another corpus and tokenizer (Besiroglu et al. 2024's replication
-of Hoffmann et al. 2022), so its absolute loss is labelled "uncalibrated"; its interval spans the two
-published fits. Ranking by it is still meaningful: it orders shapes and token counts as compute-optimal
-scaling does.
-"""
+For every model preset and catalogued GPU: throughput (peak x MFU / FLOPs per token, at `lm bench`'s measured
+MFU or an assumed one, labelled so), the micro-batch and activation checkpointing that fit
+(`lm.numbers.memory`), steps, hours, dollars on demand and on spot (spot pays the work lost per interruption),
+storage, epochs, and the expected loss from L(N, D) = E + A/N^alpha + B/D^beta (`lm.numbers.loss_law`). Its
+constants are published fits on another corpus, so the loss is labelled "uncalibrated" unless `--calibrate`
+fitted it here; the ranking still orders shapes and token counts as compute-optimal scaling does."""
 
 from __future__ import annotations
 

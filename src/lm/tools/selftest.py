@@ -1,25 +1,13 @@
-"""`lm selftest`: on the machine it runs on, exercise every path a config's run would take, in minutes, before
-paying for hours of it. The seeds' first lesson: test before paying.
+"""`lm selftest`: on the machine it runs on, run every path a config's run would take, in minutes, before paying for
+hours of it (`lm selftest [--keep DIR] [--layers K] [overrides...]`).
 
-    lm selftest [--keep DIR] [overrides...]        e.g. lm selftest +experiment=plan_1b precision=fp8
-
-What it checks, each a row of the table (check, pass/fail/skip, seconds, what it saw, the fix):
-- `device`: the device, precision (bf16, TF32, FP8), compile, Liger, the optimizer (fused AdamW or Muon), and
-  the SDPA backend PyTorch actually picks for the model's attention shape (read from the profiler);
-- `train`: a short run of the config (its model cut to `--layers` blocks: every path is per block, depth
-  adds time, not paths) with the stop consensus and the NaN/spike guards armed, a milestone sample, a
-  checkpoint and the evaluation hook on a bundled 4-question task;
-- `sigterm`: the same run, sent SIGTERM mid-run: it must save and exit 75;
-- `resume`: that run resumed to the end equals the uninterrupted one bit for bit (on a mismatch a second
-  uninterrupted run tells a resume bug from kernels that are not deterministic on this device);
-- `sample`, `eval`: the milestone sample and score were written;
-- `export`: `lm export` of the checkpoint, loaded by transformers, gives lm's logits;
-- `ddp`: with more than one GPU, a two-rank run whose SIGTERM stops both ranks at one step with exit 75;
-- `speed`: tokens/s and MFU of the full config (one `lm bench` row) against what `lm plan` assumes (the
-  MFU of bench.json where there is one, else the catalog's assumed MFU).
-Exit status 0 when nothing failed, 1 otherwise. On a CPU it runs the CPU subset and lists what it could not
-check (the rows marked `skip`, with why).
-"""
+Each check is a row (check, pass/fail/skip, seconds, what it saw, the fix): `device` (precision, compile,
+Liger, optimizer, the SDPA backend actually picked), `train` (a short run, the model cut to `--layers` blocks:
+paths are per block, depth adds only time; guards armed, a sample, a checkpoint, a bundled evaluation),
+`sigterm` (save and exit 75), `resume` (bitwise equal to the uninterrupted run; a second uninterrupted run tells
+a resume bug from non-deterministic kernels), `sample`, `eval`, `export` (transformers gives lm's logits),
+`ddp` (two ranks stop at one step) and `speed` (tokens/s and MFU against what `lm plan` assumes). Exit 0 when
+nothing failed, else 1; on a CPU the GPU rows skip and say why."""
 
 from __future__ import annotations
 

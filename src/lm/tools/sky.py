@@ -1,12 +1,10 @@
 """`lm sky`: rank the catalog's GPUs by dollars per token for a config and write the SkyPilot task.
 
-$ per 10^9 tokens = $/hour / 3600 / (tokens/s) x 10^9, with tokens/s = peak bf16 FLOP/s x MFU / FLOPs per token
-(`lm.numbers.cost.flops_per_token`) and an assumed MFU (0.45 by default: the seed's 1B run measured ~0.6 on an A100
-under our FLOPs convention, so 0.45 leaves room for a cloud VM's slower data path). A GPU is a candidate when
-the run fits in 90% of its memory by `memory_needed_gb` and SkyPilot has a name for it. The task is a managed
-spot job: SkyPilot relaunches it elsewhere after a preemption, and the run resumes from the newest checkpoint
-lm uploaded to the bucket (`checkpoint.remote`).
-"""
+$ per 10^9 tokens = $/hour / 3600 / (peak bf16 FLOP/s x MFU / FLOPs per token) x 10^9, at `lm bench`'s
+measured MFU where there is one, else an assumed MFU (`--mfu`, below what a tuned run reaches, since a cloud VM's
+data path is slower). A GPU is a candidate when the run fits in 90% of its memory (`memory_needed_gb`) and
+SkyPilot has a name for it. The task is a managed spot job: SkyPilot relaunches it elsewhere after a
+preemption and the run resumes from the newest checkpoint in the bucket (`checkpoint.remote`)."""
 
 from __future__ import annotations
 

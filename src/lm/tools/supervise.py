@@ -1,27 +1,13 @@
 """`lm supervise -- python train.py ...`: rerun a training command until it finishes.
 
-Resume is the default, so rerunning the same command continues the run; this loop only decides when to rerun:
-
-| child exit | meaning | supervisor |
-|---|---|---|
-| 0 | finished | exits 0 |
-| 75 (`EXIT_PREEMPTED`) | a stop signal was handled and the checkpoint saved, or a rollback | restarts at once |
-| 78 (`EXIT_CONFIG`), 65 (`EXIT_DIVERGED`), 74 (`EXIT_SAVE_FAILED`), 2 | a refusal a restart cannot fix | exits with it |
-| 69 (`EXIT_UNAVAILABLE`) | something was down past the run's own retry window (object storage) | restarts after a backoff |
-| anything else, or killed by a signal (SIGKILL, OOM) | a crash | restarts after a backoff |
-
-When to give up is decided by exit status and progress, never by how long the child ran (a start-up alone
-takes 20-84 s on a loaded 2-core machine, so "it ran a while" says nothing):
-- every crash and every outage (69) counts toward `max_failures`, however late it came; more than
-  `max_failures` of them in a row give up. The count starts again only after progress: the child saved a
-  checkpoint (lm's checkpoint writer touches `$LM_PROGRESS_FILE`, see `lm.base.exits.report_progress`) or
-  left with 75. A command that reports no progress gives up after `max_failures` crashes in a row.
-- `max_restarts` restarts in all (preemptions included) give up whatever the reason: the backstop for a
-  run that crashes just after each checkpoint for ever.
-Crashes and outages back off exponentially. When the supervisor itself gets SIGTERM/SIGINT (the whole machine
-is going away) it forwards the signal, waits for the save, and exits.
-For reprovisioning a lost machine use an engine built for it (SkyPilot managed spot jobs run this command).
-"""
+Resume is the default, so rerunning the same command continues the run; this loop only decides when. 0 ends
+it; 75 (saved on a signal, or a rollback) restarts at once; 78, 65, 74 and 2 (a restart cannot fix them) stop
+with that code; 69 (an outage past the run's retry window) and crashes restart after an exponential backoff.
+Giving up is decided by exit status and progress, never by how long the child ran (a start-up alone can take over a
+minute): more than `max_failures` crashes or outages in a row give up, the count starting again after a
+checkpoint (`$LM_PROGRESS_FILE`, `lm.base.exits.report_progress`) or a 75; `max_restarts` in all is the
+backstop. A SIGTERM/SIGINT to the supervisor is forwarded and the save waited for. A lost machine is
+SkyPilot's to replace (docs/faults.md)."""
 
 from __future__ import annotations
 
