@@ -9,15 +9,15 @@ from tensorboard.backend.event_processing.event_accumulator import TENSORS, Even
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
 
-from lm.run.tensorboard_layout import LOSS_BY_CENTS, log_loss_by_cost, write_layout
+from lm.run.tensorboard_layout import LOSS_BY_CENTS, write_layout
 
 
 def written(tmp_path, priced: bool, mixture: bool = False) -> tuple[layout_pb2.Layout, EventAccumulator]:
     logger = TensorBoardLogger(save_dir=tmp_path, name="tb", version="")
     write_layout(logger, priced=priced, mixture=mixture)
     logger.experiment.add_scalar("train/loss", 5.0, 1)
-    if priced:
-        log_loss_by_cost(logger, 4.5, usd=0.237)
+    if priced:  # as the cost meter logs it: at step = whole cents spent ($0.237)
+        logger.experiment.add_scalar(LOSS_BY_CENTS, 4.5, global_step=round(0.237 * 100))
     logger.experiment.flush()
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={TENSORS: 0})
     events.Reload()

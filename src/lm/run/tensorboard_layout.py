@@ -2,8 +2,8 @@
 MFU, the step's health, the forecast and phases, and the dollars only when the run is priced (an unpriced run's
 `cost/*` are all 0: cards that say nothing).
 
-TensorBoard cannot draw one scalar against another, so loss against dollars is its own tag, `LOSS_BY_CENTS`,
-logged at a step that counts cents spent (`log_loss_by_cost`).
+TensorBoard cannot draw one scalar against another, so loss against dollars is its own tag, `LOSS_BY_CENTS`:
+the validation loss at a step that counts whole cents spent, for the cost meter (which knows the dollars) to log.
 """
 
 from typing import Any
@@ -65,8 +65,3 @@ def write_layout(logger: TensorBoardLogger, priced: bool, mixture: bool = False)
     """Write the layout into the run's event file (rank 0: other ranks' loggers write nothing). A resumed run
     writes it again; TensorBoard shows the newest."""
     logger.experiment.add_custom_scalars(layout(priced, mixture))
-
-
-def log_loss_by_cost(logger: TensorBoardLogger, loss: float, usd: float) -> None:
-    """Log a validation loss against the dollars spent so far (step = whole cents)."""
-    logger.experiment.add_scalar(LOSS_BY_CENTS, loss, global_step=round(usd * 100))
