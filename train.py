@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lm.base.exits import EXIT_CONFIG, JobFailed, Refused, exit_code, one_line, readable, unwritable
 from lm.config import register_configs
+from lm.config.loading import refuse_renamed
 from lm.run.hydra_checks import INVOCATION
 from lm.store.atomic import unwritable_cause, unwritable_fix
 from lm.store.rundir import in_multirun
@@ -82,6 +83,7 @@ def run() -> None:
     """`main`, with what fails before the run starts refused in one paragraph, not a traceback: a config that
     does not compose (Hydra's and OmegaConf's errors) or that `lm.run.hydra_checks.CheckBeforeRun` refuses."""
     try:
+        refuse_renamed([a for a in sys.argv[1:] if not a.startswith("-")])
         main()
     except Exception as e:
         if raised_by_the_run(e):

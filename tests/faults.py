@@ -261,7 +261,8 @@ class Fault(pl.Callback):
         # A host several times slower than this run's own pace and than the alarm's baseline, so the test
         # holds however the machine's load changed between the baseline and now.
         intervals = sorted(getattr(self, "_intervals", [0.1]))
-        alarm = next((c for c in trainer.callbacks if type(c).__name__ == "ThroughputAlarm"), None)
+        step = next((c for c in trainer.callbacks if type(c).__name__ == "StepBoundary"), None)
+        alarm = step.alarm if step is not None else None
         tokens = batch.numel() * trainer.accumulate_grad_batches * trainer.world_size
         baseline_step = tokens / alarm.baseline if alarm is not None and alarm.baseline else 0.0
         time.sleep(max(self.seconds, 4 * intervals[len(intervals) // 2], 4 * baseline_step))

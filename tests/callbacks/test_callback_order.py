@@ -1,6 +1,7 @@
 """The run's callbacks run in the order `build_callbacks` lists them, written there with the reasons: the resume
-check and RunState's keeper first, the cost meter before its readers, the consensus after its voters,
-`cfg.callbacks` after lm's own and before the saver, the progress bar last. No `priority` integers."""
+check first, then the step boundary (RunState's owner and the step's one written sequence), the meter's
+clock, the observers and the stopper, `cfg.callbacks` after lm's own and before the saver, the progress bar
+last. No `priority` integers, and no other callback of lm's acts around the optimizer step."""
 
 import ast
 from pathlib import Path
@@ -14,14 +15,6 @@ from lm.engine.module import LMModule
 from lm.numbers import run_plan
 from lm.run.build import build_callbacks
 
-GUARDS = [
-    "EarlyStopper",
-    "SpotGuard",
-    "ThroughputAlarm",
-    "NonFiniteGuard",
-    "SpikeGuard",
-    "Consensus",
-]
 LR = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
 TIMER = "+callbacks.timer._target_=lightning.pytorch.callbacks.Timer"
 
@@ -45,25 +38,25 @@ def callback_names(cfg, run_dir, deferred: bool = False) -> list[str]:
         (
             [],
             False,
-            ["ResumeCheck", "KeepRunState", "CostMeter", "PhaseTracker", "MilestoneSampler", *GUARDS, "KeepTokenizer",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "PhaseTracker", "MilestoneSampler", "EarlyStopper", "KeepTokenizer",
              "RunCheckpoint"],
         ),
         (
             ["sampling=off", "phases.phases=[]", "trainer.enable_progress_bar=true"],
             False,
-            ["ResumeCheck", "KeepRunState", "CostMeter", *GUARDS, "KeepTokenizer", "RunCheckpoint", "LossProgressBar"],
+            ["ResumeCheck", "StepBoundary", "CostMeter", "EarlyStopper", "KeepTokenizer", "RunCheckpoint", "LossProgressBar"],
         ),
         (
             ["phases=smoke", "evals=small", "trainer.enable_progress_bar=true", LR, TIMER],
             True,
-            ["ResumeCheck", "KeepRunState", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "MilestoneSampler",
-             "BenchmarkEvaluator", *GUARDS, "KeepTokenizer", "LearningRateMonitor", "Timer", "RunCheckpoint",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "MilestoneSampler",
+             "BenchmarkEvaluator", "EarlyStopper", "KeepTokenizer", "LearningRateMonitor", "Timer", "RunCheckpoint",
              "LossProgressBar"],
         ),
         (
             [TIMER, LR, "sampling=off"],
             True,
-            ["ResumeCheck", "KeepRunState", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", *GUARDS, "KeepTokenizer", "Timer",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "EarlyStopper", "KeepTokenizer", "Timer",
              "LearningRateMonitor", "RunCheckpoint"],
         ),
     ],
@@ -81,3 +74,26 @@ def test_no_callback_orders_itself_by_a_priority_integer():
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "priority" for t in node.targets)
     ]
     assert found == []
+
+
+STEP_HOOKS = {"on_train_batch_end", "on_before_optimizer_step", "on_before_backward", "on_after_backward"}
+
+
+def test_the_step_is_written_in_one_callback():
+    """Of the training core's callbacks, only StepBoundary acts around an optimizer step (the progress bar only
+    draws); the guards, the stop signals, the alarm and the consensus are plain objects it calls."""
+    src = Path(__file__).resolve().parents[2] / "src" / "lm"
+    found = sorted(
+        f"{path.relative_to(src)}:{cls.name}.{fn.name}"
+        for path in [*(src / "callbacks").glob("*.py"), *(src / "checkpoint").glob("*.py")]
+        for cls in ast.walk(ast.parse(path.read_text()))
+        if isinstance(cls, ast.ClassDef)
+        for fn in cls.body
+        if isinstance(fn, ast.FunctionDef) and fn.name in STEP_HOOKS
+    )
+    assert found == [
+        "callbacks/progress.py:LossProgressBar.on_train_batch_end",
+        "callbacks/step.py:StepBoundary.on_before_backward",
+        "callbacks/step.py:StepBoundary.on_before_optimizer_step",
+        "callbacks/step.py:StepBoundary.on_train_batch_end",
+    ]

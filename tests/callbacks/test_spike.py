@@ -21,7 +21,7 @@ from ..engine import test_distributed as distributed
 from . import test_sync as sync
 from .test_spot import assert_same, fault, last, overrides
 
-SPIKES = ["spot.spike_window=5"]  # armed from step 5 of a 20-step run (the default 50 would never arm)
+SPIKES = ["guards.spike_window=5"]  # armed from step 5 of a 20-step run (the default 50 would never arm)
 
 
 def spike_fault(root: Path, action: str, step: int, count: int = 1, rank: int | None = None) -> list[str]:
@@ -89,7 +89,7 @@ def test_detector_state_round_trips_and_null_factor_never_fires():
 
 
 def test_spot_config_refuses_a_factor_that_flags_ordinary_losses():
-    with pytest.raises(Refused, match=r"spot.spike_factor=0.9 .* above 1 .* spot.spike_factor=null"):
+    with pytest.raises(Refused, match=r"guards.spike_factor=0.9 .* above 1 .* guards.spike_factor=null"):
         GuardConfig(spike_factor=0.9)
     with pytest.raises(Refused, match="window of at least 3"):
         GuardConfig(spike_window=2)
@@ -202,7 +202,7 @@ def test_a_spike_on_one_rank_is_skipped_by_every_rank(root, data_cache):
     """DDP (2 gloo ranks): rank 1's batch spikes at step 4. The guard judges the global batch's loss (averaged
     over ranks), so rank 0 skips too; judged on its own loss, rank 0 would apply the averaged gradient that
     rank 1's x50 loss dominates."""
-    window = ["spot.spike_window=3", f"trainer.max_steps={distributed.STEPS}"]
+    window = ["guards.spike_window=3", f"trainer.max_steps={distributed.STEPS}"]
     ddp = [
         "trainer=ddp",
         "trainer.accelerator=cpu",

@@ -179,7 +179,7 @@ def test_nan_loss_step_is_skipped_without_touching_weights_or_optimizer(root, da
 def test_transient_nan_rolls_back_and_replays_exactly(root, data_cache, reference):
     name = "nan-rollback"
     (root / name).mkdir(parents=True)
-    args = overrides(root, data_cache, name, "spot.max_nonfinite=1", *fault(root / name, "nan", step=9))
+    args = overrides(root, data_cache, name, "guards.max_nonfinite=1", *fault(root / name, "nan", step=9))
     assert train(args) == EXIT_PREEMPTED  # rolled back: nothing saved after the NaN
     assert last(root, name)["global_step"] == 6
     assert train(args) == 0
@@ -190,7 +190,7 @@ def test_deterministic_divergence_stops_after_one_rollback(root, data_cache):
     name = "nan-always"
     (root / name).mkdir(parents=True)
     args = overrides(
-        root, data_cache, name, "spot.max_nonfinite=2", *fault(root / name, "nan_always", step=9)
+        root, data_cache, name, "guards.max_nonfinite=2", *fault(root / name, "nan_always", step=9)
     )
     assert train(args) == EXIT_PREEMPTED
     assert train(args) == EXIT_DIVERGED
@@ -207,9 +207,9 @@ def test_slow_host_gets_an_early_checkpoint(root, data_cache):
         name,
         "checkpoint.keep_last=-1",
         "checkpoint.every_n_steps=100",  # no scheduled save before the end: any other file is the alarm's
-        "spot.baseline_warmup=2",
-        "spot.baseline_steps=5",
-        "spot.slow_window_s=0.5",
+        "guards.baseline_warmup=2",
+        "guards.baseline_steps=5",
+        "guards.slow_window_s=0.5",
         *fault(root / name, "slow", step=14, seconds=0.3),  # >= 4x the median step time from step 14
     )
     assert train(args) == 0

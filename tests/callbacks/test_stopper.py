@@ -13,6 +13,7 @@ from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
 from lm.numbers.loss_law import ANNEAL_GAIN, ScheduleLaw, lam_for, schedule_forecast
 from lm.numbers.lr_schedule import multipliers
+from lm.numbers.reference import fraction
 from lm.run.references import read_reference
 from lm.run.report import forecast_section
 from lm.run.train import main
@@ -269,7 +270,7 @@ def test_a_smaller_finished_run_is_the_forecasts_reference_and_a_mismatched_one_
     main(tiny_cfg("trainer.max_steps=24", "run.name=ref", "model.d_model=32", "sampling=off", *common))
     ref = tmp_path / "runs" / "ref"
     curve = read_reference(ref).key
-    assert curve["tokens_per_step"] == 512 and curve["optim.warmup_fraction"] == round(2 / 24, 4)
+    assert curve["tokens_per_step"] == 512 and curve["optim.warmup_fraction"] == fraction(2, 24)
     main(
         tiny_cfg(
             "trainer.max_steps=12",  # half of the plan: the forecast reads the reference's end
@@ -283,7 +284,7 @@ def test_a_smaller_finished_run_is_the_forecasts_reference_and_a_mismatched_one_
     run = tmp_path / "runs" / "big"
     said = json.loads((run / "forecast.json").read_text())["reference"]
     assert said["reference"] == str(ref) and said["fraction"] == pytest.approx(0.5)
-    assert "one reference" in said["interval_from"] and said["low"] < said["final_loss"] < said["high"]
+    assert "conformal over" in said["interval_from"] and said["low"] < said["final_loss"] < said["high"]
     ref_final = scalars(ref, "val/loss")[-1][1]
     assert said["final_loss"] == pytest.approx(ref_final + said["offset"])
     assert f"read off `{ref}`" in (run / "report.md").read_text()

@@ -125,8 +125,8 @@ def test_ddp_ranks_agree_on_stops_without_reading_the_device_every_step(tmp_path
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         "+trainer.extra.num_sanity_val_steps=0",
-        "spot.baseline_warmup=1",  # the alarm agrees on every step after its baseline
-        "spot.baseline_steps=2",
+        "guards.baseline_warmup=1",  # the alarm agrees on every step after its baseline
+        "guards.baseline_steps=2",
         "early_stopping=budget",  # the budget is agreed on at every step
         "early_stopping.budget_usd=1000000",
         "cost.price_per_hour=1.0",

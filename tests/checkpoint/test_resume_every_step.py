@@ -35,9 +35,9 @@ RUN = [
     "trainer.limit_val_batches=2",
     "checkpoint.every_n_steps=8",  # a periodic checkpoint at step 8: what a SIGKILL after it resumes from
     "checkpoint.keep_last=2",
-    "spot.baseline_warmup=1",  # the throughput baseline forms by step ~5 (the default: step ~25)
-    "spot.baseline_steps=3",
-    "spot.spike_window=4",  # the spike detector is armed from step 4 (the default: step 50)
+    "guards.baseline_warmup=1",  # the throughput baseline forms by step ~5 (the default: step ~25)
+    "guards.baseline_steps=3",
+    "guards.spike_window=4",  # the spike detector is armed from step 4 (the default: step 50)
 ]
 SIGTERM_FAST = (2, 9)
 """Step 2: in the warm-up, before the throughput baseline and the first sample (issue 30's early cuts, at steps

@@ -285,7 +285,7 @@ def test_sbatch_script_requeues_after_spotguards_sigusr1_save_and_ends_when_done
         out = subprocess.run(["bash", "slurm/train.sbatch", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
-    sbatch()  # SIGUSR1 before step 2: SpotGuard saves step 3, exits 75, the script requeues the job
+    sbatch()  # SIGUSR1 before step 2: the step boundary saves step 3, exits 75, the script requeues the job
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", SLURM["SLURM_JOB_ID"]]
     assert last(run)["global_step"] == 3
     assert not list(run.rglob("hpc_ckpt_*"))  # Lightning's SLURM handler saved nothing of its own

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lm.base.exits import Refused
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.run_state import KeepRunState
+from lm.callbacks.step import restore
 from lm.config import CostConfig, GpuConfig, PhaseConfig
 from lm.model import ModelConfig
 from lm.numbers import cost
@@ -245,7 +245,7 @@ def meter_resumed_from(tmp_path, ckpt_seconds: dict, ckpt_step: int, ledger_seco
         run_dir=tmp_path,
     )  # fmt: skip
     saved = {"seconds": ckpt_seconds, "tokens": 0, "step": ckpt_step, "restarts": 0}
-    KeepRunState(meter).on_load_checkpoint(None, None, {"run_state": {"meter": saved}})  # as a resume does
+    restore(meter, {"run_state": {"meter": saved}})  # as a resume does
     return meter.state.seconds
 
 

@@ -72,7 +72,7 @@ class Interrupted(SystemExit):
 
 
 class Diverged(SystemExit):
-    """Training hit `spot.max_nonfinite` non-finite steps in a row: 75 to roll back, 65 on a repeat."""
+    """Training hit `guards.max_nonfinite` non-finite steps in a row: 75 to roll back, 65 on a repeat."""
 
     def __str__(self) -> str:
         if self.code == EXIT_DIVERGED:

@@ -5,7 +5,7 @@ one of these moves (a release renames it), so an upgrade breaks a test, not a re
 
 | name | owner | why |
 |---|---|---|
-| `_TrainingEpochLoop._broadcast_sigterm_tensor` | Lightning | under torch.distributed Lightning broadcasts rank 0's SIGTERM flag and reads it with `.item()` before every micro-batch: a host-device sync per batch, with no switch to turn it off; lm's SpotGuard agrees on stop signals itself, one step late and without a sync |
+| `_TrainingEpochLoop._broadcast_sigterm_tensor` | Lightning | under torch.distributed Lightning broadcasts rank 0's SIGTERM flag and reads it with `.item()` before every micro-batch: a host-device sync per batch, with no switch to turn it off; lm's step boundary agrees on stop signals itself, one step late and without a sync |
 | `fit_loop._combined_loader`, `_shutdown_workers_and_reset_iterator` | Lightning | the DataLoader workers of a run that fails while Lightning handles another error are never shut down (they ignore SIGTERM on purpose), and multiprocessing's exit handler then waits for ever |
 | `LRScheduler._last_lr` | torch | a resume that changes the LR (a new phase's `optim.lr`) sets each group's LR; `get_last_lr()` reports `_last_lr`, which only `step()` sets |
 | `GradScaler._scale` | torch | fp16's loss scale as a device tensor (`get_scale()` reads it on the host: a sync per step) |
@@ -36,7 +36,7 @@ newton_schulz = _zeropower_via_newtonschulz
 
 def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
     """Stop Lightning's per-micro-batch broadcast of rank 0's SIGTERM flag (and its `.item()` host sync).
-    Call only where every rank does and a stop signal is agreed on otherwise (SpotGuard)."""
+    Call only where every rank does and a stop signal is agreed on otherwise (StopSignals)."""
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         loop._broadcast_sigterm_tensor = _no_broadcast

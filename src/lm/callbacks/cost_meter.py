@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lm.callbacks.steps import StepWatch
 from lm.checkpoint.run_state import MeterState, RunState
 from lm.numbers import cost
 from lm.numbers.batch_ramp import BatchRamp
@@ -64,7 +63,6 @@ class CostMeter(Callback):
         self._resumed = False
         self._mark = started_at if started_at is not None else time.monotonic()
         self._window: tuple[float, int] | None = None  # (train seconds, tokens) at the last log point
-        self.steps = StepWatch()
         self.last_rate: float | None = None
 
     @property
@@ -96,7 +94,6 @@ class CostMeter(Callback):
         self.ramp = replace(self.ramp, world=trainer.world_size)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.steps.start(trainer)
         self.switch("train")
         self._window = (self.state.seconds["train"], self.state.tokens)
 
@@ -104,9 +101,9 @@ class CostMeter(Callback):
         if self._bucket != "train":
             self.switch("train")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.steps.ended(trainer):
-            return
+    def count(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The step boundary's first act: the tokens of the optimizer step just taken (and the steps before
+        it since the last count); `perf/*` and `cost/*` every `log_every` steps."""
         self.state.tokens += self.ramp.tokens_through(trainer.global_step) - self.ramp.tokens_through(
             self.state.step
         )
@@ -171,7 +168,7 @@ class CostMeter(Callback):
                 out["perf/mfu"] = util
         out["perf/peak_mem_gb"] = peak_memory_gb()
         out["cost/hours"] = sum(s.seconds.values()) / 3600  # what an unpriced run's report plots against
-        if self.price is not None:
+        if self.price:  # an unpriced run (or a $0 one: a CPU) would plot a row of flat zeros
             total = self.usd()
             out["cost/usd"] = total
             for bucket in BUCKETS:

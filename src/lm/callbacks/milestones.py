@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
 from lm.engine.parallel import is_sharded
 from lm.numbers.run_plan import phase_at
@@ -33,7 +32,6 @@ class MilestoneCallback(Callback):
         self.phases = phases
         self.meter = meter
         self.run_dir = run_dir
-        self.steps = StepWatch()
         self.done: set[int] = set()
 
     def is_milestone(self, step: int, tokens: int) -> bool:
@@ -70,13 +68,9 @@ class MilestoneCallback(Callback):
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.steps.start(trainer)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.steps.ended(trainer):
-            return
-        step = trainer.global_step  # the meter, earlier in the list, has counted this step's tokens
+    def at_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At each optimizer step, once the step boundary has counted it: act if it is a milestone."""
+        step = trainer.global_step
         if step not in self.done and self.is_milestone(step, self.meter.state.tokens):
             self.at_milestone(trainer, pl_module)
 

@@ -1,4 +1,6 @@
-"""NonFiniteGuard: a NaN or infinite step is skipped and counted; a run of them rolls back to the checkpoint."""
+"""NonFiniteGuard: a NaN or infinite step is skipped and counted; a run of them rolls back to the checkpoint.
+
+The step boundary (`lm.callbacks.step`) calls it: `judge` before each optimizer step, `settle` a step later."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from lm.store import rundir
 log = logging.getLogger(__name__)
 
 
-class NonFiniteGuard(pl.Callback):
+class NonFiniteGuard:
     """Skip optimizer steps whose gradients are NaN or infinite; roll back after `max_in_a_row` in a row.
 
     Checked on the gradients just before the optimizer step: a non-finite loss makes them non-finite, and in
@@ -54,14 +56,15 @@ class NonFiniteGuard(pl.Callback):
         self._pending: tuple[int, HostCopy] | None = None  # (step, verdict) not yet read by the host
         self._trainer: pl.Trainer | None = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
+        """At train start: the step a rollback returns to unless this process saves a later one."""
         self._start_step = trainer.global_step
         self._trainer = trainer
 
-    def on_before_optimizer_step(
+    def judge(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.settle(log_metric=True)  # the previous step's verdict, long computed by now
+        """This step's verdict, just before its optimizer step: skip it if its gradients are not finite."""
         # Global: all-reduced (DDP) or combined over shards (FSDP); LMModule computes it once per step.
         norm = (
             pl_module.gradient_norm()
@@ -81,9 +84,6 @@ class NonFiniteGuard(pl.Callback):
         for p in pl_module.parameters():
             p.grad = None  # AdamW skips parameters without gradients: no update, no moment change
         self.record(trainer, trainer.global_step, log_metric=True)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.settle()
 
     def settle(self, log_metric: bool = False) -> None:
         """Read the deferred verdict of the last fused step, counting (and acting on) a skip."""

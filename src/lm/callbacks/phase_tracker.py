@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import Callback
 
 from lm.base.tables import phases_markdown
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.steps import StepWatch
 from lm.config import PhaseConfig
 from lm.numbers.run_plan import phase_at
 from lm.store import rundir
@@ -33,7 +32,6 @@ class PhaseTracker(Callback):
         self.phases = phases
         self.meter = meter
         self.run_dir = run_dir
-        self.steps = StepWatch()
         self.eval_batches = eval_batches
         self.table = meter.run.phases
         """The closed rows and the current phase's start, in the run's RunState (the meter's)."""
@@ -50,13 +48,13 @@ class PhaseTracker(Callback):
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.steps.start(trainer)
         if self.start is None:  # a fresh run (a resumed one restored its phase start from the checkpoint)
             self.table.start = self.snapshot(trainer, pl_module)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.steps.ended(trainer) or self.start is None:
-            return  # only at optimizer steps (the meter, earlier in the list, has counted the tokens)
+    def at_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At each optimizer step, once the step boundary has counted it: close the phase it ended."""
+        if self.start is None:
+            return
         index = self.index(trainer)
         pl_module.log("phase/index", float(index), on_step=True, on_epoch=False)
         if index > self.start["phase"] and self.start["phase"] < len(self.phases):

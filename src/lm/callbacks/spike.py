@@ -17,7 +17,6 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -82,7 +81,7 @@ class SpikeDetector:
         return len(self.recent) >= self.max_spikes
 
 
-class SpikeGuard(pl.Callback):
+class SpikeGuard:
     """Skip optimizer steps whose loss spikes; `max_spikes` within the window roll back and skip their data.
 
     The step's loss (the global batch's: summed over micro-batches, averaged over ranks, so every rank takes
@@ -92,11 +91,12 @@ class SpikeGuard(pl.Callback):
     non-finite guard's unfused path makes). The loss and verdict are staged to host memory and read one step
     later, when the device has long finished them, to update the window and count.
 
-    A rollback exits 75 without saving and records the data window [checkpoint step, last spike step] in
+    The step boundary (`lm.callbacks.step`) calls it: `add` at each backward, `judge` before each optimizer
+    step, `settle` a step later. A rollback exits 75 without saving and records the data window [checkpoint step, last spike step] in
     `checkpoints/rollbacks.json`; the restart reads it before its data loader is built, the sampler moves the
     stream past that window, and every later checkpoint carries the list. A second rollback to the same
     checkpoint exits 65 (counted with the non-finite guard's: skipping the data did not help). With
-    `factor=None` (`spot.spike_factor=null`) nothing is judged, but skipped windows still apply: a run that
+    `factor=None` (`guards.spike_factor=null`) nothing is judged, but skipped windows still apply: a run that
     rolled back keeps its data order.
     """
 
@@ -119,15 +119,10 @@ class SpikeGuard(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._start_step = 0
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def attach(self, trainer: pl.Trainer) -> None:
+        """At setup, and again once a checkpoint's RunState is restored (which holds the checkpoint's windows;
+        a rollback since it recorded its window in rollbacks.json only): hand the data module every window."""
         self._trainer = trainer
-        self.use_skips(self.recorded_skips())
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # RunState (restored by KeepRunState, listed before this guard) holds the checkpoint's windows; a
-        # rollback since it recorded its window in rollbacks.json only.
         self.use_skips(self.recorded_skips())
 
     def recorded_skips(self) -> list[list[int]]:
@@ -145,22 +140,22 @@ class SpikeGuard(pl.Callback):
         if self._trainer is not None and self._trainer.datamodule is not None:
             self._trainer.datamodule.skip_windows = list(self.skip_windows)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
+        """At train start: the step a rollback returns to unless this process saves a later one."""
         self._start_step = trainer.global_step
 
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def add(self, trainer: pl.Trainer, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, at its backward: summed into the step's."""
         loss = loss.detach()  # already divided by the accumulation: the micro-batches sum to the step's mean
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16: the hook sees the scaled loss; the scale tensor stays on the device
             loss = loss / loss_scale(scaler)
         self._loss = loss if self._loss is None else self._loss + loss
 
-    def on_before_optimizer_step(
+    def judge(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.settle()  # the previous step's loss and verdict, long computed by now
+        """This step's verdict, just before its optimizer step, on the device: skip it if its loss spikes."""
         pl_module.log("train/spikes", float(self.detector.spikes))
         loss, self._loss = self._loss, None
         if loss is None:
@@ -175,9 +170,6 @@ class SpikeGuard(pl.Callback):
                 for p in pl_module.parameters():
                     p.grad = None  # AdamW skips parameters without gradients: no update, no moment change
         self._pending = (trainer.global_step, threshold, HostCopy(torch.stack([loss, spike.float()])))
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.settle()
 
     def settle(self) -> None:
         """Read the staged loss and verdict of the last step: log a spike, update the window, roll back."""

@@ -2,9 +2,9 @@
 
 A spot reclaim sends SIGTERM with ~2 minutes' notice; a user or a monitor sends SIGUSR1. The handler only sets
 a flag: saving inside a signal handler would interrupt the optimizer step (or a checkpoint write) half-way.
-The flag is read at every optimizer-step boundary and agreed across ranks (`Consensus`), so all ranks save the
-same step: the next boundary on one process, one step later under DDP/FSDP (the agreement is pipelined so that
-no step waits on the device).
+The step boundary (`lm.callbacks.step`) reads the flag at every optimizer step and agrees on it across ranks
+(`Consensus`), so all ranks save the same step: the next boundary on one process, one step later under
+DDP/FSDP (the agreement is pipelined so that no step waits on the device).
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import lightning.pytorch as pl
 
 from lm.base.exits import EXIT_PREEMPTED, Preempted
 from lm.base.private_api import skip_sigterm_broadcast
-from lm.callbacks.consensus import Consensus
-from lm.callbacks.steps import StepWatch
-from lm.checkpoint.callback import RunCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +46,17 @@ def finishing(trainer: pl.Trainer) -> bool:
     return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
 
 
-class SpotGuard(pl.Callback):
-    """SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit `EXIT_PREEMPTED`.
+class StopSignals:
+    """SIGTERM/SIGUSR1 -> a checkpoint at the next step boundary -> exit `EXIT_PREEMPTED`.
 
     Replaces Lightning's SIGTERM handler while training, because that one runs a collective inside the
-    handler, aborts validation mid-way and exits with code 0 (which a restarter reads as "finished").
+    handler, aborts validation mid-way and exits with code 0 (which a restarter reads as "finished"). The step
+    boundary installs it, votes with `requested`, and on the agreed flag saves and calls `exit`.
     """
 
-    def __init__(
-        self,
-        signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
-        consensus: Consensus | None = None,
-        saver: RunCheckpoint | None = None,
-    ) -> None:
-        self.saver = saver
-        """The run's saver, which writes the stop signal's checkpoint (None: exit without saving)."""
+    def __init__(self, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> None:
         self.signals = [signal.Signals[name] if isinstance(name, str) else name for name in signals]
         self.received: signal.Signals | None = None
-        self.steps = StepWatch()
-        self.consensus = consensus or Consensus()
-        self.consensus.register("stop")
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.consensus.attach(trainer)
-
-    # -- signal handling -------------------------------------------------------------------------------
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.received is None:
@@ -82,47 +65,37 @@ class SpotGuard(pl.Callback):
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the person at the terminal will not wait for the save
 
-    def _install(self) -> None:
+    def install(self, trainer: pl.Trainer | None = None) -> None:
+        """Take over the stop signals (Lightning's connector restores the originals at teardown).
+
+        With `trainer` under torch.distributed, also stop Lightning's broadcast of rank 0's `received_sigterm`
+        before every micro-batch (read with `.item()`: a host-device sync per micro-batch): with this handler
+        in place Lightning's never sets that flag, and an earlier SIGTERM (which did) is agreed on here, so
+        every rank (all install this) skips that collective."""
         global _shield_children
         _shield_children = True
         for sig in self.signals:
-            signal.signal(sig, self._handler)  # Lightning's connector restores the originals at teardown
-
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
-        self.steps.start(trainer)
-        # Under torch.distributed Lightning broadcasts rank 0's `received_sigterm` before every training
-        # batch and reads it with `.item()`: a host-device sync per micro-batch. With this guard's handler in
-        # place Lightning's never sets that flag, and an earlier SIGTERM (which did) is agreed on here, so
-        # every rank (all run this callback) skips that collective.
-        if trainer.world_size > 1:
+            signal.signal(sig, self._handler)
+        if trainer is not None and trainer.world_size > 1:
             skip_sigterm_broadcast(trainer)
 
-    def stop_requested(self, trainer: pl.Trainer) -> bool:
-        """Whether to stop now: this process received a stop signal (one process), or any rank had by the
-        previous optimizer step (several; `Consensus`, no host sync)."""
-        local = self.received is not None or trainer.received_sigterm
-        return self.consensus.decide(trainer, "stop", local)
+    @staticmethod
+    def uninstall() -> None:
+        global _shield_children
+        _shield_children = False
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.steps.ended(trainer):
-            return
-        if not self.stop_requested(trainer):
-            return
+    def requested(self, trainer: pl.Trainer) -> bool:
+        """This rank's vote: a stop signal reached this process (here or through Lightning's handler)."""
+        return self.received is not None or trainer.received_sigterm
+
+    def exit(self, trainer: pl.Trainer) -> None:
+        """After the agreed stop's save: exit 75 (restart me), unless only the last validation and the final
+        save are left, which finish first (a resume would find max_steps reached and never measure them)."""
         if self.received is not None:
             name = self.received.name
         else:
             name = "SIGTERM" if trainer.received_sigterm else "a stop signal to another rank"
-        if self.saver is not None:
-            self.saver.save_now(trainer)
         if finishing(trainer):
-            # Only the last validation (and the final save) is left: exiting 75 here would leave a run whose
-            # resume finds max_steps reached and ends without it, so the run's final loss would never be measured.
             log.warning(
                 "%s at the final step %d: saved; finishing the last validation, then exiting",
                 name,
@@ -133,13 +106,3 @@ class SpotGuard(pl.Callback):
             "%s: saved step %d; exiting with %d (restart me)", name, trainer.global_step, EXIT_PREEMPTED
         )
         raise Preempted(name)
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        global _shield_children
-        _shield_children = False
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        global _shield_children
-        _shield_children = False

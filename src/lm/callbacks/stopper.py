@@ -23,9 +23,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lm.base.tables import fmt_money
-from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
-from lm.callbacks.steps import StepWatch
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
@@ -75,19 +73,14 @@ class EarlyStopper(Callback):
         plan_end_tokens: int | None = None,
         plan_end_steps: int | None = None,
         chinchilla_tokens: int | None = None,
-        consensus: Consensus | None = None,
         optim: OptimConfig | None = None,
         schedule_steps: int | None = None,
         references: list[Curve] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.consensus = consensus or Consensus()
-        for name in ("budget_over", "budget_near"):
-            self.consensus.register(name)
         self.meter = meter
         self.stop_path = run_dir / rundir.STOP
         self.forecast_path = run_dir / rundir.FORECAST
-        self.steps = StepWatch()
         self.flat_lr = flat_lr
         self.plan_end_steps = plan_end_steps
         self.plan_end_tokens = plan_end_tokens  # turned into steps once the meter knows tokens per step
@@ -228,11 +221,7 @@ class EarlyStopper(Callback):
 
     # --- Lightning hooks ---------------------------------------------------------------------------------
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.consensus.attach(trainer)
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.steps.start(trainer)
         if self.plan_end_steps is None and self.plan_end_tokens is not None:
             self.plan_end_steps = self.meter.ramp.steps_for_tokens(self.plan_end_tokens)
         if self.decision is None or not self.decision.get("stopped"):
@@ -253,42 +242,49 @@ class EarlyStopper(Callback):
             self.decision = None
             self.run.lr_cooldown = None
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.steps.ended(trainer) or (self.decision and self.decision.get("stopped")):
-            return  # only at optimizer steps (the meter, earlier in the list, has counted the tokens)
+    # --- at the step boundary (lm.callbacks.step), after the count --------------------------------------
+
+    def votes(self) -> dict[str, bool]:
+        """This rank's votes at an optimizer step: over the budget, and near enough to it that a cooldown
+        would end there. Each rank reads its own clock; the step boundary agrees on them across ranks."""
+        if self.cfg.budget_usd is None or (self.decision and self.decision.get("stopped")):
+            return {}
+        self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
+        self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
+        usd = self.usd_now or 0.0
+        near = (
+            self.decision is None
+            and self.cooldown_applies()
+            and usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
+        )
+        return {"budget_over": usd >= self.cfg.budget_usd, "budget_near": near}
+
+    def at_step(self, trainer: pl.Trainer, agreed: dict[str, bool]) -> None:
+        """Act on the agreed budget flags (any rank over the cap stops every rank), and end a cooldown whose
+        last step this was: `trainer.should_stop`, after which Lightning validates once more and the saver
+        writes the final checkpoint."""
+        if self.decision and self.decision.get("stopped"):
+            return
         step = trainer.global_step
         if self.cfg.budget_usd is not None:
-            self.meter.switch("train")  # bring the meter's clock up to now: the cap is checked every step
-            self.usd_before, self.usd_now = self.usd_now, self.meter.usd()
-            usd = self.usd_now or 0.0
-            # Each rank reads its own clock: any rank over the cap stops all of them (Consensus: one step
-            # later across ranks, at once on one process).
-            over = self.consensus.decide(trainer, "budget_over", usd >= self.cfg.budget_usd)
-            # Start the cooldown when it would end at the cap (its cost ~ fraction x the spend so far).
-            near_here = (
-                self.decision is None
-                and self.cooldown_applies()
-                and usd * (1 + self.cfg.cooldown_fraction) >= self.cfg.budget_usd
-            )
-            near = self.consensus.decide(trainer, "budget_near", near_here)
-            if over:
+            if agreed.get("budget_over"):
                 reason = self.budget_reason() or (
                     "budget_usd",
                     f"another rank reached budget_usd=${self.cfg.budget_usd:,.2f}",
                 )
-                self.decide(trainer, pl_module, *reason, cooldown=False)
-            elif near and self.decision is None and self.cooldown_applies():
+                self.decide(trainer, *reason, cooldown=False)
+            elif agreed.get("budget_near") and self.decision is None and self.cooldown_applies():
+                usd = self.usd_now or 0.0
                 self.decide(
                     trainer,
-                    pl_module,
                     "budget_usd",
                     f"${usd:,.2f} spent; the LR cooldown ends near budget_usd=${self.cfg.budget_usd:,.2f}",
                     cooldown=True,
                 )
         if self.decision and not self.decision.get("stopped"):
             start, length = self.decision.get("cooldown") or (step - 1, 0)
-            # Lightning steps the LR scheduler before this hook, so a cooldown decided at step `start`
-            # first shapes the LR of step start + 2, and step start + length + 1 trains at the floor.
+            # Lightning steps the LR scheduler before the step boundary, so a cooldown decided at step
+            # `start` first shapes the LR of step start + 2, and step start + length + 1 trains at the floor.
             if step >= start + length + 1:
                 self.stop(trainer)
 
@@ -302,7 +298,7 @@ class EarlyStopper(Callback):
         said = trainer.strategy.broadcast(said, src=0)  # rank 0 decides, so every rank stops together
         self.log_metrics(trainer, pl_module)
         if said and self.decision is None:
-            self.decide(trainer, pl_module, *said, cooldown=self.cooldown_applies())
+            self.decide(trainer, *said, cooldown=self.cooldown_applies())
 
     # --- deciding and stopping ---------------------------------------------------------------------------
 
@@ -315,9 +311,7 @@ class EarlyStopper(Callback):
     def cooldown_applies(self) -> bool:
         return self.flat_lr and self.cfg.cooldown_fraction > 0
 
-    def decide(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, criterion: str, reason: str, cooldown: bool
-    ) -> None:
+    def decide(self, trainer: pl.Trainer, criterion: str, reason: str, cooldown: bool) -> None:
         """Record the decision; stop now, or after an LR cooldown of cooldown_fraction x the steps so far."""
         step = trainer.global_step
         if self.decision is not None and criterion == "budget_usd":

@@ -9,7 +9,11 @@ Every decision about a save is agreed by all ranks before any acts on it (`agree
 gathered, the first raised on every rank): whether the run directory is still this run's and the checkpoint
 fits (before any rank writes), whether the write failed (after Lightning's barrier, which a rank that raised
 inside it would leave the others waiting in), whether the previous background write completed. Failures found
-between saves (a background write's, the run directory's loss) are agreed through the run's `Consensus`.
+between saves (a background write's, the run directory's loss) are this rank's votes at the step boundary
+(`lm.callbacks.step`), which agrees on them across ranks before `fail_between_saves` acts.
+
+The step boundary drives it at every optimizer step (`at_step`: a finished background write, the scheduled
+save) and asks it for the saves it decides (`save_now`); its own hooks set it up and write the final save.
 """
 
 from __future__ import annotations
@@ -72,14 +76,8 @@ class RunCheckpoint(pl.Callback):
         cfg: CheckpointConfig,
         remote: RemoteCheckpoints | None = None,
         io: AtomicCheckpointIO | None = None,
-        consensus=None,
     ) -> None:
         self.dirpath = Path(dirpath)
-        self.consensus = consensus
-        """The ranks' agreement on failures found between saves (lm.callbacks.consensus.Consensus)."""
-        if consensus is not None:
-            consensus.register("run_dir_lost")
-            consensus.register("save_failed")
         self._owner_checked = time.monotonic()
         self.cfg = cfg
         self.io = io if io is not None else AtomicCheckpointIO()
@@ -107,27 +105,27 @@ class RunCheckpoint(pl.Callback):
         if trainer.ckpt_path is not None:  # this step is on disk already: it is what the run resumed from
             self.saved_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def at_step(self, trainer: pl.Trainer) -> None:
+        """At each optimizer step, last in the step boundary: a finished background write becomes the run's
+        newest checkpoint; every `every_n_steps` steps a step checkpoint is saved."""
         if self.background is not None:
-            self.background.poll()  # a finished background write becomes the run's newest checkpoint
-        self.agree_between_saves(trainer)
+            self.background.poll()
         every = self.cfg.every_n_steps
         if every and trainer.global_step % every == 0:
-            self.save_now(trainer)  # once per optimizer step: a micro-batch within it finds the step saved
+            self.save_now(trainer)
 
-    def agree_between_saves(self, trainer: pl.Trainer) -> None:
-        """Every rank, every micro-batch: stop together (exit 74) once a rank found the run directory gone or
-        taken over (rank 0, every `OWNER_CHECK_S`), or a background write failed (on any rank)."""
+    def between_saves(self) -> tuple[bool, BaseException | None]:
+        """This rank's votes between saves: the run directory gone or taken over (rank 0's lock, checked at
+        most every `OWNER_CHECK_S`), and a background write's failure."""
         lost = False
         now = time.monotonic()
         if now - self._owner_checked >= OWNER_CHECK_S:  # rank 0's lock (lm.store.atomic.own)
             self._owner_checked, lost = now, lost_run_dir(self.dirpath) is not None
-        failure = self.background.failure if self.background is not None else None
-        if self.consensus is not None:  # every rank casts both votes at every call; one process: at once
-            lost = self.consensus.decide(trainer, "run_dir_lost", lost)
-            failed = self.consensus.decide(trainer, "save_failed", failure is not None)
-        else:
-            failed = failure is not None
+        return lost, (self.background.failure if self.background is not None else None)
+
+    def fail_between_saves(self, lost: bool, failed: bool, failure: BaseException | None) -> None:
+        """On the agreed flags, every rank stops together (exit 74): the run directory is not this run's any
+        more, or a background write failed (here, or `failure` is None: on another rank)."""
         if lost:
             raise RunDirRemoved(removed_message(self.dirpath.parent))
         if failed:

@@ -93,17 +93,16 @@ class Checkpointer:
             self._io = AtomicCheckpointIO(fmt=self.format)
         return self._io
 
-    def saver(self, consensus=None) -> RunCheckpoint:
+    def saver(self) -> RunCheckpoint:
         """The run's save callback (when to save, `last.ckpt`, rotation, uploads), made once and handed to
-        every part of the step that asks for a save or reads the newest saved step. `consensus`: the ranks'
-        agreement it votes in (failures found between saves)."""
+        every part of the step that asks for a save or reads the newest saved step."""
         if self._saver is None:
-            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io(), consensus)
+            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io())
         return self._saver
 
-    def callbacks(self, meter=None, consensus=None) -> list[pl.Callback]:
+    def callbacks(self, meter=None) -> list[pl.Callback]:
         """The resume check (first of all callbacks) and the save callback (last but the progress bar)."""
-        return [resume_check.ResumeCheck(meter), self.saver(consensus)]
+        return [resume_check.ResumeCheck(meter), self.saver()]
 
     def mirror_behind(self) -> str | None:
         """At the end of a run: None when there is no bucket or it holds the latest checkpoint, else what it

@@ -213,7 +213,7 @@ class AsyncShardedFolder(ShardedFolder):
         self.group: Any = None
         self.failure: OSError | None = None
         """A failed background write (or rank 0's finish) found by `poll`, kept for the ranks to agree on
-        (the saver's consensus) instead of raised on this rank alone."""
+        (a vote at the step boundary) instead of raised on this rank alone."""
 
     def save(self, checkpoint: dict[str, Any], path: Path) -> int:
         import torch.distributed as dist

@@ -46,8 +46,27 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="lm_schema", node=LMConfig)
 
 
+RENAMED = {"spot": "guards"}
+"""Config keys that were renamed (old -> new): an override of the old one is refused, naming the new one."""
+
+
+def refuse_renamed(overrides: list[str]) -> None:
+    """Refuse an override of a renamed key (`spot.max_nonfinite=1`), naming the new spelling."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        head, _, rest = key.partition(".")
+        if head in RENAMED:
+            new = RENAMED[head] + (f".{rest}" if rest else "")
+            value = override.split("=", 1)[1] if "=" in override else ""
+            raise Refused(
+                f"`{override}`: the `{head}` group is now `{RENAMED[head]}` (the guard settings: stop signals, "
+                f"the throughput alarm, NaN and spike guards); write `{new}={value}` instead"
+            )
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """conf/train.yaml with command-line style overrides, as `python train.py` would compose it."""
+    refuse_renamed(overrides)
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose("train", overrides=overrides)

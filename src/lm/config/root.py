@@ -327,7 +327,7 @@ class LMConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     phases: PhasesConfig = field(default_factory=PhasesConfig)
-    spot: GuardConfig = field(default_factory=GuardConfig)
+    guards: GuardConfig = field(default_factory=GuardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     evals: EvalsConfig = field(default_factory=EvalsConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)

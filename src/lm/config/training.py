@@ -276,7 +276,8 @@ class CheckpointConfig:
 
 @dataclass
 class GuardConfig:
-    """The run's guards (the `spot` group): stop signals, the throughput alarm, NaN/inf and spiking losses."""
+    """The run's guards (the `guards` group, `spot` until 2026-11-28): stop signals, the throughput alarm,
+    NaN/inf and spiking losses."""
 
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """Signals that save a checkpoint at the next step boundary and exit with code 75 (restart me). Ctrl-C
@@ -304,18 +305,20 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.slow_ratio < 1.0 or self.slow_window_s <= 0:
-            raise Refused("spot.slow_ratio must lie in (0, 1) and spot.slow_window_s be positive")
+            raise Refused("guards.slow_ratio must lie in (0, 1) and guards.slow_window_s be positive")
         if self.baseline_steps < 1 or self.baseline_warmup < 0 or self.max_nonfinite < 1:
-            raise Refused("spot.baseline_steps and spot.max_nonfinite must be >= 1, baseline_warmup >= 0")
+            raise Refused(
+                "guards.baseline_steps and guards.max_nonfinite must be >= 1, guards.baseline_warmup >= 0"
+            )
         if self.spike_factor is not None and self.spike_factor <= 1.0:
             raise Refused(
-                f"spot.spike_factor={self.spike_factor} would call ordinary losses spikes: use a factor above 1 "
-                "(default 2) or spot.spike_factor=null to turn spike detection off"
+                f"guards.spike_factor={self.spike_factor} would call ordinary losses spikes: use a factor "
+                "above 1 (default 2) or guards.spike_factor=null to turn spike detection off"
             )
         if self.spike_window < 3 or self.max_spikes < 1:
             raise Refused(
-                f"spot.spike_window={self.spike_window} and spot.max_spikes={self.max_spikes}: a median needs a "
-                "window of at least 3 losses, and max_spikes must be >= 1"
+                f"guards.spike_window={self.spike_window} and guards.max_spikes={self.max_spikes}: a median "
+                "needs a window of at least 3 losses, and max_spikes must be >= 1"
             )
 
 

@@ -5,9 +5,9 @@
 norm see ordinary named parameters), composes with per-block `torch.compile` and activation checkpointing,
 is what torchtitan builds on, and runs on CPUs with gloo, so it is tested on every commit.
 
-Under SLURM, SIGUSR1 belongs to `SpotGuard` (save at the next step, exit 75, the sbatch script requeues);
-Lightning's own SLURM auto-requeue, which would save a second, differently named checkpoint from inside the
-signal handler, is switched off.
+Under SLURM, SIGUSR1 belongs to lm.callbacks.spot.StopSignals (save at the next step, exit 75, the sbatch
+script requeues); Lightning's own SLURM auto-requeue, which would save a second, differently named
+checkpoint from inside the signal handler, is switched off.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def build_strategy(name: str, sharded_checkpoints: bool = False) -> str | Strate
 
 
 def cluster_plugins() -> list:
-    """Under SLURM, Lightning's environment without its SIGUSR1 auto-requeue (SpotGuard owns the signal)."""
+    """Under SLURM, Lightning's environment without its SIGUSR1 auto-requeue (StopSignals owns the signal)."""
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 

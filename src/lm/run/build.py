@@ -24,16 +24,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
 from lm.callbacks.activation_stride import ActivationCheckpointingStride
-from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
-from lm.callbacks.run_state import KeepRunState
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
-from lm.callbacks.spot import SpotGuard
+from lm.callbacks.spot import StopSignals
+from lm.callbacks.step import StepBoundary
 from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.checkpointer import Checkpointer
@@ -178,50 +177,48 @@ def build_callbacks(
 ) -> list[pl.Callback]:
     """Every callback of the run, lm's and `cfg.callbacks`, in the order Lightning calls their hooks.
 
-    The order is the step's: Lightning calls each hook on the callbacks as listed, so this list is where
-    "who runs first" is written, with the reason beside each entry. Every part shares the meter's RunState.
-    A callback of one's own (`cfg.callbacks`) runs after lm's step (the step is counted, judged and agreed
-    on) and before the saver, so what it records at a step is in that step's checkpoint.
+    The step itself is one callback, `StepBoundary` (lm.callbacks.step), which runs the step boundary as a
+    written sequence and owns the run's RunState (the meter's), the guards and the agreement across ranks.
+    The others are listed for their own hooks, in the order given here with the reason for each.
+    A callback of one's own (`cfg.callbacks`) comes after lm's: it sees each step counted, agreed and saved.
 
     `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
-    consensus = Consensus()
-    resume_check, saver = checkpointer.callbacks(meter, consensus)
-    run_state = meter.run
-    s = cfg.spot
+    resume_check, saver = checkpointer.callbacks(meter)
+    g = cfg.guards
     ckpt_dir = run_dir / rundir.CHECKPOINTS
-    nonfinite = NonFiniteGuard(s.max_nonfinite, ckpt_dir, run_state, saver)
-    spike = SpikeGuard(s.spike_factor, s.spike_window, s.max_spikes, ckpt_dir, run_state, saver)
-    # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
-    # 2. RunState restored before any other load hook reads it, snapshotted when a save is staged;
-    # 3. the meter counts each step's tokens and time before every callback below reads them.
-    callbacks: list[pl.Callback] = [resume_check, KeepRunState(meter, (nonfinite, spike)), meter]
-    if decide is not None:  # completes the meter's `about`; it logs the hparams once it has decided
-        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
-    # 4. observers of the counted step: the phase table, samples and benchmarks at milestones.
+    observers: list[pl.Callback] = []  # called by the step boundary at each counted step, in this order
     if cfg.phases.phases:
-        callbacks.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
+        observers.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
-        callbacks.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
+        observers.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
     if cfg.evals.tasks:
         from lm.callbacks.milestone_evals import BenchmarkEvaluator  # optional: loaded when configured
 
-        callbacks.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
-    # 5. the votes of the step boundary (budget, stop signal, slow host), each acting on the previous step's
-    # agreement; the guards' verdicts (the non-finite guard's `found_inf` first, the spike guard joins it);
-    # 6. the agreement on this step's votes, launched once every voter has cast.
-    callbacks += [
-        stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus),
-        SpotGuard(s.signals, consensus, saver),
-        ThroughputAlarm(s.slow_ratio, s.slow_window_s, s.baseline_steps, s.baseline_warmup, consensus, saver),
-        nonfinite,
-        spike,
-        consensus,
-        KeepTokenizer(run_dir, resumed=resumed),  # setup only: what sample/export/eval read
-    ]
-    # 7. one's own callbacks; 8. the saver (saves what the step asked for); 9. the progress bar.
+        observers.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
+    early = stopper(cfg, plan, meter, run_dir, module.model.num_parameters())
+    step = StepBoundary(
+        meter=meter,
+        saver=saver,
+        stopper=early,
+        signals=StopSignals(g.signals),
+        alarm=ThroughputAlarm(g.slow_ratio, g.slow_window_s, g.baseline_steps, g.baseline_warmup),
+        nonfinite=NonFiniteGuard(g.max_nonfinite, ckpt_dir, meter.run, saver),
+        spike=SpikeGuard(g.spike_factor, g.spike_window, g.max_spikes, ckpt_dir, meter.run, saver),
+        observers=tuple(observers),
+    )
+    # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
+    # 2. the step: RunState restored before any other load hook reads it; the step boundary's sequence;
+    # 3. the meter's clock (train, eval and checkpoint time), which the step's count reads.
+    callbacks: list[pl.Callback] = [resume_check, step, meter]
+    if decide is not None:  # completes the meter's `about`; it logs the hparams once it has decided
+        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
+    # 4. the observers' own hooks (train start and end, validation), then the stopper's (each validation);
+    # 5. the run's tokenizer beside its checkpoints (setup only: what sample/export/eval read).
+    callbacks += [*observers, early, KeepTokenizer(run_dir, resumed=resumed)]
+    # 6. one's own callbacks; 7. the saver's own hooks (set-up, the final save); 8. the progress bar.
     callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
     callbacks.append(saver)
     if cfg.trainer.enable_progress_bar:
@@ -235,7 +232,6 @@ def stopper(
     meter: CostMeter,
     run_dir: Path,
     n_params: int,
-    consensus: Consensus | None = None,
 ) -> EarlyStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
@@ -248,7 +244,6 @@ def stopper(
         plan_end_tokens=end.tokens if end.steps is None else None,
         plan_end_steps=end.steps,
         chinchilla_tokens=run_plan.chinchilla_tokens(n_params),
-        consensus=consensus,
         optim=cfg.optim,
         schedule_steps=plan.schedule_steps,
         references=references(cfg, plan),

@@ -182,7 +182,7 @@ def headline(cfg, scalars, ledger, rollbacks: dict | None = None) -> dict[str, s
 
 def spikes_line(spikes: Series, rollbacks: dict) -> str:
     """How many loss spikes were skipped (`train/spikes`), and the data windows that rollbacks skipped."""
-    text = f"{int(spikes.values[-1])} (a loss above spot.spike_factor x its running median)"
+    text = f"{int(spikes.values[-1])} (a loss above guards.spike_factor x its running median)"
     windows = rollbacks.get("skip_windows", [])
     if windows:
         steps = ", ".join(f"{first}-{last}" for first, last in windows)

@@ -73,7 +73,7 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
     runtime.set_matmul_precision(cfg.precision.tf32)
     ac, decide = build.checkpointing_decision(cfg, rt)
     log_runtime(cfg, rt, ac, run_dir)
-    run_state = RunState()  # everything resumed beyond weights, optimizer and scheduler (KeepRunState)
+    run_state = RunState()  # all a resume needs beyond weights and optimizer (owned by StepBoundary)
     module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None, run_state=run_state)
     meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac, run_state)
     callbacks = build.build_callbacks(
@@ -113,7 +113,7 @@ def fit(
     """Train, from `ckpt_path` when resuming; a SIGTERM Lightning caught itself is a preemption."""
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except SIGTERMException as e:  # Lightning's own handler fired before SpotGuard's was installed
+    except SIGTERMException as e:  # Lightning's own handler fired before StopSignals' was installed
         raise Preempted("SIGTERM") from e
 
 
