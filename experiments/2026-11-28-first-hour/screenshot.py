@@ -4,7 +4,7 @@
 
 Needs a Chromium (Debian: `apt-get install chromium-headless-shell`) and Playwright's Python client in any
 environment (`pip install playwright`; its own browser download is not needed: `--chromium` points at the
-system's). Until the run's builder writes the layout itself (`lm.run.tensorboard_layout.write_layout`), this
+system's). Until the run's builder writes the layout itself (`lm.store.tensorboard_layout.write_layout`), this
 script writes it into the run's tb/ folder first, as a separate event file (`--no-layout` skips that).
 Saves custom_scalars.png (the Custom Scalars tab) and time_series.png (TensorBoard's default tab).
 """
@@ -31,7 +31,7 @@ def free_port() -> int:
 def write_layout(tb: Path, priced: bool) -> None:
     code = (
         "import sys; from lightning.pytorch.loggers import TensorBoardLogger; "
-        "from lm.run.tensorboard_layout import write_layout; "
+        "from lm.store.tensorboard_layout import write_layout; "
         "logger = TensorBoardLogger(save_dir=sys.argv[1], name=sys.argv[2], version=''); "
         "write_layout(logger, priced=sys.argv[3] == '1'); logger.experiment.close()"
     )

@@ -6,7 +6,9 @@ import math
 
 import pytest
 from omegaconf import OmegaConf
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+from tensorboard.util import tensor_util
 
 from lm.base.exits import Refused
 from lm.callbacks.cost_meter import CostMeter
@@ -17,6 +19,7 @@ from lm.numbers import cost
 from lm.numbers.run_plan import phase_at
 from lm.run.train import main
 from lm.store.rundir import read_phases, write_ledger
+from lm.store.tensorboard_layout import LOSS_BY_CENTS
 
 from ..conftest import CONF
 
@@ -33,6 +36,14 @@ def series(run_dir, tag):
     acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
+
+
+def run_layout(run_dir) -> layout_pb2.Layout:
+    """The Custom Scalars layout the run wrote into its event file."""
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={TENSORS: 0})
+    events.Reload()
+    (config,) = events.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    return layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
 
 
 def test_flops_per_token_follows_the_documented_formula():
@@ -146,6 +157,11 @@ def test_three_phases_priced_and_checked_against_the_logs(tiny_cfg, tmp_path):
     assert ledger["usd"] > sum(r["usd"] for r in rows)  # start-up before phase one is paid for too
     assert series(run, "cost/usd")[29] <= ledger["usd"]
     assert set(series(run, "phase/index").values()) == {0.0, 1.0, 2.0, 3.0}
+    # TensorBoard: the run wrote its layout (cost cards included) and the loss against cents spent.
+    layout = run_layout(run)
+    assert layout.category[0].title == "loss" and layout.category[-1].title == "cost"
+    by_cents = series(run, LOSS_BY_CENTS)
+    assert len(by_cents) == 3 and max(by_cents) <= round(ledger["usd"] * 100)
 
     # Killed in the middle of phase two (step 15, between checkpoints at 10 and 20), then the same command
     # again: the rows hold the same arithmetic, the same losses, and the restart is paid for.
@@ -190,6 +206,12 @@ def test_an_unpriced_run_reports_hours_and_says_how_to_price_it(tiny_cfg, tmp_pa
     assert "$0.0000" not in report and "| train |" in report and "| unpriced |" in report
     hours = series(run, "cost/hours")
     assert list(hours.values()) == sorted(hours.values()) and hours[19] > 0
+    # TensorBoard: no card of dollars that are all zero, and a layout that opens on the loss.
+    logged = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    logged.Reload()
+    assert not [t for t in logged.Tags()["scalars"] if t.startswith("cost/usd") or t == LOSS_BY_CENTS]
+    layout = run_layout(run)
+    assert layout.category[0].title == "loss" and "cost" not in [c.title for c in layout.category]
 
 
 def test_phase_labels_never_overlap():

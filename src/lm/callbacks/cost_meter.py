@@ -16,12 +16,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lm.checkpoint.run_state import MeterState, RunState
 from lm.numbers import cost
 from lm.numbers.batch_ramp import BatchRamp
 from lm.store import rundir
 from lm.store.rundir import BUCKETS
+from lm.store.tensorboard_layout import log_loss_by_cost
 
 
 class CostMeter(Callback):
@@ -119,8 +121,12 @@ class CostMeter(Callback):
         self.switch("eval")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self.switch("train")
+        if trainer.sanity_checking:
+            return
+        self.switch("train")
+        loss = trainer.callback_metrics.get("val/loss")
+        if self.price and loss is not None and isinstance(trainer.logger, TensorBoardLogger):
+            log_loss_by_cost(trainer.logger, float(loss), self.usd() or 0.0)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # After every on_train_end, so the final checkpoint's write is charged before the ledger closes.

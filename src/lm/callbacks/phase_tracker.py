@@ -142,17 +142,22 @@ def evaluate(
     windows = datamodule.val_set
     was_training = pl_module.training
     pl_module.eval()
-    losses, sources = [], []
+    losses, sizes, sources = [], [], []
     with torch.no_grad(), trainer.precision_plugin.forward_context():
         # The windows val/loss uses, split across ranks alike.
         for b, idx in enumerate(batches[: max(1, max_batches)]):
             x = torch.stack([windows[i] for i in idx]).to(pl_module.device)
             losses.append(pl_module.loss(x))
+            sizes.append(len(idx))
             sources.append(datamodule.val_source(b))
     pl_module.train(was_training)
 
-    def mean(values: list[torch.Tensor]) -> float:
-        return float(trainer.strategy.reduce(torch.stack(values).mean(), reduce_op="mean"))
+    def mean(picked: list[int]) -> float:
+        # Weighted by batch size, as Lightning averages `val/loss` (a last, partial batch counts less).
+        weights = torch.tensor([float(sizes[i]) for i in picked], device=losses[0].device)
+        value = (torch.stack([losses[i].float() for i in picked]) * weights).sum() / weights.sum()
+        return float(trainer.strategy.reduce(value, reduce_op="mean"))
 
-    by_source = {s: mean([x for x, t in zip(losses, sources) if t == s]) for s in dict.fromkeys(sources) if s}
-    return mean(losses), by_source  # the same numbers on every rank
+    every = range(len(losses))
+    by_source = {s: mean([i for i in every if sources[i] == s]) for s in dict.fromkeys(sources) if s}
+    return mean(list(every)), by_source  # the same numbers on every rank

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -36,6 +37,7 @@ from lm.run.report import write_report
 from lm.store import atomic, rundir
 from lm.store.atomic import removed_message
 from lm.store.lock import RunLock
+from lm.store.tensorboard_layout import write_layout
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
         decide=decide,
     )
     trainer = build.build_trainer(cfg, run_dir, rt.precision, callbacks, checkpointer=checkpointer)
+    if isinstance(trainer.logger, TensorBoardLogger):  # the Custom Scalars tab opens on the loss
+        write_layout(trainer.logger, priced=bool(rt.price), mixture=bool(cfg.data.mixture))
     on_exit.callback(stop_data_workers, trainer)
     if decide is None:  # a deferred decision logs the hparams once it is made
         for logger in trainer.loggers:
