@@ -4,8 +4,9 @@
 
 Needs a Chromium (Debian: `apt-get install chromium-headless-shell`) and Playwright's Python client in any
 environment (`pip install playwright`; its own browser download is not needed: `--chromium` points at the
-system's). Until the run's builder writes the layout itself (`lm.store.tensorboard_layout.write_layout`), this
-script writes it into the run's tb/ folder first, as a separate event file (`--no-layout` skips that).
+system's). A run writes its layout at start since 2026-11-28 (`lm.store.tensorboard_layout.write_layout`); for
+an older run this script writes it into the run's tb/ folder first, as a separate event file (`--no-layout`
+skips that, e.g. for a newer run).
 Saves custom_scalars.png (the Custom Scalars tab) and time_series.png (TensorBoard's default tab).
 """
 

@@ -97,7 +97,7 @@ class DataConfig:
     seq_len_warmup_start: float = 0.25
     """The warm-up's first share of seq_len: 1/2, 1/4, 1/8... (seq_len must divide by its inverse)."""
     val_fraction: float = 0.02
-    """Share of documents held out for validation, chosen by a hash of each document's name."""
+    """Share of documents held out for validation, chosen by a hash of each document's text."""
     max_bytes: int | None = None
     """Read at most about this many bytes of the corpus (whole files or documents); None reads all of it."""
     tokenizer_sample_bytes: int = 8_000_000
