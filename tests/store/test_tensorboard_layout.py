@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import TENSORS, Even
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
 
-from lm.run.tensorboard_layout import LOSS_BY_CENTS, write_layout
+from lm.store.tensorboard_layout import LOSS_BY_CENTS, write_layout
 
 
 def written(tmp_path, priced: bool, mixture: bool = False) -> tuple[layout_pb2.Layout, EventAccumulator]:

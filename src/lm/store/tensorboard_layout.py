@@ -65,3 +65,8 @@ def write_layout(logger: TensorBoardLogger, priced: bool, mixture: bool = False)
     """Write the layout into the run's event file (rank 0: other ranks' loggers write nothing). A resumed run
     writes it again; TensorBoard shows the newest."""
     logger.experiment.add_custom_scalars(layout(priced, mixture))
+
+
+def log_loss_by_cost(logger: TensorBoardLogger, loss: float, usd: float) -> None:
+    """Log a validation loss against the dollars spent so far (`LOSS_BY_CENTS`, step = whole cents)."""
+    logger.experiment.add_scalar(LOSS_BY_CENTS, loss, global_step=round(usd * 100))
