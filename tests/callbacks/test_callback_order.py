@@ -10,7 +10,6 @@ import pytest
 
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import to_objects
-from lm.engine.activation_checkpointing import Decision
 from lm.engine.module import LMModule
 from lm.numbers import run_plan
 from lm.run.build import build_callbacks
@@ -19,50 +18,45 @@ LR = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
 TIMER = "+callbacks.timer._target_=lightning.pytorch.callbacks.Timer"
 
 
-def callback_names(cfg, run_dir, deferred: bool = False) -> list[str]:
+def callback_names(cfg, run_dir) -> list[str]:
     """The class names of the run's callbacks, in the order `build_callbacks` hands them to the Trainer."""
     cfg = to_objects(cfg)
     meter = CostMeter(
         tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=0.0, log_every=1
     )
-    decide = (lambda: Decision(0, "test")) if deferred else None
     module = LMModule(cfg.model, cfg.optim)
     plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)
-    callbacks = build_callbacks(cfg, plan, meter, run_dir, module, resumed=False, decide=decide)
+    callbacks = build_callbacks(cfg, plan, meter, run_dir, module, resumed=False)
     return [type(c).__name__ for c in callbacks]
 
 
 @pytest.mark.parametrize(
-    ("overrides", "deferred", "expected"),
+    ("overrides", "expected"),
     [
         (
             [],
-            False,
             ["ResumeCheck", "StepBoundary", "CostMeter", "PhaseTracker", "MilestoneSampler", "EarlyStopper", "KeepTokenizer",
              "RunCheckpoint"],
         ),
         (
             ["sampling=off", "phases.phases=[]", "trainer.enable_progress_bar=true"],
-            False,
             ["ResumeCheck", "StepBoundary", "CostMeter", "EarlyStopper", "KeepTokenizer", "RunCheckpoint", "LossProgressBar"],
         ),
         (
             ["phases=smoke", "evals=small", "trainer.enable_progress_bar=true", LR, TIMER],
-            True,
-            ["ResumeCheck", "StepBoundary", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "MilestoneSampler",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "PhaseTracker", "MilestoneSampler",
              "BenchmarkEvaluator", "EarlyStopper", "KeepTokenizer", "LearningRateMonitor", "Timer", "RunCheckpoint",
              "LossProgressBar"],
         ),
         (
             [TIMER, LR, "sampling=off"],
-            True,
-            ["ResumeCheck", "StepBoundary", "CostMeter", "ActivationCheckpointingStride", "PhaseTracker", "EarlyStopper", "KeepTokenizer", "Timer",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "PhaseTracker", "EarlyStopper", "KeepTokenizer", "Timer",
              "LearningRateMonitor", "RunCheckpoint"],
         ),
     ],
 )  # fmt: skip
-def test_callbacks_run_in_the_order_the_run_listed_them(tiny_cfg, tmp_path, overrides, deferred, expected):
-    assert callback_names(tiny_cfg(*overrides), tmp_path, deferred) == expected
+def test_callbacks_run_in_the_order_the_run_listed_them(tiny_cfg, tmp_path, overrides, expected):
+    assert callback_names(tiny_cfg(*overrides), tmp_path) == expected
 
 
 def test_no_callback_orders_itself_by_a_priority_integer():
@@ -97,3 +91,25 @@ def test_the_step_is_written_in_one_callback():
         "callbacks/step.py:StepBoundary.on_before_optimizer_step",
         "callbacks/step.py:StepBoundary.on_train_batch_end",
     ]
+
+
+def test_callbacks_return_decisions_instead_of_setting_the_module_or_trainer():
+    """No callback of lm's sets an attribute of the module, its model or the trainer, except Lightning's public
+    `trainer.should_stop`: the LR cooldown lives in RunState, the activation checkpointing stride is the module's
+    own decision (`LMModule.decide_activation_checkpointing`)."""
+    src = Path(__file__).resolve().parents[2] / "src" / "lm"
+    found = set()
+    for path in [*(src / "callbacks").glob("*.py"), *(src / "checkpoint").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                base = target
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(target, ast.Attribute) and getattr(base, "id", None) in (
+                    "pl_module",
+                    "trainer",
+                    "model",
+                ):
+                    found.add(ast.unparse(target))
+    assert found == {"trainer.should_stop"}

@@ -1,5 +1,6 @@
 """The early stopper: its criteria on recorded metrics, and real tiny runs that it stops."""
 
+import dataclasses
 import json
 import math
 
@@ -48,6 +49,23 @@ def test_a_trailing_window_spans_several_validations(tmp_path):
     # Window 2 at 90K compares with 10K: (164 - 26) / (2.948 - 2.494) = $304 a point.
     assert replay(EarlyStoppingConfig(max_usd_per_loss_point=303.0, window=2), SEED, tmp_path) == 3
     assert replay(EarlyStoppingConfig(max_usd_per_loss_point=305.0, window=2), SEED, tmp_path) is None
+
+
+def test_the_window_fit_lets_one_unlucky_validation_weigh_less(tmp_path):
+    """$100 a loss point throughout, and the newest validation 0.03 high: the window's two ends read $108 a
+    point, the slope through its five points $106 (lm.numbers.loss_law.usd_per_loss_point_fit)."""
+    points = [(s, 3 - 0.01 * s, float(s)) for s in range(0, 110, 10)]
+    points[-1] = (100, points[-1][1] + 0.03, 100.0)
+    ends = EarlyStoppingConfig(max_usd_per_loss_point=107.0, window=4)
+    assert replay(ends, points, tmp_path) == 10
+    assert replay(dataclasses.replace(ends, window_fit=True), points, tmp_path) is None
+    stopper = EarlyStopper(
+        dataclasses.replace(ends, window_fit=True), meter=None, run_dir=tmp_path, flat_lr=True
+    )
+    for step, loss, usd in points:
+        stopper.observe(step, step * TOKENS_PER_STEP, usd, loss)
+    price, how = stopper.marginal()
+    assert price == pytest.approx(106.383, abs=1e-3) and how == "off the slope of the last 4 validations"
 
 
 def test_smoothing_ignores_one_lucky_evaluation_and_a_flat_curve_is_unaffordable(tmp_path):

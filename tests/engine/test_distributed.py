@@ -7,6 +7,7 @@ Summation order moves them by ~1e-6 (measured: 0 and 5e-6); a rank training on t
 loss by ~1e-2 and weights by ~lr = 1e-3 per step, far outside.
 """
 
+import functools
 import json
 import math
 import os
@@ -428,6 +429,17 @@ def stand_in_decision(out: str, n_layer: int = 2) -> Decision:
     return resolve(0, True, n_layer, probe=PEAKS.get, budget_bytes=FREE[rank], free_memory_reserve=0.0)
 
 
+class StandInProbe(pl.Callback):
+    """Hands the module `stand_in_decision` as its `activation_checkpointing=auto` probe (a CUDA trial on a GPU),
+    at setup: before the module's own setup, where rank 0 runs it."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        pl_module.decide_stride = functools.partial(stand_in_decision, self.out)
+
+
 class RecordStride(pl.Callback):
     """Writes the stride this rank trains with to <out>/stride-<rank>.json."""
 
@@ -443,10 +455,8 @@ def test_auto_activation_checkpointing_is_rank_0s_choice_on_every_rank(root, dat
     """Ranks with different free memory would choose different strides; rank 0 probes and all follow."""
     ac = "+callbacks.ac"
     callbacks = [
-        f"{ac}._target_=lm.callbacks.activation_stride.ActivationCheckpointingStride",
-        f"{ac}.decide._target_=tests.engine.test_distributed.stand_in_decision",
-        f"{ac}.decide._partial_=true",
-        f"{ac}.decide.out={tmp_path}",
+        f"{ac}._target_=tests.engine.test_distributed.StandInProbe",
+        f"{ac}.out={tmp_path}",
         "+callbacks.record._target_=tests.engine.test_distributed.RecordStride",
         f"+callbacks.record.out={tmp_path}",
     ]

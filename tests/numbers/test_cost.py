@@ -246,6 +246,28 @@ def test_mfu_is_unavailable_on_cpu_unless_a_peak_is_configured(tiny_cfg, tmp_pat
     for step, value in util.items():
         assert value == pytest.approx(tps[step] * fpt / (peak_tflops * 1e12), rel=1e-6)
 
+    # A sequence-length warm-up trains windows of 16 then 32 tokens over its 4 steps, then 64: each logged MFU
+    # is counted with the windows its steps trained (less attention per token), not the full 64.
+    main(
+        tiny_cfg(
+            "trainer.max_steps=6",
+            "trainer.val_every_steps=6",
+            "trainer.log_every_n_steps=2",
+            "gpu=cpu",
+            f"gpu.peak_tf32_tflops={peak_tflops}",
+            "data.seq_len_warmup_steps=4",
+            "run.name=warmup",
+        )
+    )
+    run = tmp_path / "runs/warmup"
+    tps, util = series(run, "perf/tokens_per_sec"), series(run, "perf/mfu")
+    model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    windows = {1: 16, 3: 32, 5: 64}  # the logged step (0-based) -> the window of the two steps it closes
+    assert sorted(util) == sorted(windows)
+    for step, window in windows.items():
+        expected = tps[step] * cost.flops_per_token(model, window) / (peak_tflops * 1e12)
+        assert util[step] == pytest.approx(expected, rel=1e-6), step
+
 
 def test_gpu_auto_resolution_and_an_unknown_gpu(caplog):
     assert cost.resolve_gpu(GpuConfig(name="auto"), None, CONF).gpu.name == "cpu"

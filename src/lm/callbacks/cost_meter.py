@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ class CostMeter(Callback):
         about: dict[str, Any] | None = None,
         ramp: BatchRamp | None = None,
         run_state: RunState | None = None,
+        flops_at: Callable[[int], float] | None = None,
     ) -> None:
         self.run = run_state if run_state is not None else RunState()
         self.tokens_per_device_step = tokens_per_device_step
@@ -55,6 +57,10 @@ class CostMeter(Callback):
         # The tokens of each step (a batch-size ramp's first steps have fewer); one device's until setup.
         self.ramp = ramp if ramp is not None else BatchRamp(tokens_per_device_step)
         self.flops_per_token = flops_per_token
+        self.flops_at = flops_at or (lambda step: flops_per_token)
+        """FLOPs per token of optimizer step `step` (0-based): a sequence-length warm-up's shorter windows do
+        less attention, so its MFU is measured with the windows it trained, not the full one."""
+        self._flops = 0.0  # FLOPs trained by this process, for MFU over each log window
         self.peak_flops = peak_flops
         self.price = price_per_hour
         self.log_every = max(1, log_every)
@@ -64,7 +70,7 @@ class CostMeter(Callback):
         self._bucket = "startup"
         self._resumed = False
         self._mark = started_at if started_at is not None else time.monotonic()
-        self._window: tuple[float, int] | None = None  # (train seconds, tokens) at the last log point
+        self._window: tuple[float, int, float] | None = None  # (train seconds, tokens, FLOPs) at the last log
         self.last_rate: float | None = None
 
     @property
@@ -96,8 +102,13 @@ class CostMeter(Callback):
         self.ramp = replace(self.ramp, world=trainer.world_size)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stride = getattr(pl_module, "stride", None)  # `auto` decided at setup (LMModule)
+        if stride is not None:
+            self.about["activation_checkpointing"] = stride.every
+        for logger in trainer.loggers:  # TensorBoard's hparams tab: what the run resolved `auto` to
+            logger.log_hyperparams(self.about)
         self.switch("train")
-        self._window = (self.state.seconds["train"], self.state.tokens)
+        self._window = (self.state.seconds["train"], self.state.tokens, self._flops)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self._bucket != "train":
@@ -106,9 +117,9 @@ class CostMeter(Callback):
     def count(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The step boundary's first act: the tokens of the optimizer step just taken (and the steps before
         it since the last count); `perf/*` and `cost/*` every `log_every` steps."""
-        self.state.tokens += self.ramp.tokens_through(trainer.global_step) - self.ramp.tokens_through(
-            self.state.step
-        )
+        tokens = self.ramp.tokens_through(trainer.global_step) - self.ramp.tokens_through(self.state.step)
+        self._flops += tokens * self.flops_at(trainer.global_step - 1)
+        self.state.tokens += tokens
         self.state.step = trainer.global_step
         if self.state.step % self.log_every == 0:
             self.switch("train")
@@ -162,14 +173,15 @@ class CostMeter(Callback):
     def metrics(self) -> dict[str, float]:
         """The `perf/*` and `cost/*` scalars at this point of the run."""
         s = self.state
-        train_seconds, tokens = self._window or (0.0, 0)
+        train_seconds, tokens, flops = self._window or (0.0, 0, 0.0)
         window_s, window_tokens = s.seconds["train"] - train_seconds, s.tokens - tokens
-        self._window = (s.seconds["train"], s.tokens)
+        window_flops = self._flops - flops
+        self._window = (s.seconds["train"], s.tokens, self._flops)
         out: dict[str, float] = {"train/tokens": float(s.tokens)}
         if window_s > 0 and window_tokens > 0:
             self.last_rate = window_tokens / window_s
             out["perf/tokens_per_sec"] = self.last_rate
-            util = cost.mfu(self.last_rate, self.flops_per_token, self.peak_flops, self.n_devices)
+            util = cost.mfu(self.last_rate, window_flops / window_tokens, self.peak_flops, self.n_devices)
             if util is not None:
                 out["perf/mfu"] = util
         out["perf/peak_mem_gb"] = peak_memory_gb()

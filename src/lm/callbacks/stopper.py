@@ -26,7 +26,7 @@ from lm.base.tables import fmt_money
 from lm.callbacks.cost_meter import CostMeter
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
-from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast
+from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast, usd_per_loss_point_fit
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
 
@@ -169,9 +169,18 @@ class EarlyStopper(Callback):
             c = self.last_choices
             how = "off the loss forecast: training on before the cooldown, against cooling down now"
             return (c["usd_per_loss_point_now"] if c else None), how
+        how = "off the slope" if self.cfg.window_fit else "between the ends"
+        return self.window_price(), f"{how} of the last {self.cfg.window} validations"
+
+    def window_price(self) -> float | None:
+        """The trailing window's $/loss point: its two ends' difference, or (`window_fit`) the least-squares
+        slope through its points, which one noisy validation moves less."""
+        w = self.cfg.window
+        if not self.cfg.window_fit:
+            return marginal_usd_per_loss_point(self.points, w)
+        recent = self.points[-1 - w :] if len(self.points) > w else []
         return (
-            marginal_usd_per_loss_point(self.points, self.cfg.window),
-            f"over the last {self.cfg.window} validations",
+            usd_per_loss_point_fit([p.usd for p in recent], [p.smoothed for p in recent]) if recent else None
         )
 
     def fit_schedule(self) -> ScheduleForecast | None:
@@ -368,7 +377,7 @@ class EarlyStopper(Callback):
     def log_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """`stop/*` and `forecast/*` scalars, and forecast.json for the report."""
         metrics = {"stop/smoothed_val_loss": self.points[-1].smoothed}
-        marginal = marginal_usd_per_loss_point(self.points, self.cfg.window)
+        marginal = self.window_price()
         if marginal is not None and math.isfinite(marginal):
             metrics["cost/usd_per_loss_point"] = marginal
         sf, c = self.last_schedule, self.last_choices

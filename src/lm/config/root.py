@@ -200,6 +200,10 @@ class EarlyStoppingConfig:
     """Stop when the marginal dollars per point of validation loss exceed this (the seed stopped at ~$550)."""
     window: int = 4
     """Validation points in the trailing window the marginal $/loss point is measured over."""
+    window_fit: bool = False
+    """Read the trailing window's price off the least-squares slope of loss against dollars over its points,
+    not the difference of its two ends: one validation's noise weighs less (0.8x the variance over 5 points;
+    lm.numbers.loss_law.usd_per_loss_point_fit, experiments/2026-11-28-stopper-regret)."""
     smoothing: float = 0.0
     """EMA factor applied to the validation loss before any criterion reads it: 0 none, 0.9 heavy."""
     use_forecast: bool = False

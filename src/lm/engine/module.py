@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,6 +24,8 @@ from lm.engine.parallel import grad_norm, shard_model
 from lm.model import ModelConfig, Transformer
 from lm.numbers.batch_ramp import window_len_at
 from lm.numbers.lr_schedule import lr_lambda
+
+log = logging.getLogger(__name__)
 
 
 def fused_linear_cross_entropy(
@@ -80,6 +83,7 @@ class LMModule(pl.LightningModule):
         eot_id: int | None = None,
         window_stages: tuple[tuple[int, int], ...] | None = None,
         lr_cooldown: Callable[[], tuple[int, int] | None] | None = None,
+        decide_stride: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -89,6 +93,11 @@ class LMModule(pl.LightningModule):
         self.compile_model, self.compile_mode = compile, compile_mode
         self.model = Transformer(self.model_cfg)
         self.model.ac_every = ac_every
+        self.decide_stride = decide_stride
+        """`activation_checkpointing=auto` on a GPU: the probe rank 0 runs at setup (None: `ac_every` is it)."""
+        self.stride: Any = None
+        """The `lm.engine.activation_checkpointing.Decision` taken at setup, once `decide_stride` has run (what
+        the cost meter records); not imported here: that module trains an LMModule in its trial steps."""
         self.model.eot_id = eot_id  # model.doc_mask's document boundary; setup() takes the data's
         self.window_stages = window_stages
         """`data.seq_len_warmup_steps`' (first step, window length) stages, a function of the global step
@@ -177,12 +186,30 @@ class LMModule(pl.LightningModule):
         return loss
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.decide_stride is not None and self.stride is None:
+            self.decide_activation_checkpointing()
         datamodule = getattr(self.trainer, "datamodule", None)
         if self.model_cfg.doc_mask and hasattr(datamodule, "eot_id"):  # the manifest's, after prepare_data
             self.model.eot_id = datamodule.eot_id
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None:  # buffers follow the module to its device; not saved in checkpoints
             self.token_bytes = token_byte_lengths(tokenizer, self.model_cfg.padded_vocab_size)
+
+    def decide_activation_checkpointing(self) -> None:
+        """Rank 0 probes (`decide_stride`: trial steps against its GPU's free memory) and every rank trains with
+        its stride: ranks whose GPUs had different free memory would otherwise recompute differently, and
+        under FSDP run different collectives in the backward. Called in `setup`, once the process group is up
+        and before `configure_model` (sharding, compilation) and before the model reaches the device."""
+        trainer = self.trainer
+        decision = self.decide_stride() if trainer.is_global_zero else None
+        self.stride = trainer.strategy.broadcast(decision, src=0)
+        self.model.ac_every = self.stride.every
+        log.info(
+            "activation checkpointing %s (%s)%s",
+            self.stride.label,
+            self.stride.reason,
+            f", decided by rank 0 for all {trainer.world_size} ranks" if trainer.world_size > 1 else "",
+        )
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self.loss(batch)

@@ -23,7 +23,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
-from lm.callbacks.activation_stride import ActivationCheckpointingStride
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
@@ -43,7 +42,7 @@ from lm.engine.module import LMModule
 from lm.engine.parallel import build_strategy, cluster_plugins
 from lm.engine.runtime import resolve_runtime
 from lm.numbers import cost, run_plan
-from lm.numbers.batch_ramp import seq_len_warmup
+from lm.numbers.batch_ramp import seq_len_warmup, window_len_at
 from lm.numbers.memory import Workload
 from lm.store import rundir
 
@@ -66,8 +65,8 @@ def checkpointing_decision(
 ) -> tuple[activation_checkpointing.Decision, Callable[[], activation_checkpointing.Decision] | None]:
     """The activation checkpointing stride, and the function that decides it at setup when it is deferred.
 
-    `auto` on a GPU is measured by rank 0 once the processes are up (ActivationCheckpointingStride), so that
-    every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
+    `auto` on a GPU is measured by rank 0 once the processes are up (`LMModule.decide_activation_checkpointing`),
+    so that every rank trains with one stride; anything else (a configured stride, `auto` on a CPU) is known now.
     """
     workload = Workload(cfg.model, cfg.data.batch_size, cfg.data.seq_len, rt.precision, rt.cuda)
     decide = functools.partial(
@@ -87,6 +86,7 @@ def build_module(
     total_steps: int | None = None,
     eot_id: int | None = None,
     run_state: RunState | None = None,
+    decide: Callable[[], activation_checkpointing.Decision] | None = None,
 ) -> LMModule:
     """The seeded LightningModule a run of `cfg` trains.
 
@@ -95,7 +95,8 @@ def build_module(
     resume continues from its checkpoint, a bench measures speed). `total_steps`: the LR schedule's span where
     neither `optim.total_steps` nor the Trainer's `max_steps` is the one wanted. `eot_id`: the end-of-text id
     `model.doc_mask` splits documents at, where no data module will set it (a run's comes from its manifest).
-    `run_state`: the run's RunState, whose LR cooldown (an early stop's) the schedule follows.
+    `run_state`: the run's RunState, whose LR cooldown (an early stop's) the schedule follows. `decide`:
+    `activation_checkpointing=auto` on a GPU, which rank 0 measures at setup (`checkpointing_decision`).
     """
     cfg = objects(cfg)
     rt = rt if rt is not None else resolve_runtime(cfg)
@@ -114,6 +115,7 @@ def build_module(
         eot_id=eot_id,
         window_stages=seq_len_warmup(cfg.data) if cfg.data.seq_len_warmup_steps else None,
         lr_cooldown=(lambda: run_state.lr_cooldown) if run_state is not None else None,
+        decide_stride=decide,
     )
     if cfg.model.init_from is not None and init_from:
         from lm.interop import hf  # an optional feature: loaded when configured
@@ -161,7 +163,17 @@ def cost_meter(
         about=run_hparams(cfg, rt, plan, n_params, ac),
         ramp=replace(plan.ramp, world=1),  # the meter sets the world it finds at setup
         run_state=run_state,
+        flops_at=warmup_flops(cfg, non_embedding),
     )
+
+
+def warmup_flops(cfg: LMConfig, non_embedding: int) -> Callable[[int], float] | None:
+    """FLOPs per token of each step under `data.seq_len_warmup_steps` (its windows are shorter, so attention
+    costs less per token); None without a warm-up (one figure throughout)."""
+    if not cfg.data.seq_len_warmup_steps:
+        return None
+    stages = seq_len_warmup(cfg.data)
+    return lambda step: cost.flops_per_token(cfg.model, window_len_at(stages, step), non_embedding)
 
 
 def build_callbacks(
@@ -173,7 +185,6 @@ def build_callbacks(
     *,
     resumed: bool,
     checkpointer: Checkpointer | None = None,
-    decide: Callable[[], activation_checkpointing.Decision] | None = None,
 ) -> list[pl.Callback]:
     """Every callback of the run, lm's and `cfg.callbacks`, in the order Lightning calls their hooks.
 
@@ -182,7 +193,6 @@ def build_callbacks(
     The others are listed for their own hooks, in the order given here with the reason for each.
     A callback of one's own (`cfg.callbacks`) comes after lm's: it sees each step counted, agreed and saved.
 
-    `decide`: `activation_checkpointing=auto` on a GPU, measured by rank 0 at setup (None: decided already).
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
@@ -211,10 +221,9 @@ def build_callbacks(
     )
     # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
     # 2. the step: RunState restored before any other load hook reads it; the step boundary's sequence;
-    # 3. the meter's clock (train, eval and checkpoint time), which the step's count reads.
+    # 3. the meter's clock (train, eval and checkpoint time), which the step's count reads; at train start
+    # it logs the run's hparams (the module's stride decided at setup included).
     callbacks: list[pl.Callback] = [resume_check, step, meter]
-    if decide is not None:  # completes the meter's `about`; it logs the hparams once it has decided
-        callbacks.append(ActivationCheckpointingStride(decide, meter, log_hparams=True))
     # 4. the observers' own hooks (train start and end, validation), then the stopper's (each validation);
     # 5. the run's tokenizer beside its checkpoints (setup only: what sample/export/eval read).
     callbacks += [*observers, early, KeepTokenizer(run_dir, resumed=resumed)]

@@ -76,7 +76,7 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
     ac, decide = build.checkpointing_decision(cfg, rt)
     log_runtime(cfg, rt, ac, run_dir)
     run_state = RunState()  # all a resume needs beyond weights and optimizer (owned by StepBoundary)
-    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None, run_state=run_state)
+    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None, run_state=run_state, decide=decide)
     meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac, run_state)
     callbacks = build.build_callbacks(
         cfg,
@@ -86,15 +86,11 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
         module,
         resumed=ckpt_path is not None,
         checkpointer=checkpointer,
-        decide=decide,
     )
     trainer = build.build_trainer(cfg, run_dir, rt.precision, callbacks, checkpointer=checkpointer)
     if isinstance(trainer.logger, TensorBoardLogger):  # the Custom Scalars tab opens on the loss
         write_layout(trainer.logger, priced=bool(rt.price), mixture=bool(cfg.data.mixture))
     on_exit.callback(stop_data_workers, trainer)
-    if decide is None:  # a deferred decision logs the hparams once it is made
-        for logger in trainer.loggers:
-            logger.log_hyperparams(meter.about)
     fit(trainer, module, datamodule, ckpt_path)
     return finish(trainer, run_dir, checkpointer)
 
