@@ -372,19 +372,32 @@ def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path
         # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer and
         # runs it on one thread, since the processes already fill the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        # Leaving this block terminates the workers (SIGTERM) and joins them, on an interruption too.
+        before = {child.pid for child in mp.active_children()}
         with mp.get_context("fork").Pool(procs, initializer=_init_pool_worker, initargs=args) as pool:
-            results = pool.imap_unordered(tokenize_unit, todo)
-            while True:
-                try:
-                    record = results.next(timeout=0.5)
-                except mp.TimeoutError:
+            try:
+                results = pool.imap_unordered(tokenize_unit, todo)
+                while True:
+                    try:
+                        record = results.next(timeout=0.5)
+                    except mp.TimeoutError:
+                        update()
+                        continue
+                    except StopIteration:
+                        break
                     update()
-                    continue
-                except StopIteration:
-                    break
-                update()
-                yield record
+                    yield record
+                # Every unit is done: the workers leave on the pool's end-of-work sentinel. No signal is sent,
+                # so none can land on a worker still starting, whose inherited handlers (and the at-fork hooks,
+                # whose exceptions are ignored) could swallow it and leave the join waiting for ever.
+                pool.close()
+                pool.join()
+            except BaseException:
+                # Interrupted: no worker may rename a shard after this call returns. SIGKILL, for the same
+                # reason; the pool's own terminate (leaving this block) then joins the dead workers.
+                for child in mp.active_children():
+                    if child.pid not in before:
+                        child.kill()
+                raise
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
