@@ -196,3 +196,20 @@ def test_the_real_ledger_refuses_a_run_without_a_gpu(ledger, monkeypatch):
     with pytest.raises(SystemExit, match="GPU results only"):
         ledger.schedule(ledger.LEDGER, 600, say=lambda *a: None)
     assert ledger.LEDGER.read_bytes() == real
+
+
+def test_the_exact_resume_verdict_passes_an_exchangeable_resume_and_fails_a_far_one(monkeypatch):
+    """Item a's rule: with non-deterministic kernels an exact resume is one more draw of the same spread, so the
+    verdict needs a margin (2026-11-28's H200 numbers, 0.99x and 1.03x the straight pair's distance, were called
+    a resume bug by the old 'no farther' rule); straight runs that agree bitwise leave no margin."""
+    monkeypatch.syspath_prepend(str(GPU / "items"))
+    monkeypatch.setattr(sys, "argv", ["a_exact_resume.py", "8", "3"])
+    item_a = load_script(GPU / "items" / "a_exact_resume.py", "gpu_item_a")
+    seen = {"resumed_vs_straight": [0.023782, 0.024610], "straight_vs_straight": 0.023975}
+    assert item_a.verdict(seen) == "within spread"
+    assert item_a.verdict({"resumed_vs_straight": [0.0, 0.0], "straight_vs_straight": 0.0}) == "bitwise"
+    assert item_a.verdict({"resumed_vs_straight": [1e-6, 1e-6], "straight_vs_straight": 0.0}) == "resume bug"
+    assert (
+        item_a.verdict({"resumed_vs_straight": [0.08, 0.09], "straight_vs_straight": 0.024}) == "resume bug"
+    )
+    assert item_a.verdict({"resumed_vs_straight": [0.03, 0.05], "straight_vs_straight": 0.024}) == "undecided"

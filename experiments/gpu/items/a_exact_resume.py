@@ -1,15 +1,21 @@
 """Ledger item a: exact resume on CUDA with compile, bf16 and fused AdamW (`134m`).
 
-Two straight runs and one run cut by SIGTERM after step CUT (it saves the next step and exits 75), then
-resumed by the same command to the end. "Exact" on CUDA is defined by what the card can give: the largest
-absolute difference of the final weights and AdamW state (`lm.tools.selftest.max_difference`, 0.0 is bitwise)
-between resumed and straight, against the same difference between the two straight runs. Verdicts:
-`bitwise` (all 0), `within spread` (the resumed run is no farther from either straight run than they are from
-each other: the resume adds nothing the kernels do not already do), `resume bug` (farther).
+Straight runs and one run cut by SIGTERM after step CUT (it saves the next step and exits 75), then resumed by
+the same command to the end. "Exact" on CUDA is defined by what the card can give: the largest absolute
+difference of the final weights and AdamW state (`lm.tools.selftest.max_difference`, 0.0 is bitwise) between
+resumed and straight, against the same difference between two straight runs.
 
-When the straight runs differ and the box has time left, the same pair again with Lightning's
-`deterministic=true` (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8): whether it is
-bitwise then, and its cost in tokens/s against the default's.
+Verdicts (`verdict`): `bitwise` (all 0); `resume bug` when the straight runs agree bitwise and the resumed one
+does not, or when the resumed run is more than 3x farther from each straight run than they are from each
+other; `within spread` when it is at most 1.5x farther from either; else `undecided`. The margins are there
+because with non-deterministic kernels the three runs are exchangeable if the resume is exact: the rule of
+2026-11-27 ("no farther than the straight runs are from each other") fails an exact resume 2 times in 3 (the
+straight pair is the closest of three exchangeable distances 1 time in 3), and did on 2026-11-28 (resumed
+0.0238 and 0.0246 against 0.0240: 0.99x and 1.03x).
+
+Arms, in order, while the box has room for one: Lightning's `deterministic=true`
+(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8), which can decide bitwise, then the
+default kernels (the spread a user gets, and deterministic's cost in tokens/s against it).
 
     python3 experiments/gpu/items/a_exact_resume.py [STEPS CUT]
     LEDGER_CPU_STANDIN=1 python3 experiments/gpu/items/a_exact_resume.py 8 3    # the item's logic, tiny, on CPU
@@ -78,39 +84,50 @@ def arm(tag: str, extra: list[str], env: dict[str, str] | None, straights: int) 
 
 
 def verdict(a: dict) -> str:
-    resumed, spread = max(a["resumed_vs_straight"]), a["straight_vs_straight"]
-    if resumed == 0.0 and not spread:
-        return "bitwise"
-    if spread is not None and resumed <= spread:
+    """`bitwise`, `within spread`, `undecided` or `resume bug` (the module's docstring says why the margins)."""
+    resumed, spread = a["resumed_vs_straight"], a["straight_vs_straight"]
+    if spread is None:  # one straight run: only bitwise agreement decides anything
+        return "bitwise" if max(resumed) == 0.0 else "undecided"
+    if spread == 0.0:
+        return "bitwise" if max(resumed) == 0.0 else "resume bug"
+    if max(resumed) <= 1.5 * spread:
         return "within spread"
-    return "resume bug"
+    if min(resumed) > 3.0 * spread:
+        return "resume bug"
+    return "undecided"
+
+
+def describe(tag: str, a: dict) -> str:
+    r, s = a["resumed_vs_straight"], a["straight_vs_straight"]
+    return f"{tag} {verdict(a)}: resumed-vs-straight max|diff| {', '.join(f'{x:.3g}' for x in r)}, straight-vs-straight {s:.3g}"
 
 
 def main() -> None:
-    started = time.monotonic()
-    default = arm("default", [], None, straights=2)
-    fields = {"steps": STEPS, "cut_after": CUT, **common.gpu(), "default": default}
-    if "error" in default:
-        common.result(f"failed: {default['error']}", status="failed", **fields)
-        return
-    fields["verdict"] = verdict(default)
-    summary = (
-        f"{fields['verdict']}: resumed-vs-straight max|diff| {max(default['resumed_vs_straight']):.3g}, "
-        f"straight-vs-straight {default['straight_vs_straight']:.3g} ({STEPS} steps, SIGTERM after {CUT})"
-    )
-    per_run = (time.monotonic() - started) / 4
-    if default["straight_vs_straight"] and common.left() > 3.3 * per_run:
-        det = arm("deterministic", DETERMINISTIC, DETERMINISTIC_ENV, straights=1)
-        fields["deterministic"] = det
-        if "error" in det:
-            summary += f"; deterministic=true failed: {det['error']}"
-        else:
-            cost = (det["tokens_per_sec"] or 0) / (default["tokens_per_sec"] or float("nan"))
-            diff = det["resumed_vs_straight"][0]
-            summary += f"; deterministic=true: resumed-vs-straight {diff:.3g} at {cost:.2f}x the tokens/s"
-    elif default["straight_vs_straight"]:
-        summary += "; no time left in the box for the deterministic=true arm"
-    common.result(summary, **fields)
+    fields = {"steps": STEPS, "cut_after": CUT, **common.gpu()}
+    parts, runs_s = [], []
+    for tag, extra, env in (("deterministic", DETERMINISTIC, DETERMINISTIC_ENV), ("default", [], None)):
+        per_run = max(runs_s, default=0.0)  # the slowest run so far; an arm is 4 runs
+        if parts and common.left() < 4 * per_run:
+            parts.append(f"no time left in the box for the {tag} arm")
+            break
+        started = time.monotonic()
+        a = arm(tag, extra, env, straights=2)
+        runs_s.append((time.monotonic() - started) / 4)
+        fields[tag] = a
+        if "error" in a:
+            parts.append(f"{tag} failed: {a['error']}")
+            continue
+        a["verdict"] = verdict(a)
+        parts.append(describe(tag, a))
+    det, default = fields.get("deterministic", {}), fields.get("default", {})
+    if det.get("tokens_per_sec") and default.get("tokens_per_sec"):
+        parts.append(
+            f"deterministic at {det['tokens_per_sec'] / default['tokens_per_sec']:.2f}x the default's tokens/s"
+        )
+    fields["verdict"] = det.get("verdict") or default.get("verdict") or "failed"
+    summary = f"({STEPS} steps, SIGTERM after {CUT}) " + "; ".join(parts)
+    failed = all("error" in fields.get(t, {"error": 1}) for t in ("deterministic", "default"))
+    common.result(summary, **({"status": "failed"} if failed else {}), **fields)
 
 
 if __name__ == "__main__":
