@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
-import multiprocessing as mp
-import os
 import re
 import shutil
-import signal
-import threading
 import time
 from collections import Counter
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from lm.base.exits import Interrupted, Refused
@@ -47,8 +40,9 @@ from lm.data.manifest import (
     token_dtype,
 )
 from lm.data.mirror import dataset_cache, fetch_dataset, upload_dataset
-from lm.data.sources import Skip, Unit, UnitPlan, is_validation, split_key
+from lm.data.sources import Skip, Unit, UnitPlan, split_key
 from lm.data.stdlib import stable_fraction
+from lm.data.tokenize_pool import MAX_LISTED_DOCUMENTS, is_val, run_units, stop_on_signals
 from lm.data.tokenizer import (
     MIN_VOCAB_SIZE,
     file_sha256,
@@ -63,13 +57,8 @@ from lm.store.objects import is_url
 
 log = logging.getLogger("lm.data")
 
-ENCODE_BYTES = 1 << 20
-"""Text per encode_batch call: enough to amortize the call, small enough to bound a worker's memory."""
-MAX_LISTED_DOCUMENTS = 100_000
-"""Document names are kept in the manifest (for inspection and tests) only for corpora up to this size."""
 MAX_LISTED_SKIPS = 1000
 MAX_LOGGED_SKIPS = 20
-LOG_EVERY_S = 30.0
 """Without a terminal for the progress bar, progress is logged this often."""
 MANIFEST_CONFIG_KEYS = (
     "source", "paths", "name", "subset", "split", "text_field", "vocab_size", "val_fraction", "max_bytes",
@@ -94,130 +83,6 @@ def check_config(cfg: DataConfig) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
-
-
-class ShardWriter:
-    """Appends token arrays to `<name>` through a temporary file; `close()` fsyncs and renames it into place."""
-
-    def __init__(self, folder: Path, name: str, dtype: np.dtype):
-        self.path = folder / name
-        self.tmp = folder / f".{name}.tmp-{os.getpid()}"
-        self.dtype = dtype
-        self.file = open(self.tmp, "wb")  # noqa: SIM115
-        self.sha = hashlib.sha256()
-        self.tokens = self.documents = self.bytes = 0
-
-    def write(self, ids: np.ndarray) -> None:
-        data = ids.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
-        self.sha.update(data)
-        self.tokens += len(ids)
-
-    def close(self) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
-        return {
-            "file": self.path.name,
-            "tokens": self.tokens,
-            "documents": self.documents,
-            "bytes": self.bytes,
-            "sha256": self.sha.hexdigest(),
-        }
-
-
-# --- one unit of work (runs in a worker process) -----------------------------------------------------------
-
-_worker: dict = {}
-
-
-def _init_worker(cfg: DataConfig, tokenizer_json: str, out: str, forced: dict, counters) -> None:
-    """Per-process state: each worker owns a tokenizer, so no Rust thread pool is shared across a fork."""
-    tok = Tokenizer.from_str(tokenizer_json)
-    tok.encode_special_tokens = True  # a literal "<|endoftext|>" inside a document is text, not a boundary
-    eot = tokenizer_id(tok, cfg.eot_token)
-    _worker.update(cfg=cfg, tok=tok, eot=eot, out=Path(out), forced=forced, counters=counters)
-
-
-def _init_pool_worker(*args) -> None:
-    """A pool worker leaves stop signals to the parent, which terminates the pool (`stop_on_signals`): SIGTERM
-    ends it at once (the parent's handler is not inherited), Ctrl-C's SIGINT to the whole group is ignored."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _init_worker(*args)
-
-
-def _is_val(text: str, cfg: DataConfig, forced: dict) -> bool:
-    """Whether a document goes to the val split: by its content (`split_key`), unless `forced_validation`
-    moved it across."""
-    key = split_key(text)
-    return forced[key] if key in forced else is_validation(key, cfg.val_fraction)
-
-
-def tokenize_unit(unit: Unit) -> dict:
-    """Tokenize every document of `unit` into its train and val shards; returns its progress record."""
-    cfg, tok, eot, out = _worker["cfg"], _worker["tok"], _worker["eot"], _worker["out"]
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: about a third less CPU
-    dtype = token_dtype(cfg.vocab_size)
-    writers = {s: ShardWriter(out, f"{s}-{unit.index:05d}.bin", dtype) for s in SPLITS}
-    names: dict[str, list[str]] | None = {s: [] for s in SPLITS}
-    skips: list[Skip] = []
-    t0 = time.perf_counter()
-
-    def flush(batch: list[tuple[str, str]]) -> None:
-        nonlocal names
-        encodings = encode([text for _, text in batch], add_special_tokens=False)
-        bufs: dict[str, list[int]] = {s: [] for s in SPLITS}
-        n_bytes = 0
-        for (name, text), enc in zip(batch, encodings):
-            split = "val" if _is_val(text, cfg, _worker["forced"]) else "train"
-            bufs[split].extend(enc.ids)
-            bufs[split].append(eot)
-            size = len(text.encode("utf-8"))
-            writers[split].documents += 1
-            writers[split].bytes += size
-            n_bytes += size
-            if names is not None:
-                names[split].append(name)
-        for split, buf in bufs.items():
-            if buf:
-                ids = np.array(buf, dtype=np.int64)
-                if ids.max() >= cfg.vocab_size:
-                    raise Refused(
-                        f"the tokenizer produced id {ids.max()} >= data.vocab_size={cfg.vocab_size}; set "
-                        f"data.vocab_size to at least the tokenizer's vocabulary size"
-                    )
-                writers[split].write(ids)
-        if names is not None and sum(map(len, names.values())) > MAX_LISTED_DOCUMENTS:
-            names = None
-        counters_add(n_bytes, sum(map(len, bufs.values())))
-
-    batch, batch_bytes = [], 0
-    for doc in sources.read_unit(unit, cfg, skips):
-        batch.append((doc.name, doc.text))
-        batch_bytes += len(doc.text)
-        if batch_bytes >= ENCODE_BYTES:
-            flush(batch)
-            batch, batch_bytes = [], 0
-    if batch:
-        flush(batch)
-    shards = {s: w.close() for s, w in writers.items()}
-    return {
-        "unit": unit.index,
-        "shards": shards,
-        "skips": [asdict(s) for s in skips],
-        "documents": names,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-
-
-def counters_add(n_bytes: int, n_tokens: int) -> None:
-    counters = _worker.get("counters")
-    if counters is not None:
-        with counters[0].get_lock():
-            counters[0].value += n_bytes
-            counters[1].value += n_tokens
 
 
 # --- the preparation ---------------------------------------------------------------------------------------
@@ -267,7 +132,7 @@ def sample_documents(cfg: DataConfig, plan: UnitPlan, forced: dict):
     n_bytes = 0
     for unit in sorted(plan.units, key=lambda u: stable_fraction(str(u.files[:1] or u.index), "tokenizer")):
         for doc in sources.read_unit(unit, cfg, skips):
-            if not _is_val(doc.text, cfg, forced):
+            if not is_val(doc.text, cfg, forced):
                 yield doc.text
                 n_bytes += len(doc.text)
                 if n_bytes >= cfg.tokenizer_sample_bytes:
@@ -339,75 +204,6 @@ def _finished(out: Path, unit: Unit) -> dict | None:
     return record
 
 
-def _run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path, forced: dict, total_bytes):
-    """Tokenize `todo` on data.num_proc processes, yielding each unit's record as it completes."""
-    from tqdm.auto import tqdm
-
-    counters = (mp.Value("q", 0), mp.Value("q", 0))
-    procs = min(cfg.num_proc or os.cpu_count() or 1, len(todo))
-    args = (cfg, tokenizer_json, str(out), forced, counters)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing ({procs} proc)", disable=None)
-    t0 = time.perf_counter()
-
-    last_log = [t0]
-
-    def update() -> None:
-        now = time.perf_counter()
-        rate = counters[1].value / max(now - t0, 1e-9)
-        bar.update(counters[0].value - bar.n)
-        bar.set_postfix_str(f"{rate / 1e3:,.0f}K tok/s")
-        if bar.disable and now - last_log[0] > LOG_EVERY_S:  # no terminal (a job's log file): a line instead
-            last_log[0] = now
-            done = f"{counters[0].value / total_bytes:.1%} of " if total_bytes else ""
-            log.info("tokenized %s%.1f MB, %.0fK tokens/s", done, counters[0].value / 1e6, rate / 1e3)
-
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    try:
-        if procs <= 1:
-            _init_worker(*args)
-            for unit in todo:
-                yield tokenize_unit(unit)
-                update()
-            return
-        # Fork: workers inherit the loaded modules (no re-import of torch); each builds its own tokenizer and
-        # runs it on one thread, since the processes already fill the cores.
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        before = {child.pid for child in mp.active_children()}
-        with mp.get_context("fork").Pool(procs, initializer=_init_pool_worker, initargs=args) as pool:
-            try:
-                results = pool.imap_unordered(tokenize_unit, todo)
-                while True:
-                    try:
-                        record = results.next(timeout=0.5)
-                    except mp.TimeoutError:
-                        update()
-                        continue
-                    except StopIteration:
-                        break
-                    update()
-                    yield record
-                # Every unit is done: the workers leave on the pool's end-of-work sentinel. No signal is sent,
-                # so none can land on a worker still starting, whose inherited handlers (and the at-fork hooks,
-                # whose exceptions are ignored) could swallow it and leave the join waiting for ever.
-                pool.close()
-                pool.join()
-            except BaseException:
-                # Interrupted: no worker may rename a shard after this call returns. SIGKILL, for the same
-                # reason; the pool's own terminate (leaving this block) then joins the dead workers.
-                for child in mp.active_children():
-                    if child.pid not in before:
-                        child.kill()
-                raise
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
-        update()
-        bar.close()
-        _worker.clear()
-
-
 def prepare(cfg: DataConfig) -> Path:
     """Build the tokenized dataset for `cfg` unless it is complete already; return its folder.
 
@@ -470,7 +266,7 @@ def tokenize_units(
     # Closed on the way out wherever a stop signal lands, so its worker pool never outlives this call.
     with (
         stop_on_signals(),
-        contextlib.closing(_run_units(cfg, todo, tokenizer_json, out, forced, total)) as run,
+        contextlib.closing(run_units(cfg, todo, tokenizer_json, out, forced, total)) as run,
     ):
         try:
             for record in run:
@@ -493,30 +289,6 @@ def tokenize_units(
             len(todo), n_bytes / 1e6, n_tokens, seconds, n_bytes / 1e6 / seconds, n_tokens / 1e3 / seconds,
         )  # fmt: skip
     return records
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGTERM and SIGINT raise `Interrupted` (exit 75) in the main thread while units are tokenized, so the
-    worker pool is terminated and joined on the way out. By default SIGTERM ends the parent alone, and its
-    workers went on for seconds renaming finished shards into the folder. A repeated signal is ignored while
-    the workers are being stopped. Elsewhere than the main thread (where handlers cannot be set) a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[str] = []
-
-    def stop(signum: int, frame) -> None:
-        if not caught:
-            caught.append(signal.Signals(signum).name)
-            raise Interrupted(caught[0])
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _manifest(cfg: DataConfig, plan: UnitPlan, key: str, records: list[dict], tokenizer_json: str) -> dict:
