@@ -616,3 +616,29 @@ def test_a_trend_that_leans_on_one_rung_says_the_fits_disagree():
     rows["s1"][0].lr_grid_cost, rows["s1"][0].delta = 0.5, t_interval([-0.11, -0.1, -0.09])
     found = trend("v", rows, int(1e5 * math.e**9), None)
     assert found.left_out == ["s1"] and found.shapes == ["s0", "s2"] and found.flagged == ["s1"]
+
+
+def test_a_sequence_length_warm_up_arm_is_timed_at_each_stage_window_weighted_by_its_steps():
+    """Issue 48 item 9: the warm-up arm trains short windows for part of its run; its step time is each stage's
+    window timed as the run trains it, weighted by the stage's steps (timing the full window alone overstated
+    it). The stages of 90 warm-up steps from 1/4 of 64 tokens over a 300-step run: 16 for 45, 32 for 45, 64 for
+    210."""
+    from lm.config import DataConfig
+    from lm.numbers.batch_ramp import seq_len_warmup
+    from lm.tools.ablate.runner import row_times, stage_steps, step_times
+
+    stages = seq_len_warmup(DataConfig(seq_len=64, seq_len_warmup_steps=90, seq_len_warmup_start=0.25))
+    assert stage_steps(stages, 64, 300) == [(16, 45), (32, 45), (64, 210)]
+    assert stage_steps(None, 64, 300) == [(64, 1)]
+    base = [*TINY, "trainer.max_steps=300"]
+    arms = {
+        "baseline": base,
+        "warm": [*base, "data.seq_len_warmup_steps=90", "data.seq_len_warmup_start=0.25"],
+    }
+    rows = row_times(arms, steps=3, warmup=1)
+    assert {row: n for row, (_, n) in rows.items()} == {
+        ("baseline", 64): 1, ("warm", 16): 45, ("warm", 32): 45, ("warm", 64): 210
+    }  # fmt: skip
+    assert all(seconds > 0 for seconds, _ in rows.values())
+    times = step_times(arms, steps=3, warmup=1)
+    assert set(times) == {"baseline", "warm"} and all(0 < t < 60 for t in times.values())

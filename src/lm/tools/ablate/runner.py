@@ -196,40 +196,73 @@ def prepare_data(spec: Spec) -> None:
 
 
 def step_times(arms: dict[str, list[str]], steps: int = 20, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of one training step (forward, backward, clip, optimizer) of every arm (name -> its full
-    overrides), measured in ONE process with the arms' steps interleaved in rotating order, so a shared
+    """Each arm's seconds per training step: `row_times`' rows, weighted by the steps each runs."""
+    rows = row_times(arms, steps, warmup)
+    out = {}
+    for arm in arms:
+        own = [(median, n) for (name, _), (median, n) in rows.items() if name == arm]
+        out[arm] = sum(median * n for median, n in own) / sum(n for _, n in own)
+    return out
+
+
+def row_times(
+    arms: dict[str, list[str]], steps: int = 20, warmup: int = 3
+) -> dict[tuple[str, int], tuple[float, int]]:
+    """{(arm, window length): (median seconds, the steps the run trains at it)}: one training step (forward,
+    backward, clip, optimizer) of every arm (name -> its full overrides), measured in ONE process with the arms' steps interleaved in rotating order, so a shared
     machine's load falls on all alike (the runs' own times, taken minutes apart, differ by 2x on a loaded
     2-core machine). The module the run builder builds (its kernels, compile), on the CPU or the first GPU, the
-    arm's full batch of random tokens."""
+    arm's full batch of random tokens. An arm with a sequence-length warm-up (`data.seq_len_warmup_steps`)
+    trains shorter windows for part of its run: each stage's window length is timed as its own row of the
+    rotation, beside the steps the stage runs (`step_times` weights them: timing the full window alone
+    overstated such an arm's step)."""
     import statistics
 
     import torch
 
     from lm.engine import optim as lm_optim
+    from lm.engine.module import short_windows
     from lm.run import build
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    names, modules, optimizers, batches = list(arms), {}, {}, {}
-    for arm in names:
-        cfg = compose_objects(arms[arm])
+    modules, optimizers, batches, weights = {}, {}, {}, {}
+    rows: list[tuple[str, int]] = []  # (arm, window length): one timed row each
+    for arm, overrides in arms.items():
+        cfg = compose_objects(overrides)
         modules[arm] = build.build_module(cfg, init_from=False, eot_id=0).to(device)  # what the run trains
         optimizers[arm] = lm_optim.build(modules[arm].model, cfg.optim, fused=False)
         shape = (cfg.data.batch_size, cfg.data.seq_len + 1)
-        batches[arm] = torch.randint(0, cfg.model.vocab_size, shape, device=device)
-    times: dict[str, list[float]] = {arm: [] for arm in names}
+        batch = torch.randint(0, cfg.model.vocab_size, shape, device=device)
+        for length, n_steps in stage_steps(
+            modules[arm].window_stages, cfg.data.seq_len, cfg.trainer.max_steps
+        ):
+            rows.append((arm, length))
+            batches[arm, length] = short_windows(batch, length)
+            weights[arm, length] = n_steps
+    times: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     for i in range(steps + warmup):
-        for arm in names[i % len(names) :] + names[: i % len(names)]:
+        for row in rows[i % len(rows) :] + rows[: i % len(rows)]:
+            module, opt = modules[row[0]], optimizers[row[0]]
             started = time.perf_counter()
-            loss = modules[arm].objective(batches[arm])[0]
+            loss = module.objective(batches[row])[0]
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(modules[arm].parameters(), 1.0)
-            optimizers[arm].step()
-            optimizers[arm].zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:  # first steps: the allocator, first touch of the optimizer's state
-                times[arm].append(time.perf_counter() - started)
-    return {arm: statistics.median(t) for arm, t in times.items()}
+                times[row].append(time.perf_counter() - started)
+    return {row: (statistics.median(times[row]), weights[row]) for row in rows}
+
+
+def stage_steps(stages, seq_len: int, max_steps: int | None) -> list[tuple[int, int]]:
+    """(window length, steps trained at it) of a run's sequence-length warm-up stages (`stages` as
+    `lm.numbers.batch_ramp.seq_len_warmup` gives them, None when off: the full window for every step)."""
+    if not stages or len(stages) == 1:
+        return [(seq_len, 1)]
+    ends = [first for first, _ in stages[1:]] + [max(max_steps or 0, stages[-1][0] + 1)]
+    return [(length, end - first) for (first, length), end in zip(stages, ends) if end > first]
 
 
 def cached_step_times(arms: dict[str, list[str]], out: Path, threads: int | None) -> dict[str, float]:
