@@ -37,8 +37,8 @@ from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.spike import SpikeGuard
-from lm.callbacks.spot import StopSignals
 from lm.callbacks.steps import StepWatch
+from lm.callbacks.stop_signals import StopSignals
 from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.callback import RunCheckpoint

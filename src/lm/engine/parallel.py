@@ -5,7 +5,7 @@
 norm see ordinary named parameters), composes with per-block `torch.compile` and activation checkpointing,
 is what torchtitan builds on, and runs on CPUs with gloo, so it is tested on every commit.
 
-Under SLURM, SIGUSR1 belongs to lm.callbacks.spot.StopSignals (save at the next step, exit 75, the sbatch
+Under SLURM, SIGUSR1 belongs to lm.callbacks.stop_signals.StopSignals (save at the next step, exit 75, the sbatch
 script requeues); Lightning's own SLURM auto-requeue, which would save a second, differently named
 checkpoint from inside the signal handler, is switched off.
 """

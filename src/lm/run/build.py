@@ -30,8 +30,8 @@ from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
-from lm.callbacks.spot import StopSignals
 from lm.callbacks.step import StepBoundary
+from lm.callbacks.stop_signals import StopSignals
 from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.checkpointer import Checkpointer
