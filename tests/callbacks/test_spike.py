@@ -19,7 +19,7 @@ from lm.run import train as lm_train
 from ..conftest import train_in_process as train
 from ..engine import test_distributed as distributed
 from . import test_sync as sync
-from .test_spot import assert_same, fault, last, overrides
+from .test_stop_signals import assert_same, fault, last, overrides
 
 SPIKES = ["guards.spike_window=5"]  # armed from step 5 of a 20-step run (the default 50 would never arm)
 

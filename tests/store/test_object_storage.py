@@ -49,7 +49,7 @@ def s3(s3_server):
 
 
 def run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python train.py *args` in a fresh process (a machine of its own), like test_spot's train_process."""
+    """`python train.py *args` in a fresh process (a machine of its own), like test_stop_signals' train_process."""
     return subprocess.run(
         [sys.executable, "train.py", *args],
         cwd=ROOT,
