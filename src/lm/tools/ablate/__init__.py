@@ -256,12 +256,7 @@ def measure_step_times(campaign: Campaign, threads: int | None) -> dict[str, dic
     """Each shape's arms' step times, kept in `<out>/[<shape>/]step_times.json`."""
     spec, times = campaign.spec, {}
     for shape, extra in campaign.ladder.items():
-        # With the arm's own step count: a sequence-length warm-up's stages are weighted by the steps they run.
-        arms = {
-            arm: [*spec.base, *extra, *spec.arm_overrides(arm, shape),
-                  f"trainer.max_steps={campaign.shapes[shape][arm].steps}"]
-            for arm in spec.arms
-        }  # fmt: skip
+        arms = {arm: [*spec.base, *extra, *spec.arm_overrides(arm, shape)] for arm in spec.arms}
         times[shape] = cached_step_times(
             arms, campaign.out / "runs" / shape if shape else campaign.out, threads
         )
