@@ -106,22 +106,25 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     base = {0: 3.0, 1: 3.1, 2: 2.95}
     results = [result(BASELINE, s, v) for s, v in base.items()]
     results += [result("good", s, v - 0.05) for s, v in base.items()]
-    # The good lever's half-length runs land exactly on each seed's baseline final loss: 0.5x the tokens.
+    # The good lever's complete half-length runs end 0.05 above each seed's baseline final loss and its full runs
+    # 0.05 below: the baseline's loss lies halfway in log tokens, at sqrt(0.5) = 0.707x the tokens (measured on
+    # its own complete runs: a better variant is beyond every baseline length).
     mean = sum(base.values()) / 3
-    results += [result("good", s, v, fraction=0.5, steps=50) for s, v in base.items()]
+    results += [result("good", s, v + 0.05, fraction=0.5, steps=50) for s, v in base.items()]
     results += [result("same", s, v + (0.01 if s else -0.01)) for s, v in base.items()]
     rows = {r.arm: r for r in summarize(spec, results, shapes)}
     assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.05)
-    assert rows["good"].tokens_ratio.mean == pytest.approx(0.5)
-    assert rows["good"].usd_to_target_ratio.mean == pytest.approx(0.5)  # same FLOPs per token
-    assert "shorter runs" in rows["good"].tokens.method
+    assert rows["good"].tokens_ratio.mean == pytest.approx(math.sqrt(0.5))
+    assert rows["good"].tokens.interval.low == pytest.approx(math.sqrt(0.5))  # every seed exactly halfway
+    assert rows["good"].usd_to_target_ratio.mean == pytest.approx(math.sqrt(0.5))  # same FLOPs per token
+    assert "the arm's own complete runs" in rows["good"].tokens.method
     assert rows["same"].verdict == "within noise"
     assert "upper bound" in rows["same"].tokens.method
     assert rows[BASELINE].final.mean == pytest.approx(mean)
     assert rows["good"].flops_ratio == 1.0
     # Modelled dollars per loss point: same tokens and FLOPs, a larger drop from ln(512) -> cheaper.
     assert rows["good"].usd_per_point_ratio < 1.0
-    assert rows["good"].fractions["0.5"].mean == pytest.approx(mean)
+    assert rows["good"].fractions["0.5"].mean == pytest.approx(mean + 0.05)
     # The baseline against its own seeds: exactly 1x, no seed dropped.
     assert rows[BASELINE].tokens_ratio.mean == pytest.approx(1.0)
     assert rows[BASELINE].tokens.reached == "3/3 measured"
@@ -396,6 +399,36 @@ def test_the_speedup_reads_the_baselines_complete_runs_in_log_tokens(tmp_path):
     rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys(spec.arms, shape))}
     assert rows["slow"].tokens_ratio.mean == pytest.approx(1.6)
     assert rows["slow"].usd_to_target_ratio.mean == pytest.approx(1.6)
+
+
+def test_a_better_variant_is_measured_on_its_own_complete_runs():
+    """A variant better than the baseline reaches a loss the baseline's longest run does not: on the baseline's
+    lengths (all <= 1) it is only "at most 1.0" (the ladder's QK-norm + Muon at every rung on 2026-11-28). Its
+    own complete runs at 0.5, 0.6, 0.8 place the baseline's final loss on its own tokens: measured."""
+    from lm.tools.ablate.analysis import MEASURED, speedup
+
+    lengths = [0.5, 0.6, 0.8]
+    spec = Spec(
+        name="t", variants={"fast": []}, seeds=[0, 1, 2], fractions={BASELINE: lengths, "fast": lengths}
+    )
+    offset = {0: 0.0, 1: 0.05, 2: -0.03}
+
+    def loss(seed: int, tokens: float) -> float:  # linear in log tokens: the interpolation is exact
+        return 4.0 + offset[seed] - 0.2 * math.log(tokens)
+
+    results = []
+    for s in offset:
+        for f in (*lengths, 1.0):
+            steps = int(100 * f)
+            results.append(result(BASELINE, s, loss(s, 1000.0 * f), f, steps))
+            results.append(result("fast", s, loss(s, 1.4 * 1000.0 * f), f, steps))  # as the baseline at 1.4x
+    fast = speedup(results, spec, "fast")
+    assert "the arm's own complete runs" in fast.method and set(fast.status.values()) == {MEASURED}
+    assert fast.interval.mean == pytest.approx(1 / 1.4) and fast.interval.n == 3
+    assert fast.interval.low == pytest.approx(1 / 1.4) and fast.interval.high == pytest.approx(1 / 1.4)
+    # The baseline's lengths alone can only bound it.
+    only_baseline = Spec(name="t", variants={"fast": []}, seeds=[0, 1, 2], fractions={BASELINE: lengths})
+    assert speedup(results, only_baseline, "fast").bound == ("at most", pytest.approx(1.0))
 
 
 def test_the_speedups_interval_is_a_bootstrap_over_seeds_and_names_an_open_end():

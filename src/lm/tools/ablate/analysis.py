@@ -152,10 +152,10 @@ SPEEDUP_BOOTSTRAP = 2000
 class TokenRatio:
     """Tokens an arm needs for the loss it is compared at, over the baseline's tokens (below 1: it needs fewer).
 
-    Three ways to read it, best first: the baseline's complete runs at several lengths (`speed-up`: the baseline
-    tokens whose final loss equals the variant's, Wen et al. 2025); the arm's own shorter complete runs against
-    the baseline's final loss (`shorter runs`); the arm's validation curve (`curve`), whose points are not
-    decayed, so each seed's reading is only an upper bound. Only measured values make an interval; bounds make a
+    Two ways to read it, best first: complete runs at several lengths (`speed-up`, Wen et al. 2025: the
+    baseline tokens whose final loss equals the variant's, or the variant's own tokens whose final loss equals
+    the baseline's); the arm's validation curve (`curve`), whose points are not decayed, so each seed's reading
+    is only an upper bound. Only measured values make an interval; bounds make a
     one-sided bound of the mean, never observations in a t interval."""
 
     interval: Interval | None
@@ -229,50 +229,40 @@ def summarize_seeds(ratio: TokenRatio) -> TokenRatio:
 def token_ratio(
     results: list[RunResult], spec: Spec, arm: str, base_tokens: float, shape: Shape | None = None
 ) -> TokenRatio:
-    """The arm's tokens ratio, by the best method its runs allow (see TokenRatio): the baseline's lengths
-    (`fractions.baseline`), else the arm's own shorter runs, else its curve (upper bounds)."""
-    if arm != BASELINE and spec.fractions.get(BASELINE):
+    """The arm's tokens ratio, by the best method its runs allow (see TokenRatio): complete runs at several
+    lengths (`speedup`: the baseline's `fractions.baseline`, or the arm's own), else its curve (upper bounds)."""
+    if arm != BASELINE and (spec.fractions.get(BASELINE) or spec.fractions.get(arm)):
         return speedup(results, spec, arm)
     target = {s: v for s, v in finals(results, BASELINE).items() if math.isfinite(v)}
-    use_fractions = bool(spec.fractions.get(arm)) and arm != BASELINE
-    ratio = TokenRatio(None)
-    ratio.method = "shorter runs' final losses (each decayed)" if use_fractions else "full run's curve"
-    if arm != BASELINE and not use_fractions:
-        ratio.method += " (upper bounds)"
+    ratio = TokenRatio(None, method="full run's curve" + (" (upper bounds)" if arm != BASELINE else ""))
     decay_tokens = None
     if shape is not None and shape.decay_start is not None:
         decay_tokens = shape.tokens_through(shape.decay_start)
     for seed in sorted(set(finals(results, arm)) & set(target)):
-        runs = [r for r in results if r.arm == arm and r.seed == seed and r.final is not None]
-        full = next(r for r in runs if r.fraction == 1.0)
+        full = next(r for r in results if r.arm == arm and r.seed == seed and r.fraction == 1.0)
         if not math.isfinite(full.final):
             continue  # diverged: no tokens to read (the row lists it)
-        if use_fractions:
-            points = [(r.tokens[-1], r.final) for r in runs if math.isfinite(r.final)]
-        else:
-            points = list(zip(full.tokens, full.val_loss, strict=True))
-        tokens, below = tokens_to_reach(points, target[seed])
-        if tokens is None:  # never reached within its longest run: the ratio is above that run's tokens
+        points = list(zip(full.tokens, full.val_loss, strict=True))
+        tokens, _ = tokens_to_reach(points, target[seed])
+        if tokens is None:  # never reached within its run: the ratio is above that run's tokens
             ratio.per_seed[seed], ratio.status[seed] = max(t for t, _ in points) / base_tokens, LOWER
             continue
         ratio.per_seed[seed] = tokens / base_tokens
         # The baseline against its own seeds is 1 by construction; a mid-run point of a curve is not decayed
         # (the tokens to that loss with a decay there are fewer): an upper bound.
-        exact = arm == BASELINE or (use_fractions and not below)
-        ratio.status[seed] = MEASURED if exact else UPPER
-        if not use_fractions and arm != BASELINE and decay_tokens is not None and tokens > decay_tokens:
+        ratio.status[seed] = MEASURED if arm == BASELINE else UPPER
+        if arm != BASELINE and decay_tokens is not None and tokens > decay_tokens:
             ratio.in_decay.append(seed)
     return summarize_seeds(ratio)
 
 
 def baseline_tokens_for(points: list[tuple[float, float]], loss: float) -> tuple[float, str]:
-    """The baseline tokens whose final loss equals `loss`, linear in log tokens between the baseline's
-    complete runs (tokens, final loss): (tokens, MEASURED), or the range's edge with LOWER / UPPER when `loss`
-    lies outside what the runs span (the baseline needs fewer tokens than its shortest run, or more than its
-    longest)."""
+    """The tokens whose final loss equals `loss`, linear in log tokens between complete runs (tokens, final
+    loss): (tokens, MEASURED), or the range's edge with "before" / "beyond" when `loss` lies outside what the
+    runs span (fewer tokens than the shortest run needs, or more than the longest)."""
     logged = [(math.log(t), v) for t, v in points]
     at, first = tokens_to_reach(logged, loss)
-    if at is None:  # the variant is below the baseline's longest run: more than the longest
+    if at is None:  # below the longest run's loss: more than the longest
         return max(t for t, _ in points), "beyond"
     if first:  # at or above the shortest run's loss: at most the shortest
         return math.exp(at), "before"
@@ -280,51 +270,72 @@ def baseline_tokens_for(points: list[tuple[float, float]], loss: float) -> tuple
 
 
 def speedup(results: list[RunResult], spec: Spec, arm: str, seed: int = 0) -> TokenRatio:
-    """Wen et al. 2025's speed-up, as a tokens ratio: the variant's tokens over the baseline tokens whose final
-    loss equals the variant's final loss, the baseline's final losses at its several lengths interpolated in
-    log tokens. The estimate is from the means over seeds (paired seeds only: those where the variant and the
-    baseline at every length are finite), its interval a bootstrap over those seeds; per seed, the same against
-    that seed's baseline runs (the ladder's trend resamples them). Outside the baseline's lengths a value is a
-    bound: a variant better than the longest baseline run needs at most its tokens over that run's."""
-    lengths = sorted({1.0, *spec.fractions[BASELINE]})
-    base = {f: finals(results, BASELINE, f) for f in lengths}
-    tokens = {
-        f: next((r.tokens[-1] for r in results if r.arm == BASELINE and r.fraction == f and r.tokens), None)
-        for f in lengths
-    }
-    mine = finals(results, arm)
-    variant_tokens = next(
-        (r.tokens[-1] for r in results if r.arm == arm and r.fraction == 1.0 and r.tokens), None
-    )
-    ratio = TokenRatio(None, method="speed-up: the baseline's complete runs at " + ", ".join(f"{f:g}" for f in lengths)
+    """Wen et al. 2025's speed-up, as a tokens ratio read from complete runs (each its own warm-up and decay),
+    by whichever lengths the spec trained: the baseline's (`fractions.baseline`: the baseline tokens whose final
+    loss equals the variant's, placed between the baseline's lengths) or the arm's own (`fractions.<arm>`: the
+    arm's tokens whose final loss equals the baseline's full run). A variant better than the baseline is beyond
+    the baseline's lengths (it reaches a loss the baseline's longest run does not), and one worse than the
+    baseline never reaches the baseline's loss on its own runs: each side measures what the other can only
+    bound. A measured side is reported (the arm's own first); with neither, the more informative bound (the
+    farther from 1)."""
+    sides = [side for side in (arm, BASELINE) if spec.fractions.get(side)]
+    ratios = [complete_runs(results, spec, arm, side, seed) for side in sides]
+    measured = [r for r in ratios if r.interval is not None]
+    if measured:
+        return measured[0]
+    bounded = [r for r in ratios if r.bound is not None]
+    return max(bounded, key=lambda r: abs(math.log(r.bound[1]))) if bounded else ratios[0]
+
+
+def complete_runs(results: list[RunResult], spec: Spec, arm: str, side: str, seed: int = 0) -> TokenRatio:
+    """The tokens ratio from `side`'s complete runs at several lengths (the baseline's or the arm's own), in log
+    tokens. The estimate is from the means over seeds (paired seeds only: those where every run of both arms
+    used is finite), its interval a bootstrap over those seeds; per seed, the same against that seed's runs
+    (the ladder's trend resamples them). Outside `side`'s lengths a value is a bound."""
+    lengths = sorted({1.0, *spec.fractions[side]})
+    other = arm if side == BASELINE else BASELINE
+    ladder = {f: finals(results, side, f) for f in lengths}
+    target = finals(results, other)
+
+    def tokens_of(name: str, f: float) -> float | None:
+        return next((r.tokens[-1] for r in results if r.arm == name and r.fraction == f and r.tokens), None)
+
+    tokens = {f: tokens_of(side, f) for f in lengths}
+    full = {name: tokens_of(name, 1.0) for name in (arm, BASELINE)}
+    ratio = TokenRatio(None, method=("speed-up: the baseline's" if side == BASELINE else "speed-up: the arm's own")
+                       + " complete runs at " + ", ".join(f"{f:g}" for f in lengths)
                        + " of the tokens, interpolated in log tokens (bootstrap over seeds)")  # fmt: skip
-    if variant_tokens is None or any(t is None for t in tokens.values()):
+    if any(t is None for t in [*tokens.values(), *full.values()]):
         return ratio
     seeds = sorted(
-        s for s in mine if math.isfinite(mine[s]) and all(math.isfinite(base[f].get(s, math.inf)) for f in lengths)
+        s for s in target
+        if math.isfinite(target[s]) and all(math.isfinite(ladder[f].get(s, math.inf)) for f in lengths)
     )  # fmt: skip
     if not seeds:
         return ratio
 
     def estimate(chosen: list[int]) -> tuple[float, str]:
-        points = [(tokens[f], float(np.mean([base[f][s] for s in chosen]))) for f in lengths]
-        at, where = baseline_tokens_for(points, float(np.mean([mine[s] for s in chosen])))
-        return variant_tokens / at, where
+        points = [(tokens[f], float(np.mean([ladder[f][s] for s in chosen]))) for f in lengths]
+        at, where = baseline_tokens_for(points, float(np.mean([target[s] for s in chosen])))
+        return (full[arm] / at, where) if side == BASELINE else (at / full[BASELINE], where)
 
-    bound_kind = {"before": LOWER, "beyond": UPPER, MEASURED: MEASURED}
+    # Which bound each edge gives: the baseline's "before" means the arm's tokens are over few baseline tokens
+    # (a ratio at least); the arm's own "before" means it needs at most its shortest run.
+    kind = {MEASURED: MEASURED, "before": LOWER if side == BASELINE else UPPER,
+            "beyond": UPPER if side == BASELINE else LOWER}  # fmt: skip
     for s in seeds:
         value, where = estimate([s])
-        ratio.per_seed[s], ratio.status[s] = value, bound_kind[where]
+        ratio.per_seed[s], ratio.status[s] = value, kind[where]
     point, where = estimate(seeds)
     if where != MEASURED:
-        ratio.bound = ("at least" if where == "before" else "at most", point)
+        ratio.bound = ("at most" if kind[where] == UPPER else "at least", point)
         return ratio
     rng = np.random.default_rng(seed)
     draws = [estimate(list(rng.choice(seeds, size=len(seeds)))) for _ in range(SPEEDUP_BOOTSTRAP)]
     ratio.interval = percentile_interval([v for v, _ in draws], point)
     ratio.interval = Interval(point, ratio.interval.low, ratio.interval.high, len(seeds))
-    share = {w: sum(d == w for _, d in draws) / len(draws) for w in ("before", "beyond")}
-    ends = [e for e, w in (("low", "beyond"), ("high", "before")) if share[w] > 0.025]
+    share = {k: sum(kind[d] == k for _, d in draws) / len(draws) for k in (UPPER, LOWER)}
+    ends = [end for end, k in (("low", UPPER), ("high", LOWER)) if share[k] > 0.025]
     ratio.open_ends = "both" if len(ends) == 2 else ends[0] if ends else ""
     return ratio
 
