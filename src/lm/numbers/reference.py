@@ -163,7 +163,7 @@ class Curve:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Curve:
-        """From `lm.store.rundir.read_curve`'s mapping (name, steps, losses, total_steps, key)."""
+        """From a curve record (name, steps, losses, total_steps, key), as `lm.run.references.read_reference` reads one."""
         steps, losses = np.asarray(record["steps"], float), np.asarray(record["losses"], float)
         if len(steps) < 2 or len(steps) != len(losses) or not np.all(np.diff(steps) > 0):
             raise Refused(
