@@ -429,6 +429,11 @@ def test_a_better_variant_is_measured_on_its_own_complete_runs():
     # The baseline's lengths alone can only bound it.
     only_baseline = Spec(name="t", variants={"fast": []}, seeds=[0, 1, 2], fractions={BASELINE: lengths})
     assert speedup(results, only_baseline, "fast").bound == ("at most", pytest.approx(1.0))
+    # ... and where the curve's reading bounds it tighter, the row reports that bound instead.
+    from lm.tools.ablate.analysis import token_ratio
+
+    read = token_ratio(results, only_baseline, "fast", 1000.0)
+    assert "curve" in read.method and read.bound[0] == "at most" and read.bound[1] < 0.9
 
 
 def test_the_speedups_interval_is_a_bootstrap_over_seeds_and_names_an_open_end():

@@ -230,9 +230,28 @@ def token_ratio(
     results: list[RunResult], spec: Spec, arm: str, base_tokens: float, shape: Shape | None = None
 ) -> TokenRatio:
     """The arm's tokens ratio, by the best method its runs allow (see TokenRatio): complete runs at several
-    lengths (`speedup`: the baseline's `fractions.baseline`, or the arm's own), else its curve (upper bounds)."""
-    if arm != BASELINE and (spec.fractions.get(BASELINE) or spec.fractions.get(arm)):
-        return speedup(results, spec, arm)
+    lengths (`speedup`: the baseline's `fractions.baseline`, or the arm's own), else its curve (upper bounds).
+    Where the complete runs only bound it, the curve's bound is reported instead when it is tighter."""
+    curve = curve_ratio(results, arm, base_tokens, shape)
+    if arm == BASELINE or not (spec.fractions.get(BASELINE) or spec.fractions.get(arm)):
+        return curve
+    ratio = speedup(results, spec, arm)
+    if (
+        ratio.interval is not None
+        or ratio.bound is None
+        or curve.bound is None
+        or curve.bound[0] != ratio.bound[0]
+    ):
+        return ratio
+    tighter = min if ratio.bound[0] == "at most" else max
+    return curve if tighter(curve.bound[1], ratio.bound[1]) == curve.bound[1] else ratio
+
+
+def curve_ratio(
+    results: list[RunResult], arm: str, base_tokens: float, shape: Shape | None = None
+) -> TokenRatio:
+    """The tokens at which the arm's validation curve reaches the same seed's baseline final loss, over the
+    baseline's tokens: an upper bound per seed (the curve's points are not decayed), exact for the baseline."""
     target = {s: v for s, v in finals(results, BASELINE).items() if math.isfinite(v)}
     ratio = TokenRatio(None, method="full run's curve" + (" (upper bounds)" if arm != BASELINE else ""))
     decay_tokens = None
