@@ -276,6 +276,9 @@ def test_a_killed_ablation_continues_and_keeps_finished_runs(tmp_path, data_cach
     assert fourth.returncode == 0, fourth.stderr[-3000:]
     assert "6 runs, 0 to run (6 done)" in fourth.stderr
     assert not (moved / "runs").exists()
+    # Every record names the prepared dataset its run was validated on: the one this machine prepared.
+    key = json.loads((moved / "data.json").read_text())["key"]
+    assert {json.loads(p.read_text())["data_key"] for p in (moved / "results").glob("*.json")} == {key}
     rows = lambda where: json.loads((where / "ablation.json").read_text())["rows"]  # noqa: E731
     assert [r["final"] for r in rows(moved)] == [r["final"] for r in rows(out)]
 
@@ -574,6 +577,15 @@ def test_a_result_record_is_reused_only_under_the_same_config(tmp_path):
                      "", [], BASELINE, 0, {"optim.lr": 1e-3}, 1.0, 100)  # fmt: skip
     assert result_file(tmp_path, other) == result_file(tmp_path, job)
     assert not finished(other, tmp_path) and read_run(other, shape, tmp_path).status == "not started"
+    # Recorded on another prepared dataset (the same overrides, but lm's data format changed the validation
+    # split since): not reused. A record from before records kept the key is reused as it was.
+    from lm.tools.ablate.runner import DATA
+
+    rundir.write_record(tmp_path / DATA, {"key": "now"})
+    for key, reused in (("now", True), ("before", False), (None, True)):
+        record = {"config": config, "steps": 100, "result": result, **({"data_key": key} if key else {})}
+        rundir.write_record(result_file(tmp_path, job), record)
+        assert finished(job, tmp_path) is reused, key
     # A diverged run is recorded with a null final (JSON has no inf) and read back as inf.
     diverged = {**result, "status": "diverged", "final": None}
     rundir.write_record(result_file(tmp_path, job), {"config": config, "steps": 100, "result": diverged})

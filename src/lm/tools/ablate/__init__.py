@@ -304,11 +304,12 @@ def ablate(
             write_summary(campaign)
             last[0] = time.monotonic()
 
+    if not report_only:  # once, before parallel runs would each tokenize the same corpus; its key decides
+        prepare_data(spec, out)  # which recorded results are reused (`runner.recorded`)
     todo = [] if report_only else campaign.pending()
     known = len(campaign.known())
     log.info("lm ablate: %d runs, %d to run (%d done)", known, len(todo), known - len(todo))
     if todo:
-        prepare_data(spec)  # once, before parallel runs would each tokenize the same corpus
         runner.run(campaign.pending, on_end)
         write_summary(campaign)
     done = not runner.stopping and not runner.failed and not campaign.pending()

@@ -25,7 +25,7 @@ from lm.numbers.stats import (
     t_interval,
 )
 from lm.store import rundir
-from lm.tools.ablate.runner import diverged, finished, machine, recorded, result_file, run_config
+from lm.tools.ablate.runner import data_key, diverged, finished, machine, recorded, result_file, run_config
 from lm.tools.ablate.spec import BASELINE, Job, Shape, Spec
 
 
@@ -66,6 +66,7 @@ def read_run(job: Job, shape: Shape, out: Path | None = None) -> RunResult:
             "config": run_config(job),
             "steps": job.steps,
             "machine": machine(),
+            "data_key": data_key(out),
             "result": asdict(result),
         }
         rundir.write_record(result_file(out, job), record)

@@ -48,14 +48,33 @@ def run_config(job: Job) -> list[str]:
     return [o for o in job.overrides if not o.startswith(("run.root=", "run.name="))]
 
 
+DATA = "data.json"
+"""`<out>/data.json`: the key of the prepared dataset the ablation's runs read (`prepare_data`)."""
+
+
+def data_key(out: Path) -> str | None:
+    """The prepared dataset's key for this ablation's runs (None: not prepared here, e.g. `--report-only`)."""
+    return (rundir.read_record(out / DATA) or {}).get("key")
+
+
 def recorded(out: Path, job: Job) -> dict | None:
     """The run's result record (`<out>/results/<key>.json`), written once it ended; None when there is none, or
-    when it was recorded under another config (the spec changed: the run is trained again, and says why)."""
+    when it was recorded under another config (the spec changed: the run is trained again, and says why) or
+    on another prepared dataset (the same overrides give another corpus, tokenizer or validation split when
+    lm's data format changes: its losses are not comparable). A record made before records kept the data's key
+    is reused as it is."""
     record = rundir.read_record(result_file(out, job))
     if record is None:
         return None
     if record.get("config") != run_config(job) or record.get("steps") != job.steps:
         log.warning("lm ablate: %s was recorded under another config; it runs again", result_file(out, job))
+        return None
+    theirs, ours = record.get("data_key"), data_key(out)
+    if theirs is not None and ours is not None and theirs != ours:
+        log.warning(
+            "lm ablate: %s was validated on another prepared dataset (key %s, now %s); it runs again",
+            result_file(out, job), theirs, ours,
+        )  # fmt: skip
         return None
     return record
 
@@ -186,13 +205,16 @@ def stop_child(child: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
         child.wait()
 
 
-def prepare_data(spec: Spec) -> None:
-    """`lm prepare` of the base config: the tokenizer and shards every run reads (a no-op when present)."""
+def prepare_data(spec: Spec, out: Path) -> None:
+    """`lm prepare` of the base config: the tokenizer and shards every run reads (a no-op when present); its key
+    goes to `<out>/data.json`, so a result recorded on other data is not reused (`recorded`)."""
     from lm.data import prepare
+    from lm.data.manifest import load_manifest
 
     cfg = compose_objects(spec.base)
     if not cfg.data.mixture:
-        prepare(cfg.data)
+        folder = prepare(cfg.data)
+        rundir.write_record(out / DATA, {"key": load_manifest(folder)["key"], "dir": str(folder)})
 
 
 def step_times(arms: dict[str, list[str]], steps: int = 20, warmup: int = 3) -> dict[str, float]:
