@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lm.base.exits import EXIT_CONFIG, Refused
+from lm.base.exits import EXIT_CONFIG, Refused, VerbExit, readable, verb_exit_code
 
 if TYPE_CHECKING:
     from lm.config import LMConfig
@@ -96,12 +96,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.compare:
         if args.overrides:
-            raise SystemExit(
-                f"lm bench --compare takes bench.json files or folders, not overrides: {args.overrides}"
-            )
+            raise Refused(f"--compare takes bench.json files or folders, not overrides: {args.overrides}")
         sys.exit(run_compare(args.compare, args.pricing or "on_demand", args.out))
     if args.out:
-        raise SystemExit("lm bench --out goes with --compare; a bench writes to bench.out_dir=")
+        raise Refused("--out goes with --compare; a bench writes to bench.out_dir=")
     sys.exit(run_bench(args.overrides, pricing=args.pricing))
 
 
@@ -554,8 +552,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (Refused, FileNotFoundError, ImportError) as e:  # a crash keeps its traceback
-        sys.exit(f"lm {args.verb}: {e}")
+    except Exception as e:
+        if (code := verb_exit_code(e)) is None:
+            raise  # a crash keeps its traceback (exit 1)
+        message = f"lm {args.verb}: {readable(e)}"
+        print(message, file=sys.stderr)
+        raise VerbExit(code, message) from e  # 78 a refusal (a missing input or extra too), 69, 74
 
 
 if __name__ == "__main__":

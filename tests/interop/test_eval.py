@@ -200,9 +200,9 @@ def test_lm_eval_refuses_an_unreachable_task_in_one_line_before_loading_the_mode
     monkeypatch.setattr(evaluation, "load", lambda *a, **k: loaded.append(a))
     with pytest.raises(SystemExit) as refused:
         cli.main(["eval", str(run), "--tasks", "tiny_mc,arc_easy", "--include-path", str(TASKS)])
-    message = str(refused.value.code)
+    message, code = str(refused.value), refused.value.code
     assert message.startswith("lm eval: the data of lm-eval task(s) arc_easy cannot be had here")
-    assert "\n" not in message and "tiny_mc" not in message and loaded == []
+    assert "\n" not in message and "tiny_mc" not in message and loaded == [] and code == EXIT_CONFIG
 
 
 def lm_loglikelihood(model, tokenizer: Tokenizer, context: str, continuation: str) -> float:
@@ -258,4 +258,4 @@ def test_lm_eval_gives_lms_own_loglikelihoods(run, tmp_path, monkeypatch):
 def test_an_unknown_task_is_refused_naming_the_fix(run, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", str(run), "--tasks", "tiny_mc,no_such_task", "--include-path", str(TASKS)])
-    assert "no_such_task" in str(e.value.code) and "--include-path" in str(e.value.code)
+    assert "no_such_task" in str(e.value) and "--include-path" in str(e.value) and e.value.code == EXIT_CONFIG

@@ -114,6 +114,18 @@ class Unavailable(OSError):
     since the same command succeeds once it is back, and not a crash."""
 
 
+class VerbExit(SystemExit):
+    """An `lm` verb ends with `code` (`verb_exit_code`) once its one-line message is printed; `str()` is the
+    message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class JobFailed(Exception):
     """A job of a sweep that failed for a reason a rerun would meet again (a refusal, a divergence).
 
@@ -137,9 +149,52 @@ def exit_code(error: BaseException) -> int | None:
     if isinstance(error, Unavailable):
         return EXIT_UNAVAILABLE
     if isinstance(error, Refused):  # a refusal that names its fix (config, data, disk)
-        return EXIT_CONFIG
+        return EXIT_UNAVAILABLE if outage(error) is not None else EXIT_CONFIG  # an outage is no refusal
     if isinstance(error, Diverged) and error.code == EXIT_DIVERGED:
         return EXIT_DIVERGED
+    return None
+
+
+def verb_exit_code(error: BaseException) -> int | None:
+    """The code an `lm` verb (`lm prepare`, `lm eval`, ...) leaves with after `error`, or None for a crash.
+
+    As `exit_code`, and: a `FileNotFoundError` is an input the command was given that does not exist (a run
+    directory, a spec, a checkpoint, prepared data) and an `ImportError` an optional extra not installed
+    (lm's own say which: `pip install 'lm[export]'`); the same command meets the same absence again, so both
+    are refusals (78). A missing file that is an outage (the Hub or the network unreachable:
+    huggingface_hub's `LocalEntryNotFoundError` is a FileNotFoundError) is 69, the command works once it is
+    back. A training run (`train.py`) raises its own `Refused`; there any other error stays a crash."""
+    code = exit_code(error)
+    if code is None and isinstance(error, FileNotFoundError | ImportError):
+        return EXIT_UNAVAILABLE if outage(error) is not None else EXIT_CONFIG
+    return code
+
+
+NETWORK_ERRORS = frozenset(
+    {
+        "ConnectionError",  # Python's own, and requests' (an OSError that is not the builtin)
+        "Timeout",  # requests'
+        "NetworkError",  # httpx's (huggingface_hub's transport): ConnectError, ReadError, ...
+        "TimeoutException",  # httpx's
+        "HTTPClientError",  # botocore's: EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ...
+        "ClientConnectionError",  # aiohttp's: ClientConnectorError, ServerDisconnectedError
+        "ClientPayloadError",  # aiohttp's
+        "LocalEntryNotFoundError",  # huggingface_hub's: not cached, and the Hub could not be asked
+    }
+)
+"""Names of the bases of the errors that mean the network or a service could not be reached. Matched by
+name, not imported, because the packages that raise them are optional."""
+
+
+def outage(error: BaseException | None) -> BaseException | None:
+    """The network or service outage in `error`'s chain (itself, what it was raised from or while handling),
+    or None. An outage is never a refusal: the same command succeeds once the service is back."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, TimeoutError) or any(k.__name__ in NETWORK_ERRORS for k in type(error).__mro__):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
     return None
 
 

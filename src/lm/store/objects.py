@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from lm.base.exits import Refused, Unavailable
+from lm.base.exits import Refused, Unavailable, outage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,10 +46,6 @@ TRANSIENT_CODES = {
     "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException", "BandwidthLimitExceeded",
 }  # fmt: skip
 """S3-style error codes that mean "later", whatever the HTTP status."""
-NETWORK_ERRORS = {"ConnectionError", "HTTPClientError", "ClientConnectionError", "ClientPayloadError"}
-"""Base classes, by name, of the network failures of botocore (EndpointConnectionError, ConnectTimeoutError,
-ReadTimeoutError, ConnectionClosedError) and aiohttp (ClientConnectorError, ServerDisconnectedError): named,
-not imported, because the storage packages are optional. Python's own ConnectionError is one too."""
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -117,9 +113,9 @@ def causes(error: BaseException) -> list[BaseException]:
 
 def transient(error: BaseException) -> bool:
     """True for an outage that waiting can cure: the network (refused, reset, timed out), a 5xx, throttling."""
+    if outage(error) is not None:
+        return True
     for e in causes(error):
-        if isinstance(e, TimeoutError) or any(c.__name__ in NETWORK_ERRORS for c in type(e).__mro__):
-            return True
         response = getattr(e, "response", None)  # botocore's ClientError
         if isinstance(response, dict):
             code = str(response.get("Error", {}).get("Code", ""))
