@@ -318,3 +318,37 @@ def test_a_smaller_finished_run_is_the_forecasts_reference_and_a_mismatched_one_
             )
         )
     assert not (tmp_path / "runs" / "other_order" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.5])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_validation_is_skipped_logged_and_the_smoothed_loss_recovers(
+    tmp_path, caplog, smoothing, bad
+):
+    """One NaN validation once made the smoothed loss NaN for good (even at smoothing 0: the EMA multiplied it
+    by 0), so no target, patience or price could fire again."""
+    cfg = EarlyStoppingConfig(target_loss=2.5, patience=3, smoothing=smoothing)
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True)
+    assert stopper.observe(100, 100 * TOKENS_PER_STEP, 1.0, 3.0) is None
+    with caplog.at_level("WARNING", logger="lm.callbacks.stopper"):
+        assert stopper.observe(200, 200 * TOKENS_PER_STEP, 2.0, bad) is None
+    assert "not finite" in caplog.text and stopper.skipped == 1
+    assert len(stopper.points) == 1 and stopper.since_best == 0
+    stopper.observe(300, 300 * TOKENS_PER_STEP, 3.0, 2.6)
+    assert all(math.isfinite(p.smoothed) for p in stopper.points)
+    assert stopper.points[-1].smoothed == pytest.approx(smoothing * 3.0 + (1 - smoothing) * 2.6)
+    # The target still fires once the (smoothed) loss reaches it.
+    assert any(stopper.observe(s, s * TOKENS_PER_STEP, s / 100, 2.0) for s in range(400, 1000, 100))
+
+
+def test_a_resumed_history_holding_a_nan_recovers_at_the_next_validation(tmp_path):
+    """A checkpoint written before the skip existed may hold a NaN smoothed loss and a NaN best."""
+    from lm.checkpoint.run_state import ValPoint
+
+    stopper = EarlyStopper(
+        EarlyStoppingConfig(smoothing=0.5, patience=2), meter=None, run_dir=tmp_path, flat_lr=True
+    )
+    stopper.points.append(ValPoint(100, 100 * TOKENS_PER_STEP, 1.0, math.nan, math.nan))
+    stopper.run.stopper.best = math.nan
+    stopper.observe(200, 200 * TOKENS_PER_STEP, 2.0, 3.0)
+    assert stopper.points[-1].smoothed == 3.0 and stopper.best == 3.0 and stopper.since_best == 0

@@ -69,8 +69,10 @@ def test_pairing_removes_the_spread_the_seeds_share():
     assert how == "paired" and paired.high < 0 and verdict(paired) == "wins"
     unpaired = welch_interval(list(variant.values()), list(base.values()))
     assert unpaired.low < 0 < unpaired.high and verdict(unpaired) == "within noise"
-    worse = {s: v + 0.02 for s, v in base.items()}
+    worse = {s: v + 0.02 + 0.001 * s for s, v in base.items()}
     assert verdict(difference(worse, base)[0]) == "loses"
+    # The same shift on every seed is no sample of seeds (issue 55): no seed spread, not "loses".
+    assert verdict(difference({s: v + 0.02 for s, v in base.items()}, base)[0]) == "no seed spread"
     assert verdict(difference({0: 1.0}, {0: 1.1})[0]) == "too few seeds"
 
 
@@ -105,7 +107,9 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     shapes = {BASELINE: shape, "good": shape, "same": shape}
     base = {0: 3.0, 1: 3.1, 2: 2.95}
     results = [result(BASELINE, s, v) for s, v in base.items()]
-    results += [result("good", s, v - 0.05) for s, v in base.items()]
+    results += [
+        result("good", s, v - 0.05 + 0.001 * s) for s, v in base.items()
+    ]  # a spread: a sample of seeds
     # The good lever's complete half-length runs end 0.05 above each seed's baseline final loss and its full runs
     # 0.05 below: the baseline's loss lies halfway in log tokens, at sqrt(0.5) = 0.707x the tokens (measured on
     # its own complete runs: a better variant is beyond every baseline length).
@@ -113,10 +117,10 @@ def test_summary_of_a_lever_that_wins_and_one_within_noise():
     results += [result("good", s, v + 0.05, fraction=0.5, steps=50) for s, v in base.items()]
     results += [result("same", s, v + (0.01 if s else -0.01)) for s, v in base.items()]
     rows = {r.arm: r for r in summarize(spec, results, shapes)}
-    assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.05)
-    assert rows["good"].tokens_ratio.mean == pytest.approx(math.sqrt(0.5))
-    assert rows["good"].tokens.interval.low == pytest.approx(math.sqrt(0.5))  # every seed exactly halfway
-    assert rows["good"].usd_to_target_ratio.mean == pytest.approx(math.sqrt(0.5))  # same FLOPs per token
+    assert rows["good"].verdict == "wins" and rows["good"].delta.mean == pytest.approx(-0.049)
+    assert rows["good"].tokens_ratio.mean == pytest.approx(math.sqrt(0.5), abs=0.01)
+    assert rows["good"].tokens.interval.low == pytest.approx(math.sqrt(0.5), abs=0.01)  # every seed ~halfway
+    assert rows["good"].usd_to_target_ratio.mean == rows["good"].tokens_ratio.mean  # same FLOPs per token
     assert "the arm's own complete runs" in rows["good"].tokens.method
     assert rows["same"].verdict == "within noise"
     assert "upper bound" in rows["same"].tokens.method
@@ -692,3 +696,20 @@ def test_a_sequence_length_warm_up_arm_is_timed_at_each_stage_window_weighted_by
     assert all(seconds > 0 for seconds, _ in rows.values())
     times = step_times(arms, steps=3, warmup=1)
     assert set(times) == {"baseline", "warm"} and all(0 < t < 60 for t in times.values())
+
+
+def test_a_seed_that_changed_nothing_is_flagged_never_a_win():
+    """Five seeds with identical runs (a seed never applied) once gave identical differences, p = 0, "wins"."""
+    spec = Spec(name="t", variants={"v": []}, seeds=[0, 1, 2, 3, 4])
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    results = [result(BASELINE, s, 3.0) for s in spec.seeds] + [result("v", s, 2.9) for s in spec.seeds]
+    rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys([BASELINE, "v"], shape))}
+    assert rows["v"].p is None and rows["v"].p_holm is None
+    assert rows["v"].verdict == "no seed spread"
+    assert rows["v"].seed_unchanged == [BASELINE, "v"]
+    # One arm's seeds differ, the baseline's do not: still flagged (its seeds were not applied).
+    results = [result(BASELINE, s, 3.0) for s in spec.seeds] + [
+        result("v", s, 2.9 + 0.01 * s) for s in spec.seeds
+    ]
+    rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys([BASELINE, "v"], shape))}
+    assert rows["v"].seed_unchanged == [BASELINE] and rows["v"].verdict == "no seed spread"

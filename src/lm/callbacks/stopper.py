@@ -104,6 +104,8 @@ class EarlyStopper(Callback):
         self.usd_now: float | None = None
         self.usd_before: float | None = None
         """Dollars at the previous optimizer step: the record shows the cap was crossed by this step."""
+        self.skipped = 0
+        """Validations skipped by `observe` because their loss was not finite (this invocation's)."""
 
     # --- its state, in RunState ---------------------------------------------------------------------------
 
@@ -130,11 +132,26 @@ class EarlyStopper(Callback):
     # --- the criteria (pure: no trainer needed, so recorded metrics can be replayed) ---------------------
 
     def observe(self, step: int, tokens: int, usd: float | None, loss: float) -> tuple[str, str] | None:
-        """Add a validation point; returns (criterion, reason) when a criterion says stop."""
+        """Add a validation point; returns (criterion, reason) when a criterion says stop. A loss that is not
+        finite is skipped, logged and counted (`skipped`): averaged in, one NaN made the smoothed loss NaN for
+        good, even at smoothing 0. A smoothed loss or best already NaN (a history from before) starts over."""
+        if not math.isfinite(loss):
+            self.skipped += 1
+            log.warning(
+                "early stopping: validation loss %s at step %d is not finite; skipped (%d so far), the criteria "
+                "wait for the next finite one",
+                loss,
+                step,
+                self.skipped,
+            )
+            return None
         a = self.cfg.smoothing
-        smoothed = loss if not self.points else a * self.points[-1].smoothed + (1 - a) * loss
+        last = self.points[-1].smoothed if self.points else math.nan
+        smoothed = a * last + (1 - a) * loss if math.isfinite(last) else loss
         self.points.append(ValPoint(step, tokens, usd, loss, smoothed))
         s = self.run.stopper
+        if math.isnan(s.best):
+            s.best, s.since_best = math.inf, 0
         if smoothed < s.best - self.cfg.min_delta:
             s.best, s.since_best = smoothed, 0
         else:

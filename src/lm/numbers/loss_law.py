@@ -471,10 +471,15 @@ def usd_per_loss_point_fit(usd, losses) -> float | None:
     points given (the stopper's trailing window: its window + 1 newest points), inf when the loss does not
     fall, None with fewer than 3 points or no dollars. A quieter reading of the same price than the two end
     points' difference: one validation's noise enters the slope with 0.8x the variance over 5 equally spaced
-    points, and no single point decides it (experiments/2026-11-28-stopper-regret)."""
+    points, and no single point decides it (experiments/2026-11-28-stopper-regret). A point whose dollars or
+    loss is not finite is left out (once a NaN made the slope NaN, read as inf: "stop now")."""
     if len(usd) < 3 or any(u is None for u in usd):
         return None
     x, y = np.asarray(usd, float), np.asarray(losses, float)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if len(x) < 3:
+        return None
     spread = float(((x - x.mean()) ** 2).sum())
     if spread <= 0:
         return None

@@ -65,8 +65,14 @@ RECORDED_RATIO_ERRORS = {
 def conformal(errors, coverage: float = COVERAGE) -> float:
     """The split-conformal bound on |error|: the ceil((n + 1) x coverage)-th smallest of n errors (the largest
     when n is too small for the rank: then the bound covers less than `coverage`, and the forecast says from
-    how many)."""
+    how many). An error that is not finite is refused: a NaN sorts anywhere and an inf makes the width inf, and
+    either comes only from a curve that should have been refused when read."""
     a = np.sort(np.abs(np.asarray(errors, float)))
+    if not np.isfinite(a).all():
+        raise Refused(
+            f"{int((~np.isfinite(a)).sum())} of {len(a)} calibration errors are not finite: a reference curve "
+            "holds a diverged (NaN or inf) validation; replace it with a run that finished cleanly"
+        )
     if not len(a):
         return NOISE
     return float(a[min(len(a), math.ceil((len(a) + 1) * coverage)) - 1])
@@ -165,6 +171,12 @@ class Curve:
     def from_record(cls, record: dict[str, Any]) -> Curve:
         """From a curve record (name, steps, losses, total_steps, key), as `lm.run.references.read_reference` reads one."""
         steps, losses = np.asarray(record["steps"], float), np.asarray(record["losses"], float)
+        if not np.isfinite(losses).all():
+            raise Refused(
+                f"reference curve {record['name']!r} has {int((~np.isfinite(losses)).sum())} validation loss(es) "
+                "that are not finite (a NaN or inf: the run diverged there); a reference must be a run that "
+                "finished cleanly"
+            )
         if len(steps) < 2 or len(steps) != len(losses) or not np.all(np.diff(steps) > 0):
             raise Refused(
                 f"reference curve {record['name']!r} needs at least 2 validation points at increasing steps; "
@@ -256,6 +268,8 @@ class ReferenceForecast:
     unchecked: list[str]
     how: str = "offset"
     """The map (`MAPS`)."""
+    dropped: int = 0
+    """The run's validations left out because their loss was not finite."""
 
     def record(self) -> dict[str, Any]:
         p = self.prediction
@@ -269,6 +283,7 @@ class ReferenceForecast:
             "interval_from": self.interval_from,
             "unchecked_keys": self.unchecked,
             "map": self.how,
+            "dropped": self.dropped,
         }
 
 
@@ -282,11 +297,13 @@ def forecast(
 ) -> ReferenceForecast | None:
     """The run's final loss after `total_steps` from its validation points so far (None before the first),
     each reference moved onto the run by `how` (`MAPS`). `calibration`: the recorded errors to pool (default
-    `recorded_errors` at this fraction; a benchmark that scores a recorded curve passes those without it)."""
-    if not references or len(steps) == 0:
-        return None
-    fractions = np.asarray(steps, float) / total_steps
+    `recorded_errors` at this fraction; a benchmark that scores a recorded curve passes those without it).
+    A validation whose loss is not finite is left out and counted (`dropped`); None when none is left."""
     losses = np.asarray(losses, float)
+    keep = np.isfinite(losses)
+    fractions, losses = np.asarray(steps, float)[keep] / total_steps, losses[keep]
+    if not references or len(losses) == 0:
+        return None
     f = float(fractions[-1])
     nearest = min(references, key=lambda r: abs(float(losses[-1]) - r.at(f)))
     loss = offset_forecast(nearest, fractions, losses, how)
@@ -302,6 +319,7 @@ def forecast(
         source,
         unchecked(references),
         how,
+        int((~keep).sum()),
     )
 
 

@@ -8,8 +8,10 @@ the seed-to-seed spread the two share, which is most of it. Welch's interval ser
 with Welch-Satterthwaite's degrees of freedom.
 
 A seed whose value is not finite (a diverged run) has no difference to take: it leaves the comparison, and the
-caller lists it. A value known only as a bound (a seed that never reached a target) is never averaged as if
-observed: `mean_bound` gives the one-sided bound of the mean those bounds imply.
+caller lists it; every interval drops such a value and counts it (`Interval.dropped`), and a bound refuses it. A
+value known only as a bound (a seed that never reached a target) is never averaged as if observed: `mean_bound`
+gives the one-sided bound of the mean those bounds imply. Seeds that all give the same value (a seed that is
+never applied) have no spread to test against: `NO_SPREAD`, never p = 0.
 """
 
 from __future__ import annotations
@@ -32,9 +34,26 @@ def t_quantile(df: float, level: float = 0.95) -> float:
     return float(stats.t.ppf(0.5 + level / 2, df))
 
 
+NO_SPREAD = "no seed spread"
+"""The verdict when two or more seeds give exactly the same value: no test is possible (the seed may not have
+been applied), so there is no p and no win."""
+
+
+SPREAD_EPS = 1e-12
+"""A half-width at most this (relative to the mean, at least 1) is float rounding, not a spread of seeds."""
+
+
+def finite_values(values: Sequence[float]) -> tuple[list[float], int]:
+    """The finite values, and how many were not (a diverged seed's inf, a NaN)."""
+    xs = [float(v) for v in values]
+    kept = [x for x in xs if math.isfinite(x)]
+    return kept, len(xs) - len(kept)
+
+
 @dataclass(frozen=True)
 class Interval:
-    """A mean and its two-sided confidence interval; `low == high == mean` with a single value (no spread)."""
+    """A mean and its two-sided confidence interval; `low == high == mean` with a single value, or with values
+    that are all equal (`no_spread`)."""
 
     mean: float
     low: float
@@ -42,30 +61,44 @@ class Interval:
     n: int
     df: float | None = None
     """Degrees of freedom of the t the interval was built with (n - 1 unless Welch's); None: not a t interval."""
+    dropped: int = 0
+    """Values left out because they were not finite (counted, never averaged in)."""
 
     @property
     def half(self) -> float:
         return (self.high - self.low) / 2
 
+    @property
+    def no_spread(self) -> bool:
+        """Two or more values and no spread among them beyond float rounding (a shift added to each value
+        leaves ~1e-16 of it): nothing to test a difference against."""
+        return self.n >= 2 and self.half <= SPREAD_EPS * max(1.0, abs(self.mean))
+
     def __str__(self) -> str:
+        if self.no_spread:
+            return f"{self.mean:.4f} ({NO_SPREAD})"
         return f"{self.mean:.4f} ± {self.half:.4f}" if self.n > 1 else f"{self.mean:.4f} (1 seed)"
 
 
 def t_interval(values: Sequence[float]) -> Interval | None:
-    """Student's t interval of the mean of `values`; None for no values."""
-    xs = [float(v) for v in values]
+    """Student's t interval of the mean of the finite `values` (the others counted in `dropped`); None when
+    none is finite."""
+    xs, dropped = finite_values(values)
     if not xs:
         return None
     mean = math.fsum(xs) / len(xs)
     if len(xs) == 1:
-        return Interval(mean, mean, mean, 1)
+        return Interval(mean, mean, mean, 1, dropped=dropped)
     sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
     half = t_quantile(len(xs) - 1) * sd / math.sqrt(len(xs))
-    return Interval(mean, mean - half, mean + half, len(xs), len(xs) - 1)
+    return Interval(mean, mean - half, mean + half, len(xs), len(xs) - 1, dropped)
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float]) -> Interval | None:
-    """Interval of mean(a) - mean(b) for independent samples (Welch-Satterthwaite degrees of freedom)."""
+    """Interval of mean(a) - mean(b) for independent samples (Welch-Satterthwaite degrees of freedom), over
+    each side's finite values (the others counted in `dropped`)."""
+    (a, drop_a), (b, drop_b) = finite_values(a), finite_values(b)
+    dropped = drop_a + drop_b
     if len(a) < 2 or len(b) < 2:
         return None
     ma, mb = math.fsum(a) / len(a), math.fsum(b) / len(b)
@@ -74,10 +107,10 @@ def welch_interval(a: Sequence[float], b: Sequence[float]) -> Interval | None:
     se = math.sqrt(va + vb)
     n = min(len(a), len(b))
     if se == 0:
-        return Interval(ma - mb, ma - mb, ma - mb, n, len(a) + len(b) - 2)
+        return Interval(ma - mb, ma - mb, ma - mb, n, len(a) + len(b) - 2, dropped)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile(df) * se
-    return Interval(ma - mb, ma - mb - half, ma - mb + half, n, df)
+    return Interval(ma - mb, ma - mb - half, ma - mb + half, n, df, dropped)
 
 
 def finite(values: dict[int, float]) -> dict[int, float]:
@@ -97,9 +130,12 @@ def difference(variant: dict[int, float], baseline: dict[int, float]) -> tuple[I
 
 
 def verdict(diff: Interval | None, lower_is_better: bool = True) -> str:
-    """`wins`, `loses` or `within noise` from the interval of a difference (variant - baseline)."""
+    """`wins`, `loses` or `within noise` from the interval of a difference (variant - baseline); `NO_SPREAD`
+    when every seed gave the same difference."""
     if diff is None or diff.n < 2:
         return "too few seeds"
+    if diff.no_spread:
+        return NO_SPREAD
     if diff.high < 0:
         return "wins" if lower_is_better else "loses"
     if diff.low > 0:
@@ -110,11 +146,9 @@ def verdict(diff: Interval | None, lower_is_better: bool = True) -> str:
 def p_value(diff: Interval | None) -> float | None:
     """Two-sided p of "no difference" for a difference interval formed by `difference`, with the degrees of
     freedom its interval was built with (a paired difference's n - 1; Welch-Satterthwaite's for Welch's).
-    None with fewer than two values."""
-    if diff is None or diff.n < 2:
+    None with fewer than two values, and with no spread among them (no test: `NO_SPREAD`, never p = 0)."""
+    if diff is None or diff.n < 2 or diff.no_spread:
         return None
-    if diff.half == 0:
-        return 0.0 if diff.mean != 0 else 1.0
     df = diff.df if diff.df is not None else diff.n - 1
     se = diff.half / t_quantile(df)
     return float(2 * stats.t.sf(abs(diff.mean) / se, df))
@@ -141,7 +175,10 @@ def holm(p_values: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def holm_verdict(diff: Interval | None, p_adjusted: float | None, alpha: float = 0.05) -> str:
-    """`wins` / `loses` when the Holm-adjusted p is below `alpha` (lower is better), else `within noise`."""
+    """`wins` / `loses` when the Holm-adjusted p is below `alpha` (lower is better), else `within noise`;
+    `NO_SPREAD` when every seed gave the same difference."""
+    if diff is not None and diff.no_spread:
+        return NO_SPREAD
     if diff is None or diff.n < 2 or p_adjusted is None:
         return "too few seeds"
     if p_adjusted >= alpha:
@@ -150,16 +187,28 @@ def holm_verdict(diff: Interval | None, p_adjusted: float | None, alpha: float =
 
 
 def percentile_interval(values: Sequence[float], estimate: float, level: float = 0.95) -> Interval:
-    """A bootstrap's percentile interval around `estimate`."""
-    lo, hi = np.quantile(np.asarray(values, dtype=float), [(1 - level) / 2, (1 + level) / 2])
-    return Interval(float(estimate), float(lo), float(hi), len(values))
+    """A bootstrap's percentile interval around `estimate`, over the finite draws (the others counted in
+    `dropped`; refused when none is finite)."""
+    xs, dropped = finite_values(values)
+    if not xs:
+        raise Refused(
+            f"a bootstrap's {len(values)} draws are all not finite: no interval; look for a diverged seed"
+        )
+    lo, hi = np.quantile(np.asarray(xs, dtype=float), [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(estimate), float(lo), float(hi), len(xs), dropped=dropped)
 
 
 def mean_bound(values: Sequence[float], side: str, level: float = 0.95) -> float | None:
     """The one-sided `level` confidence bound of the mean of values that are themselves bounds: `upper` when
     each is an upper bound on its seed's true value (the true mean is then below the bounds' mean, so the
-    bounds' upper confidence limit is one for it too), `lower` the mirror. None for fewer than two values."""
-    xs = [float(v) for v in values]
+    bounds' upper confidence limit is one for it too), `lower` the mirror. None for fewer than two values; a
+    value that is not finite is refused (a bound of inf or NaN says nothing about the mean)."""
+    xs, dropped = finite_values(values)
+    if dropped:
+        raise Refused(
+            f"mean_bound got {dropped} value(s) that are not finite among {len(values)}: leave diverged seeds "
+            "out of the bounds first and list them"
+        )
     if len(xs) < 2:
         return None
     mean = math.fsum(xs) / len(xs)

@@ -14,6 +14,7 @@ import numpy as np
 
 from lm.base.exits import Refused
 from lm.numbers.stats import (
+    NO_SPREAD,
     Interval,
     difference,
     finite,
@@ -211,6 +212,16 @@ def finals(results: list[RunResult], arm: str, fraction: float = 1.0) -> dict[in
     return {
         r.seed: r.final for r in results if r.arm == arm and r.fraction == fraction and r.final is not None
     }
+
+
+def seed_unchanged(results: list[RunResult], arm: str) -> bool:
+    """Two or more seeds of the arm's full runs ended, and every one left the same validation curve: the seed
+    changed nothing (it was never applied), so the seeds are one run repeated, not a sample."""
+    curves = {
+        tuple(r.val_loss) for r in results if r.arm == arm and r.fraction == 1.0 and r.final is not None
+    }
+    seeds = {r.seed for r in results if r.arm == arm and r.fraction == 1.0 and r.final is not None}
+    return len(seeds) >= 2 and len(curves) == 1
 
 
 def summarize_seeds(ratio: TokenRatio) -> TokenRatio:
@@ -413,6 +424,9 @@ class ArmRow:
     """The larger of the two arms' `lr_grid_cost`s: loss the LR grid's spacing may cost this comparison."""
     family: int = 0
     """Comparisons Holm's correction was taken over (every variant at every shape of the spec)."""
+    seed_unchanged: list[str] = field(default_factory=list)
+    """The arms of this comparison (the baseline, this arm) whose seeds all left the same curve: no test, the
+    verdict is `NO_SPREAD` and the row leaves Holm's family."""
 
     @property
     def lr_flag(self) -> bool:
@@ -477,6 +491,8 @@ def summarize(
         if arm != BASELINE:
             left_out += [f"{BASELINE} s{s}" for s in sorted(set(base) - set(finite(base))) if s in everything]
         delta, paired = difference(everything, base) if arm != BASELINE else (None, "-")
+        unchanged = [a for a in dict.fromkeys([BASELINE, arm]) if seed_unchanged(results, a)]
+        untested = arm == BASELINE or bool(unchanged)
         shared = sorted(set(mine) & set(finite(base))) if arm != BASELINE else []
         tokens = token_ratio(results, spec, arm, base_tokens, shape)
         flops_ratio = shape.flops_per_token / base_shape.flops_per_token
@@ -494,7 +510,7 @@ def summarize(
         rows.append(
             ArmRow(
                 arm=arm, overrides=" ".join(overrides) or "(base)", seeds=len(mine), final=final, delta=delta,
-                paired=paired, p=p_value(delta) if arm != BASELINE else None, p_holm=None, verdict="-",
+                paired=paired, p=None if untested else p_value(delta), p_holm=None, verdict="-",
                 tokens=tokens, flops_ratio=flops_ratio,
                 step_time_ratio=times[arm] / times[BASELINE] if arm in times and BASELINE in times else None,
                 usd=usd, usd_per_point=per_point,
@@ -506,7 +522,7 @@ def summarize(
                 },
                 lr=(lr or {}).get(arm, {}), shape=shape_name, params=shape.params, left_out=left_out,
                 delta_per_seed={s: everything[s] - base[s] for s in shared},
-                lr_grid_cost=max(known_costs) if known_costs else None,
+                lr_grid_cost=max(known_costs) if known_costs else None, seed_unchanged=unchanged,
             )
         )  # fmt: skip
     judge(rows)
@@ -521,4 +537,4 @@ def judge(rows: list[ArmRow]) -> None:
     family = sum(r.p is not None for r in compared)
     for r in compared:
         r.p_holm, r.family = adjusted[f"{r.shape}/{r.arm}"], family
-        r.verdict = holm_verdict(r.delta, r.p_holm)
+        r.verdict = NO_SPREAD if r.seed_unchanged else holm_verdict(r.delta, r.p_holm)

@@ -113,6 +113,11 @@ def arm_table(spec: Spec, report: ShapeReport) -> list[str]:
         lines += ["", f"**LR grid flag:** the grid's spacing may cost more loss than the difference measured for "
                   f"{', '.join(flagged)} (LR grid cost: the best grid score minus the minimum of the parabola "
                   "through it and its neighbours in log LR, the larger of the two arms')."]  # fmt: skip
+    unchanged = sorted({a for r in report.rows for a in r.seed_unchanged})
+    if unchanged:
+        lines += ["", f"**The seed changed nothing** for {', '.join(unchanged)}: every seed left the same validation "
+                  "curve, so the seeds are one run repeated; its comparisons have no test (`no seed spread`, no "
+                  "p) and leave Holm's family. Check that the arm's overrides do not pin the seed."]  # fmt: skip
     shorter = [r for r in report.rows if r.fractions]
     if shorter:
         lines += ["", "Shorter runs (each with its own warm-up and decay):", "",
