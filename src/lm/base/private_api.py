@@ -1,7 +1,9 @@
 """Every private name of torch and Lightning that lm reaches, in one place, each with why no public one serves.
 
-Nothing else in src/lm names a private attribute of a framework; tests/base/test_private_api.py fails when
-one of these moves (a release renames it), so an upgrade breaks a test, not a resume.
+Nothing else in src/lm names a private attribute of a framework; tests/base/test_private_api.py tests what
+each one does (a release that renames or changes it fails there, not in a resume), and tests/test_supply.py
+fails when torch or Lightning is outside the versions `[tool.lm.tested]` in pyproject.toml says these were
+tested with. Three Lightning names at most: each is a reason to leave Lightning's front door.
 
 | name | owner | why |
 |---|---|---|
@@ -11,7 +13,6 @@ one of these moves (a release renames it), so an upgrade breaks a test, not a re
 | `GradScaler._scale` | torch | fp16's loss scale as a device tensor (`get_scale()` reads it on the host: a sync per step) |
 | `torch.optim._muon` | torch | Muon's Newton-Schulz iteration and LR adjustment, shared with torch's own `Muon` (lm's steps it on FSDP2 shards) |
 | `state_dict_loader._load_state_dict`, `_EmptyStateDictLoadPlanner` | torch | a sharded checkpoint read whole on one process: what torch's own `dcp_to_torch_save` does, in memory |
-| `ModelParallelStrategy._data_parallel_size`, `_tensor_parallel_size` | Lightning | FSDP2 over every process of the job: the sizes can only be given at construction, before `devices=auto`, torchrun or SLURM say the world size, and `auto` splits the opposite way (tensor parallel within a node) |
 | `Muon._init_group` | torch | the Polar Express Muon steps torch's Muon with other coefficients, gathering each group's tensors as torch's own step does |
 """
 
@@ -53,13 +54,6 @@ def shutdown_data_workers(trainer: pl.Trainer) -> None:
         if loop._combined_loader is not None:
             for loader in loop._combined_loader.flattened:
                 _shutdown_workers_and_reset_iterator(loader)
-
-
-def all_data_parallel(strategy: Any) -> None:
-    """Make a `ModelParallelStrategy` shard over every process of the job (no tensor parallelism); call in
-    its `setup_environment`, once the world size is known and before the device mesh is built."""
-    strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
-    strategy._tensor_parallel_size = 1
 
 
 def muon_tensors(

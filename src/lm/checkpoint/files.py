@@ -11,19 +11,35 @@
 The step in a name is the only order there is: `step-10` sorts before `step-9` by name, so every listing sorts
 by the parsed number. Writers (`lm.checkpoint.local`, `.callback`, `.remote`) and readers (resume, the resume
 check, export and sampling) take names and the loader from here, so a file written by one is found by all.
+
+Every read is a read of data: `torch.load(weights_only=True)`, whose allow-list (tensors, containers, numbers,
+strings, `torch.Size`, dtypes) is all an lm checkpoint holds, since `RunState`, the hyper-parameters and
+Lightning's loops keep plain types. A file whose pickle names anything else (a payload's `posix.system`, an old
+callback's numpy scalar) is refused (`UnsafeCheckpoint`, exit 78) with the name, never run; `LM_TRUST_CHECKPOINT`
+names one checkpoint a user vouches for, read as a full pickle once (the next save writes plain types). A
+sharded folder's two pickles besides `meta.pt` (torch.distributed.checkpoint's index, and the non-tensor items
+inside the shards, which torch's own readers unpickle in full) are checked the same way before torch reads them.
 """
 
 from __future__ import annotations
 
+import io
+import logging
+import os
+import pickle
 import re
 import secrets
 import shutil
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from lm.base.exits import Refused
 from lm.base.private_api import read_sharded_whole
+
+log = logging.getLogger(__name__)
 
 SUFFIX = ".ckpt"
 """Lightning's checkpoint extension (ModelCheckpoint.FILE_EXTENSION), the same for every file here."""
@@ -82,25 +98,150 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir()
 
 
+TRUST_ENV = "LM_TRUST_CHECKPOINT"
+"""The environment variable naming one checkpoint (a file, `last.ckpt`, or a sharded folder) to read as a full
+pickle: the opt-in for a file that holds more than plain types, which a user wrote and vouches for."""
+
+
+class UnsafeCheckpoint(Refused):
+    """A checkpoint whose pickle names a type no lm checkpoint holds: reading it could run code, so it is not
+    read (exit 78). The message names the type, the file and the two ways on."""
+
+
+def trusted(ckpt: Path) -> bool:
+    """Whether `LM_TRUST_CHECKPOINT` names `ckpt` (compared resolved: `last.ckpt` is its step file)."""
+    named = os.environ.get(TRUST_ENV)
+    return bool(named) and Path(named).resolve() == ckpt.resolve()
+
+
+def refusal(ckpt: Path, part: Path, names: list[str]) -> UnsafeCheckpoint:
+    inside = "" if part == ckpt else f" (its {part.relative_to(ckpt)})"
+    return UnsafeCheckpoint(
+        f"{ckpt}{inside} holds a pickle that names {', '.join(names)}, which no lm checkpoint holds: reading it "
+        f"could run code, so it was not read. Delete it if you did not write it; if you did (an older lm, a "
+        f"callback of your own) and trust it, read it once with {TRUST_ENV}={ckpt.resolve()} (the next save "
+        f"writes plain types)"
+    )
+
+
+UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+"""How torch's weights_only unpickler names what it refused ("Unsupported global: GLOBAL posix.system ...")."""
+
+
+def load(path: Path | IO[bytes], *, ckpt: Path | None = None, mmap: bool = True) -> Any:
+    """`torch.load` of a checkpoint file (or one pickled item of a sharded one) as data, on the CPU.
+
+    `ckpt` is the checkpoint `path` belongs to (itself by default): what a refusal names and `LM_TRUST_CHECKPOINT`
+    is compared with. A file is memory-mapped where its format allows (zip), so opening a multi-GB file reads
+    only its directory and the pickled structure. Raises `UnsafeCheckpoint` for a pickle that names anything
+    beyond torch's weights_only allow-list; any other failure (a truncated or corrupted file) as torch raised it.
+    """
+    ckpt = ckpt if ckpt is not None else Path(path)
+    mmap = (
+        mmap and isinstance(path, Path) and zipfile.is_zipfile(path)
+    )  # a legacy or raw pickle cannot be mapped
+    if trusted(ckpt):
+        log.warning("reading %s as a full pickle: %s names it", ckpt, TRUST_ENV)
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        names = sorted(set(UNSAFE_GLOBAL.findall(str(e))))
+        if not names:
+            raise  # not a refused type: a damaged pickle
+        raise refusal(ckpt, path if isinstance(path, Path) else ckpt, names) from e
+
+
 def read(path: Path) -> dict[str, Any]:
-    """A checkpoint's contents, on the CPU whatever device saved it, as one full (unsharded) state.
+    """A checkpoint's contents, on the CPU whatever device saved it, as one full (unsharded) state, read as
+    data (`load`).
 
     A file is memory-mapped, so opening a multi-GB file reads only the zip directory and the pickled structure;
-    a tensor is read when it is used. A sharded folder is assembled whole in memory (`read_sharded`). Not
-    `weights_only`: Lightning's checkpoints pickle plain Python state (loops, callbacks, hyper-parameters),
-    and these files are the run's own.
+    a tensor is read when it is used. A sharded folder is assembled whole in memory (`read_sharded`).
     """
     if is_sharded(path):
         return read_sharded(path)
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return load(path)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     """Everything but the tensors' values: step, hyper-parameters, loops, callbacks. Cheap for either layout
-    (a sharded folder's `meta.pt`; a file's memory map), so the resume check never assembles a whole model."""
+    (a sharded folder's `meta.pt`; a file's memory map), so the resume check never assembles a whole model.
+
+    A sharded folder's index and non-tensor items are checked as data first (`read_index`), so that torch's
+    readers, which unpickle them in full (this process's `read_sharded`, an FSDP2 resume's ranks through
+    Lightning), only ever read what passed."""
     if is_sharded(path):
-        return torch.load(path / SHARDED_META, map_location="cpu", weights_only=False)
+        read_index(path)
+        return load(path / SHARDED_META, ckpt=path)
     return read(path)
+
+
+INDEX_TYPES = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+"""What torch.distributed.checkpoint's index pickles (its dataclasses, the layout and memory-format codes, shapes,
+dtypes, the checkpoint's path): read with only these (and dtypes) allowed. A torch release that pickles another
+type makes a sharded folder fail `sharded_loadable` here, named, until it is added (tests/checkpoint)."""
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """`pickle` restricted to `INDEX_TYPES` and torch's dtypes; anything else is refused by name."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in INDEX_TYPES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+
+def read_index(path: Path) -> Any:
+    """A sharded folder's index (torch.distributed.checkpoint's `Metadata`) read as data, with every non-tensor
+    item it lists in the shards loaded as data too (`load`); `UnsafeCheckpoint` for anything else."""
+    index_file = path / SHARD_INDEX
+    with open(index_file, "rb") as f:
+        try:
+            index = pickle.load(f) if trusted(path) else IndexUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            if names := UNSAFE_GLOBAL.findall(str(e)):
+                raise refusal(path, index_file, names) from e
+            raise
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for fqn, item in index.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        info = index.storage_data[MetadataIndex(fqn)]
+        if info.transform_descriptors:
+            raise UnsafeCheckpoint(
+                f"{path}: item {fqn} is stored through transforms {list(info.transform_descriptors)}, which lm "
+                f"never writes and does not check; delete the folder, or read it once with {TRUST_ENV}={path.resolve()}"
+            )
+        with open(path / info.relative_path, "rb") as shard:
+            shard.seek(info.offset)
+            load(io.BytesIO(shard.read(info.length)), ckpt=path)
+    return index
 
 
 def read_sharded(path: Path) -> dict[str, Any]:
@@ -111,8 +252,9 @@ def read_sharded(path: Path) -> dict[str, Any]:
     conversion (`dcp_to_torch_save`'s planner) rebuilds the nested state from the index, without a process
     group. An FSDP2 run resumes a folder through Lightning instead, each rank reading only its shards.
     """
-    state = read_sharded_whole(path)  # torch's `dcp_to_torch_save`, kept in memory
+    # First: the index and the non-tensor items are checked as data before torch's reader unpickles them.
     ckpt = read_meta(path)
+    state = read_sharded_whole(path)  # torch's `dcp_to_torch_save`, kept in memory
     ckpt["state_dict"] = state["state_dict"]
     n = len([k for k in state if k.startswith("optimizer_")])
     ckpt["optimizer_states"] = [by_parameter_index(state[f"optimizer_{i}"]) for i in range(n)]
@@ -134,11 +276,15 @@ def loadable(path: Path) -> str | None:
 
     A truncated or half-written file fails here because a zip's directory sits at its end; a sharded folder
     needs its index, its `meta.pt` and every shard the index names at its full length (`sharded_loadable`).
+    A file that would run code is not broken but planted (or written by something else than lm): it is refused
+    (`UnsafeCheckpoint`), never set aside for an older checkpoint as a broken one is.
     """
     if is_sharded(path):
         return sharded_loadable(path)
     try:
         ckpt = read(path)
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:  # any way a file can be broken: EOF, bad zip, unpickling errors
         return f"{type(e).__name__}: {e}"
     missing = TRAINING_KEYS - set(ckpt)
@@ -148,11 +294,11 @@ def loadable(path: Path) -> str | None:
 def sharded_loadable(path: Path) -> str | None:
     """A sharded folder's check without reading the tensors: the index loads, every byte range it names lies
     inside an existing shard file, and `meta.pt` loads with the training keys."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        index = FileSystemReader(path).read_metadata()
-        meta = read_meta(path)
+        index = read_index(path)
+        meta = load(path / SHARDED_META, ckpt=path)
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:  # no index (a write that never finished), a truncated pickle
         return f"{type(e).__name__}: {e}"
     ends: dict[str, int] = {}

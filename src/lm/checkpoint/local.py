@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lm.base.exits import UNWRITABLE, CheckpointSaveError, Refused, RunDirRemoved, report_progress
 from lm.base.findings import Finding
-from lm.checkpoint.files import LAST, checkpoint_step, read, remove, step_files
+from lm.checkpoint.files import LAST, checkpoint_step, is_sharded, load, read, remove, step_files
 from lm.checkpoint.formats import FULL_FILE, TMP_MARK, CheckpointFormat, fsync_dir, temporary_path
 from lm.numbers.scale_out import recommend_format, save_plans
 from lm.store import rundir
@@ -119,11 +119,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         report_progress(f"saved {path}")  # `lm supervise` starts its count of crashes in a row again
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
-        """A file as Lightning loads it; a sharded folder assembled whole (a resume on one process or under
-        DDP: FSDP2 reads its shards through the strategy instead)."""
-        if Path(path).is_dir():
-            return read(Path(path))
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """A resume's checkpoint read as data whatever `weights_only` says (`lm.checkpoint.files.load`: a file
+        whose pickle would run code is refused): a file on the CPU, not memory-mapped (the optimizer keeps
+        the loaded tensors), or a sharded folder assembled whole (a resume on one process or under DDP: FSDP2
+        reads its shards through the strategy instead). Replaces TorchCheckpointIO's load, which unpickles
+        in full unless told otherwise."""
+        path = Path(path)
+        return read(path) if is_sharded(path) else load(path, mmap=False)
 
 
 def save_failure(error: OSError, path: Path) -> str:

@@ -16,12 +16,12 @@ import logging
 from collections.abc import Iterable
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lm.base.exits import Refused
-from lm.base.private_api import all_data_parallel
-from lm.numbers.run_plan import devices_per_node
+from lm.config import TrainerConfig
+from lm.numbers.run_plan import devices_per_node, world_size
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,17 @@ class FSDP2Strategy(ModelParallelStrategy):
     memory: 12 GB at 1B); `sharded` has every rank write its own shards in parallel into a `step-<N>.ckpt/`
     folder (`lm.checkpoint.formats.ShardedFolder`), nothing gathered anywhere. Both rotate, link as
     `last.ckpt`, are checked for corruption at resume and resume on any world size or strategy.
+
+    `processes` is the job's world size (`job_processes`): the one data-parallel dimension spans all of it, no
+    tensor parallelism (Lightning's `auto` would shard within a node and split tensors across nodes).
     """
 
-    def __init__(self, sharded_checkpoints: bool = False, **kwargs) -> None:
+    def __init__(self, sharded_checkpoints: bool = False, processes: int = 1, **kwargs) -> None:
         if "save_distributed_checkpoint" in kwargs:
             raise Refused("set checkpoint.format=sharded (or full), not save_distributed_checkpoint")
         self.sharded_checkpoints = sharded_checkpoints
         super().__init__(
-            data_parallel_size=1,
+            data_parallel_size=processes,
             tensor_parallel_size=1,
             save_distributed_checkpoint=sharded_checkpoints,
             **kwargs,
@@ -60,15 +63,22 @@ class FSDP2Strategy(ModelParallelStrategy):
         path = self.broadcast(str(filepath))  # one folder for every rank: rank 0's name
         self.checkpoint_io.save_checkpoint(checkpoint, path)
 
-    def setup_environment(self) -> None:
-        # The world size is known only now (devices=auto, torchrun, SLURM): shard over all of it.
-        all_data_parallel(self)
-        super().setup_environment()
 
 
-def build_strategy(name: str, sharded_checkpoints: bool = False) -> str | Strategy:
-    """The Trainer's `strategy` argument for `trainer.strategy`: our FSDP2 for `fsdp`, else Lightning's name."""
-    return FSDP2Strategy(sharded_checkpoints) if name == FSDP else name
+def build_strategy(name: str, sharded_checkpoints: bool = False, processes: int = 1) -> str | Strategy:
+    """The Trainer's `strategy` argument for `trainer.strategy`: our FSDP2 over `processes` ranks for `fsdp`,
+    else Lightning's name."""
+    return FSDP2Strategy(sharded_checkpoints, processes) if name == FSDP else name
+
+
+def job_processes(trainer: TrainerConfig) -> int:
+    """The job's world size before the Trainer exists: torchrun's or SLURM's when they launched it, else
+    `trainer.devices` (auto: the visible GPUs) x `trainer.num_nodes`, as Lightning's launcher will start it.
+    Lightning checks it against the real one when the strategy sets up (a mismatch fails there, loudly)."""
+    for env in (TorchElasticEnvironment, SLURMEnvironment):
+        if env.detect():
+            return env().world_size()
+    return world_size(trainer)
 
 
 def cluster_plugins() -> list:
@@ -124,8 +134,6 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
 
 def externally_launched() -> bool:
     """Whether torchrun or SLURM started the ranks (so Lightning's launcher does not re-run the command)."""
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
-
     return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
 
 

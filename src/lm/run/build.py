@@ -39,7 +39,7 @@ from lm.checkpoint.run_state import RunState
 from lm.config import LMConfig, to_objects
 from lm.engine import activation_checkpointing, runtime
 from lm.engine.module import LMModule
-from lm.engine.parallel import build_strategy, cluster_plugins
+from lm.engine.parallel import build_strategy, cluster_plugins, job_processes
 from lm.engine.runtime import resolve_runtime
 from lm.numbers import cost, run_plan
 from lm.numbers.batch_ramp import seq_len_warmup, window_len_at
@@ -305,7 +305,7 @@ def build_trainer(
         devices=t.devices,
         num_nodes=t.num_nodes,
         # `fsdp` is FSDP2 (lm.engine.parallel), anything else Lightning's
-        strategy=build_strategy(t.strategy, sharded_checkpoints=cfg.checkpoint.format == "sharded"),
+        strategy=build_strategy(t.strategy, cfg.checkpoint.format == "sharded", processes=job_processes(t)),
         precision=precision,
         max_steps=t.max_steps,
         max_epochs=-1,  # the data stream is infinite: steps, not epochs, end training

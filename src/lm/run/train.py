@@ -112,7 +112,8 @@ def fit(
 ) -> None:
     """Train, from `ckpt_path` when resuming; a SIGTERM Lightning caught itself is a preemption."""
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # weights_only: a resume reads the checkpoint as data (lm.checkpoint.files), FSDP2's meta.pt too
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException as e:  # Lightning's own handler fired before StopSignals' was installed
         raise Preempted("SIGTERM") from e
 
