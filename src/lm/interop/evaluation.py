@@ -22,12 +22,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from lm.base.exits import Refused
 from lm.base.findings import Finding
 from lm.base.tables import evals_markdown
 from lm.config import EvalsConfig
-from lm.interop import hf
+from lm.interop import hf, offline
+from lm.interop.scorer import Scorer
 from lm.store import rundir
 
 EXTRA = "pip install -e '.[eval]'"
@@ -255,47 +257,90 @@ def evaluate_path(
     device: str | None = None,
     with_samples: bool = False,
     into_folder: bool = False,
+    data_dir: str | Path | None = None,
+    partial: bool = False,
+    fill_olmo: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """`lm eval`: score a run or an HF folder. Returns (the eval.json written, record).
 
+    CORE (`core`, `core:<task>`, from `data_dir`) and the `@olmo` tasks are scored by lm itself on the run's
+    own model (lm.interop.offline), no network needed; every other name is an lm-evaluation-harness task.
     A run's eval.json and eval.md go into its directory. An HF folder's go beside it, as
     `<folder>.eval.json` and `<folder>.eval.md`, so that uploading the folder uploads the model and not a
     local evaluation of it; `into_folder` writes them into it instead. `with_samples` keeps each example's
     log-likelihoods in eval.json (what the per-example check reads).
     """
-    require_harness()
-    refuse_unreachable(tasks, include_path)  # an unknown or unreachable task: before the model is loaded
+    own = [t for t in tasks if offline.is_offline(t)]
+    harness = [t for t in tasks if not offline.is_offline(t)]
+    # Everything that can be refused is, before a model is loaded: unknown or unreachable tasks, CORE files.
+    plan = offline.resolve(own, data_dir, partial=partial, fill_olmo=fill_olmo) if own else None
+    if harness:
+        require_harness()
+        refuse_unreachable(harness, include_path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    scores: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    samples: dict[str, list] = {}
+    core_record = None
     with generators_kept(torch.device(device)):
-        model, tokenizer, folder, about = load(path, device)
         started = time.monotonic()
-        out = score(
-            model,
-            tokenizer,
-            tasks,
-            limit=limit,
-            include_path=include_path,
-            batch_size=batch_size,
-            log_samples=with_samples,
-        )
+        if plan is not None:
+            run = own_model(path, device)
+            about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
+            folder = run.run_dir
+            scorer = Scorer(
+                run.model, Tokenizer.from_file(str(run.tokenizer_path)), run.eot_id, rows=batch_size
+            )
+            counts, kept = offline.score_tasks(scorer, plan.tasks, limit=limit, examples=with_samples)
+            scores, core_record = offline.summary(plan, counts, limit)
+            samples |= kept
+        if harness:
+            model, tokenizer, folder, about = load(path, device)
+            out = score(
+                model,
+                tokenizer,
+                harness,
+                limit=limit,
+                include_path=include_path,
+                batch_size=batch_size,
+                log_samples=with_samples,
+            )
+            scores |= out["scores"]
+            errors |= out["errors"]
+            if with_samples:
+                samples |= {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
     record = {
         **about,
         "tasks": list(tasks),
         "limit": limit,
         "device": device,
         "seconds": time.monotonic() - started,  # the scoring, without loading
-        "scores": out["scores"],
+        "scores": scores,
     }
-    if out["errors"]:
-        record["errors"] = out["errors"]
+    if core_record is not None:
+        record["core"] = core_record
+    if errors:
+        record["errors"] = errors
     if with_samples:
-        record["samples"] = {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
-    failed = "".join(f"\n{task} failed: {why}\n" for task, why in out["errors"].items())
-    markdown = evals_markdown(out["scores"]) + "\n" + failed
+        record["samples"] = samples
+    failed = "".join(f"\n{task} failed: {why}\n" for task, why in errors.items())
+    markdown = (offline.core_markdown(core_record) + "\n\n" if core_record else "") + evals_markdown(scores)
+    markdown += "\n" + failed
     if "checkpoint" in about or into_folder:  # a run directory (or asked for)
         return rundir.write_eval(folder, record, markdown), record
     folder = folder.resolve()  # `lm eval .` names its folder
     return rundir.write_eval(folder.parent, record, markdown, prefix=f"{folder.name}."), record
+
+
+def own_model(path: str | Path, device: str) -> hf.Loaded:
+    """A run (or a checkpoint in one) opened for lm's own scorer; a Hugging Face folder is refused."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / rundir.CHECKPOINTS).is_dir():
+        raise Refused(
+            f"{path} is a Hugging Face folder: CORE and the @olmo tasks score an lm run (runs/<name>) on lm's "
+            "own model; score the run it was exported from"
+        )
+    return hf.load_run(path, device)
 
 
 def example(sample: dict[str, Any]) -> dict[str, Any]:

