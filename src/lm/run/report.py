@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lm.base.tables import cell, evals_markdown, fmt_money, main_metric, phases_markdown
+from lm.interop.offline import core_markdown
 from lm.numbers.cost import FLOPS_FORMULA
 from lm.store import rundir
 from lm.store.atomic import open_atomic, write_atomic
@@ -241,24 +242,41 @@ def phase_labels(ends: list[tuple[float, str]], span: float) -> list[tuple[float
 
 
 def mean_score(record: dict) -> float | None:
-    """The mean over a milestone's tasks of each task's main metric (acc_norm, else acc)."""
-    values = [m[main_metric(m)] for m in record["scores"].values() if main_metric(m)]
+    """A milestone's headline: CORE where it was scored, else the mean over its tasks of each task's main
+    metric (acc_norm, else acc)."""
+    if record.get("core"):
+        return record["core"]["value"]
+    values = [m[main_metric(m)] for t, m in record["scores"].items() if main_metric(m) and not is_core_key(t)]
     return float(np.mean(values)) if values else None
 
 
+def is_core_key(task: str) -> bool:
+    """CORE's entries in a scores table (`core`, `core:<task>`): shown as one CORE figure, not 23 columns."""
+    return task == "core" or task.startswith("core:")
+
+
 def phase_benchmarks(rows: list[dict], evals: list[dict]) -> list[str]:
-    """Per phase row: the mean benchmark score at its end and what the phase added since its start (the
-    previous boundary's evaluation), i.e. what the phase's money bought in benchmark points."""
-    by_step = {r["step"]: mean_score(r) for r in evals}
+    """Per phase row: the benchmark score at its end (CORE where scored, else the mean accuracy) and what the
+    phase added since its start (the previous boundary's evaluation), i.e. what the phase's money bought:
+    for CORE, the dollars per 0.01 CORE."""
+    by_step = {r["step"]: r for r in evals}
     out = []
     for row in rows:
-        end, start = by_step.get(row["end_step"]), by_step.get(row["start_step"])
+        end_record, start_record = by_step.get(row["end_step"]), by_step.get(row["start_step"])
+        end = mean_score(end_record) if end_record else None
+        start = mean_score(start_record) if start_record else None
         if end is None:
             out.append("")
-        elif start is None:
-            out.append(f"{end:.1%}")
-        else:
-            out.append(f"{end:.1%} ({(end - start) * 100:+.1f} pts)")
+            continue
+        core = end_record.get("core")
+        cell = f"{core['label']} {end:.4f}" if core else f"{end:.1%}"
+        if start is not None and core:
+            gain = end - start
+            price = row.get("usd") / (gain / 0.01) if row.get("usd") is not None and gain > 0 else None
+            cell += f" ({gain:+.4f}" + (f", {fmt_money(price)} per 0.01 CORE)" if price is not None else ")")
+        elif start is not None:
+            cell += f" ({(end - start) * 100:+.1f} pts)"
+        out.append(cell)
     return out
 
 
@@ -353,11 +371,18 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
         return ""
     lines = ["", "## Benchmarks", ""]
     if evals:
-        columns = list(dict.fromkeys((t, main_metric(m)) for r in evals for t, m in r["scores"].items()))
-        head = ["step", "phase", "$", *(f"{t} {m}" for t, m in columns), "mean", "seconds"]
+        columns = list(
+            dict.fromkeys(
+                (t, main_metric(m)) for r in evals for t, m in r["scores"].items() if not is_core_key(t)
+            )
+        )
+        cores = list(dict.fromkeys(r["core"]["label"] for r in evals if r.get("core")))
+        head = ["step", "phase", "$", *cores, *(f"{t} {m}" for t, m in columns), "mean", "seconds"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in evals:
-            cells = [f"{r['scores'].get(t, {}).get(m, float('nan')):.3f}" for t, m in columns]
+            core = r.get("core") or {}
+            cells = [f"{core['value']:.4f}" if core.get("label") == label else "" for label in cores]
+            cells += [f"{r['scores'].get(t, {}).get(m, float('nan')):.3f}" for t, m in columns]
             mean = mean_score(r)
             lines.append(
                 f"| {r['step']:,} | {r.get('phase') or ''} | {fmt_money(r.get('usd'))} | {' | '.join(cells)} | "
@@ -366,12 +391,20 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
         limit = evals[-1].get("limit")
         lines += [
             "",
-            f"At milestones (`evals=`), {f'{limit} examples' if limit else 'every example'} per task.",
+            f"At milestones (`evals=`), {f'{limit} examples' if limit else 'every example'} per task"
+            + (" (CORE where scored, else the mean accuracy, is the `mean` column)." if cores else "."),
             "",
         ]
+        last_core = next((r["core"] for r in reversed(evals) if r.get("core")), None)
+        if last_core:
+            lines += [f"CORE at step {evals[-1]['step']:,}:", "", core_markdown(last_core), ""]
     if last_eval is not None:
         where = last_eval.get("checkpoint") or last_eval.get("model")
-        lines += [f"`lm eval` of {where}:", "", evals_markdown(last_eval["scores"]), ""]
+        lines += [f"`lm eval` of {where}:", ""]
+        if last_eval.get("core"):
+            lines += [core_markdown(last_eval["core"]), ""]
+        scores = {t: m for t, m in last_eval["scores"].items() if not is_core_key(t)}
+        lines += [evals_markdown(scores), ""] if scores else []
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.base.exits import Refused
 from lm.interop.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
+from lm.interop.offline import core_markdown
 from lm.run.report import headline
 from lm.store import rundir
 from lm.store.atomic import write_atomic
@@ -197,12 +198,27 @@ def scores_section(record: dict | None) -> list[str]:
         return []
     limit = f", at most {record['limit']} examples per task" if record.get("limit") else ""
     step = f", step {record['step']}" if record.get("step") is not None else ""
-    lines = [
-        f"## Benchmarks (lm-evaluation-harness{limit}{step})",
-        "",
-        "| task | metric | value |",
-        "|---|---|---|",
-    ]
-    for task, metrics in record["scores"].items():
-        lines += [f"| {task} | {m} | {v:.4f} |" for m, v in metrics.items() if not m.endswith("_stderr")]
-    return [*lines, ""]
+    lines = []
+    if record.get("core"):  # its own section: the figure with every task it covers and what it left out
+        core = record["core"]
+        lines += [
+            f"## {core['label']} (DCLM CORE, scored by lm{limit}{step})",
+            "",
+            core_markdown(core),
+            "",
+            "Each task's accuracy centred on its random baseline, `(acc - b) / (1 - b)`; CORE is their mean."
+            + (
+                ""
+                if core["label"] == "CORE"
+                else " Not all 22 tasks: not comparable with a full CORE figure."
+            ),
+            "",
+        ]
+    scores = {t: m for t, m in record["scores"].items() if t != "core" and not t.startswith("core:")}
+    if scores:
+        lines += [f"## Benchmarks ({limit.removeprefix(', ') or 'every example'}{step})", ""]
+        lines += ["| task | metric | value |", "|---|---|---|"]
+        for task, metrics in scores.items():
+            lines += [f"| {task} | {m} | {v:.4f} |" for m, v in metrics.items() if not m.endswith("_stderr")]
+        lines.append("")
+    return lines
