@@ -443,7 +443,7 @@ def test_a_better_variant_is_measured_on_its_own_complete_runs():
     assert "curve" in read.method and read.bound[0] == "at most" and read.bound[1] < 0.9
 
 
-def test_the_speedups_interval_is_a_bootstrap_over_seeds_and_names_an_open_end():
+def test_the_speedups_interval_inverts_a_paired_t_test_over_seeds_and_names_an_open_end():
     from lm.tools.ablate.analysis import speedup
 
     spec = Spec(name="t", variants={"v": []}, seeds=list(range(6)), fractions={BASELINE: [0.5]})
@@ -643,6 +643,15 @@ def test_the_ladder_trend_is_fitted_in_log_size_and_carried_to_the_target():
         "without s2",
     ]
     assert all(f.direction == "shrinks" for f in found.fits)
+    # e^4 = 55x past the largest rung: the report states no value there (issue 55: plan_1b is ~900x the CPU
+    # ladder's largest rung, and "holds" there was an extrapolation printed as a finding).
+    from lm.tools.ablate.report import trend_table
+
+    assert not found.near_target
+    text = "\n".join(trend_table([found], Spec(name="t", variants={"v": []})))
+    assert "not stated: the target is 55x the largest rung" in text and "0.900" not in text
+    near = trend("v", rows, target_params=int(1e5 * math.e**3), flops_ratio_at_target=1.05)
+    assert near.near_target and "0.750" in "\n".join(trend_table([near], Spec(name="t", variants={"v": []})))
     flat = {
         f"s{i}": [ratio_row(int(1e5 * math.e**i), [0.7, 0.75, 0.8][:: 1 - 2 * (i % 2)])] for i in range(3)
     }
@@ -713,3 +722,24 @@ def test_a_seed_that_changed_nothing_is_flagged_never_a_win():
     ]
     rows = {r.arm: r for r in summarize(spec, results, dict.fromkeys([BASELINE, "v"], shape))}
     assert rows["v"].seed_unchanged == [BASELINE] and rows["v"].verdict == "no seed spread"
+
+
+def test_measured_dollars_are_tokens_times_the_interleaved_step_time_ratio():
+    """Issue 55: the FLOP-modelled dollars (0.886x at s128) said 'cheaper'; with the step times measured in the
+    same study the ratio is tokens x s/step, and both are reported, the modelled one labelled as such."""
+    spec = Spec(name="t", variants={"v": []}, seeds=[0, 1, 2], fractions={"v": [0.5]})
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    heavier = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1.2e6, vocab_size=512)
+    base = {0: 3.0, 1: 3.1, 2: 2.95}
+    results = [result(BASELINE, s, v) for s, v in base.items()]
+    results += [result("v", s, v - 0.05 + 0.001 * s) for s, v in base.items()]
+    results += [result("v", s, v + 0.05, fraction=0.5, steps=50) for s, v in base.items()]
+    rows = {
+        r.arm: r
+        for r in summarize(spec, results, {BASELINE: shape, "v": heavier}, times={BASELINE: 1.0, "v": 1.5})
+    }
+    row = rows["v"]
+    assert row.usd_to_target_ratio.mean == pytest.approx(row.tokens_ratio.mean * 1.2)
+    assert row.measured_usd_to_target_ratio.mean == pytest.approx(row.tokens_ratio.mean * 1.5)
+    assert row.measured_usd_to_target_ratio.high == pytest.approx(row.tokens_ratio.high * 1.5)
+    assert summarize(spec, results, {BASELINE: shape, "v": heavier})[1].measured_usd_to_target_ratio is None

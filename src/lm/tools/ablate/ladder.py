@@ -38,6 +38,12 @@ class Fit:
     direction: str
 
 
+NEAR_TARGET = 3.0
+"""How far past the largest rung (in non-embedding parameters) a trend's line may be carried and stated: beyond
+it (plan_1b is ~900x the CPU ladder's largest rung) the report says the target is unmeasured rather than print
+an extrapolation over decades as a value (issue 55)."""
+
+
 @dataclass
 class Trend:
     """One arm's quantity against model size, and where the lines land at the target size."""
@@ -61,6 +67,11 @@ class Trend:
     """Rungs whose LR grid may cost more loss than the effects they compare."""
     left_out: list[str] = field(default_factory=list)
     """Rungs without a value for every seed (bounded tokens ratios): not in any fit."""
+
+    @property
+    def near_target(self) -> bool:
+        """The target is within `NEAR_TARGET` x the largest rung: only then is a value there stated."""
+        return self.target_params <= NEAR_TARGET * max(self.params)
 
 
 def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
