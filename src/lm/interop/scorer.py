@@ -44,19 +44,29 @@ class Scored:
         return -self.logprob / self.tokens
 
 
+def split_space(context: str, continuation: str) -> tuple[str, str]:
+    """Trailing whitespace of the context moved to the continuation (lm-evaluation-harness's rule)."""
+    spaces = len(context) - len(context.rstrip())
+    return (context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation)
+
+
+def split_ids(ctx_ids: list[int], whole_ids: list[int], prefix_id: int) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) from the encodings of the context and of the whole text: the whole
+    with the context's length cut off its front, after the end-of-text prefix."""
+    ctx, whole = [prefix_id, *ctx_ids], [prefix_id, *whole_ids]
+    if len(whole) <= len(ctx):  # the continuation merged into the context's last token: score that token
+        return whole[:-1], whole[-1:]
+    return whole[: len(ctx)], whole[len(ctx) :]
+
+
 def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-evaluation-harness's `_encode_pair` splits them, after the
     end-of-text prefix: trailing whitespace goes to the continuation, the whole text is encoded and the
     context's own encoding cut off its front. `tokenizer` is a `tokenizers.Tokenizer`."""
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
-    ctx = [prefix_id, *tokenizer.encode(context, add_special_tokens=False).ids]
-    whole = [prefix_id, *tokenizer.encode(context + continuation, add_special_tokens=False).ids]
-    cont = whole[len(ctx) :]
-    if not cont:  # the continuation merged into the context's last token: score that token
-        return whole[:-1], whole[-1:]
-    return whole[: len(ctx)], cont
+    context, continuation = split_space(context, continuation)
+    ctx = tokenizer.encode(context, add_special_tokens=False).ids
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False).ids
+    return split_ids(ctx, whole, prefix_id)
 
 
 @dataclass
@@ -97,9 +107,14 @@ class Scorer:
     # --- tokens --------------------------------------------------------------------------------------------
 
     def requests(self, pairs: list[tuple[str, str]]) -> list[_Request]:
+        """The pairs tokenized as `encode_pair` does, each distinct text once, in parallel batches (the
+        tokenizer's own threads: a multiple-choice context is shared by its choices)."""
+        split = [split_space(c, k) for c, k in pairs]
+        texts = list(dict.fromkeys(t for c, k in split for t in (c, c + k)))
+        ids = dict(zip(texts, (e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False))))
         out = []
-        for context, continuation in pairs:
-            ctx, cont = encode_pair(self.tokenizer, context, continuation, self.prefix_id)
+        for context, continuation in split:
+            ctx, cont = split_ids(ids[context], ids[context + continuation], self.prefix_id)
             cont = cont[: self.row_len]  # a continuation longer than the context length: its head only
             seq, truncated = ctx + cont, False
             # The last token is only a target, so a row of row_len inputs scores row_len + 1 tokens; beyond
@@ -112,11 +127,10 @@ class Scorer:
     def units(self, questions: list[list[tuple[str, str]]]) -> tuple[list[_Request], list[_Unit]]:
         """Every request, and the units they are packed as: per question, the prefix all its requests share
         (up to the shortest context), then one branch each; split where the unit would not fit a row."""
-        requests, units = [], []
+        requests = self.requests([pair for pairs in questions for pair in pairs])
+        units, first = [], 0
         for pairs in questions:
-            first = len(requests)
-            reqs = self.requests(pairs)
-            requests += reqs
+            reqs = requests[first : first + len(pairs)]
             shared = min(r.start for r in reqs)
             for r in reqs[1:]:
                 shared = min(
@@ -131,6 +145,7 @@ class Scorer:
                     unit = _Unit(prefix, [])
                 unit.branches.append(branch)
             units.append(unit)
+            first += len(pairs)
         return requests, units
 
     def rows_of(self, units: list[_Unit]) -> list[list[_Unit]]:
