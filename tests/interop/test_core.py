@@ -384,3 +384,65 @@ def test_doctor_names_a_missing_core_folder_and_left_out_tasks():
     assert found[0].level == "warn" and "CORE-18" in found[0].what and "hellaswag" in found[0].what
     with pytest.raises(Refused, match="needs evals.partial"):
         EvalsConfig(tasks=["core"], fill_olmo=True)
+
+
+@needs_core
+@pytest.mark.slow
+def test_ddp_ranks_split_the_items_and_agree_on_core(tmp_path, data_cache):
+    """Two DDP ranks (gloo, Lightning's launcher) score CORE at the last step, each its share of the items:
+    every item once (9 per task, split 5 + 4), the figure rank 0 records equal to `lm eval` on one process."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    tasks = "[core:copa,core:winograd,core:lambada_openai]"
+    overrides = [
+        *TINY,
+        f"run.root={tmp_path}",
+        f"data.cache_dir={data_cache}",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        f"evals.tasks={tasks}",
+        f"evals.data_dir={CORE_DIR}",
+        "evals.limit=9",
+        "sampling.prompts=[]",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo / "src"), os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, "train.py", *overrides],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "smoke"
+    (record,) = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert record["step"] == 4 and record["core"]["label"] == "CORE-3"
+    assert record["core"]["items"] == {"copa": 9, "winograd": 9, "lambada_openai": 9}  # summed over ranks
+    cli.main(
+        [
+            "eval",
+            str(run),
+            "--tasks",
+            "core:copa,core:winograd,core:lambada_openai",
+            "--data-dir",
+            str(CORE_DIR),
+            "--limit",
+            "9",
+        ]
+    )
+    alone = json.loads((run / "eval.json").read_text())
+    for task in ("copa", "winograd", "lambada_openai"):  # the same items scored, up to one near-tie flipping
+        assert (
+            abs(record["scores"][f"core:{task}"]["acc"] - alone["scores"][f"core:{task}"]["acc"])
+            <= 1 / 9 + 1e-9
+        )
+    assert record["core"]["value"] == pytest.approx(alone["core"]["value"], abs=0.1)

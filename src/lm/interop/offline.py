@@ -181,6 +181,7 @@ def summary(plan: Plan, counts: dict[str, Counts], limit: int | None) -> tuple[d
         "label": name,
         "value": value,
         "tasks": centred,
+        "items": {label: counts[label].n for label in centred},
         "left_out": plan.left_out,
         "proxies": plan.proxies,
         "limit": limit,
