@@ -21,22 +21,9 @@ from lm.numbers.stats import t_quantile
 from lm.tools.ablate.analysis import baseline_tokens_for, complete_runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "numbers"))
-from test_coverage import BASELINE, FRACTIONS, RUN_SD, SEED_SD, Spec, law, run
+from test_coverage import BASELINE, FRACTIONS, draw, law, world
 
 REPS, DRAWS = 2000, 1000
-
-
-def world(n: int, side: str, k: float):
-    arm = "v"
-    spec = Spec(
-        name="sim",
-        variants={arm: []},
-        seeds=list(range(n)),
-        fractions={side if side == BASELINE else arm: list(FRACTIONS[:-1])},
-    )
-    ladder_arm, other_arm = (BASELINE, arm) if side == BASELINE else (arm, BASELINE)
-    ladder_k, other_k = (1.0, k) if side == BASELINE else (k, 1.0)
-    return spec, arm, ladder_arm, other_arm, ladder_k, other_k
 
 
 def point(ladder: np.ndarray, other: np.ndarray, side: str) -> float:
@@ -47,18 +34,12 @@ def point(ladder: np.ndarray, other: np.ndarray, side: str) -> float:
 
 
 def coverage(n: int, side: str, k: float, rng: np.random.Generator) -> dict[str, float]:
-    spec, arm, ladder_arm, other_arm, ladder_k, other_k = world(n, side, k)
-    truth = point(law(FRACTIONS, ladder_k)[None, :], np.array([float(law(1.0, other_k))]), side)
+    w = world(n, side, k)
+    truth = point(law(FRACTIONS, w["ladder_k"])[None, :], np.array([float(law(1.0, w["other_k"]))]), side)
     hits = {"percentile bootstrap": 0, "jackknife-t": 0, "inverted paired t (lm ablate)": 0}
     for _ in range(REPS):
-        seed = rng.normal(0, SEED_SD, size=n)
-        ladder = (
-            law(FRACTIONS, ladder_k)[None, :] + seed[:, None] + rng.normal(0, RUN_SD, (n, len(FRACTIONS)))
-        )
-        other = float(law(1.0, other_k)) + seed + rng.normal(0, RUN_SD, n)
-        results = [run(ladder_arm, s, f, ladder[s, j]) for s in range(n) for j, f in enumerate(FRACTIONS)]
-        results += [run(other_arm, s, 1.0, other[s]) for s in range(n)]
-        iv = complete_runs(results, spec, arm, ladder_arm).interval
+        ladder, other, results = draw(w, n, rng)
+        iv = complete_runs(results, w["spec"], w["arm"], w["ladder_arm"]).interval
         hits["inverted paired t (lm ablate)"] += iv.low <= truth <= iv.high
         est = point(ladder, other, side)
         assert abs(est - iv.mean) < 1e-9  # the same estimate lm ablate prints
