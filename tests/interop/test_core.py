@@ -446,3 +446,25 @@ def test_ddp_ranks_split_the_items_and_agree_on_core(tmp_path, data_cache):
             <= 1 / 9 + 1e-9
         )
     assert record["core"]["value"] == pytest.approx(alone["core"]["value"], abs=0.1)
+
+
+def test_model_card_and_report_show_core_with_its_task_list():
+    from lm.run.report import benchmarks_section, phase_benchmarks
+    from lm.tools.export import scores_section
+
+    tasks = [TaskData(label, MULTIPLE_CHOICE, 0, " ", [], 25.0) for label in ("copa", "piqa")]
+    plan = offline.Plan(tasks, core=["copa", "piqa"], left_out=["hellaswag"])
+    scores, record = offline.summary(plan, {"copa": offline.Counts(8, 6), "piqa": offline.Counts(8, 4)}, 8)
+    assert record["label"] == "CORE-2" and record["value"] == pytest.approx(
+        ((0.75 - 0.25) / 0.75 + (0.5 - 0.25) / 0.75) / 2
+    )
+    card = "\n".join(scores_section({"scores": scores, "core": record, "limit": 8, "step": 40}))
+    assert (
+        "## CORE-2" in card and "| copa |" in card and "left out: hellaswag" in card and "Not all 22" in card
+    )
+    first = {"step": 10, "usd": 1.0, "seconds": 1.0, "scores": scores, "core": {**record, "value": 0.10}}
+    second = {"step": 20, "usd": 2.0, "seconds": 1.0, "scores": scores, "core": {**record, "value": 0.15}}
+    section = benchmarks_section([first, second], None)
+    assert "| step | phase | $ | CORE-2 |" in section and "core:copa" not in section
+    rows = [{"start_step": 10, "end_step": 20, "usd": 0.5}]
+    assert phase_benchmarks(rows, [first, second]) == ["CORE-2 0.1500 (+0.0500, $0.1000 per 0.01 CORE)"]
