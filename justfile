@@ -24,7 +24,7 @@ setup-gpu *torch_index:
 # stamped in the header (CI fails on a lock that does not match). `just lock --upgrade`: the newest allowed.
 lock *args:
     test -x .venv-lock/bin/pip-compile || (python3 -m venv .venv-lock && .venv-lock/bin/pip install -q "pip-tools==7.6.2")
-    .venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe --strip-extras --extra dev --build-deps-for editable \
+    .venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe --no-strip-extras --extra dev --build-deps-for editable \
         --no-emit-index-url --no-emit-find-links -P torch==2.13.0 -o requirements.lock {{args}} pyproject.toml
     python3 .ci/lock.py stamp
 

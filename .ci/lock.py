@@ -7,7 +7,8 @@ changed and the lock did not. Standard library only: CI runs it before the venv 
 
 `stamp` also writes torch's pin without the CPU wheel's local label (`torch==2.13.0`, its hash still the CPU
 wheel's): pip on lm's machines takes that wheel by its hash, and a GPU box whose CUDA torch 2.13.0 is already
-installed keeps it (pip checks no hash of an installed package that satisfies a pin).
+installed keeps it (pip checks no hash of an installed package that satisfies a pin). And it repeats each pin
+with extras without them (`plain_pins`), which the pip a Python 3.11 venv starts with needs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PYPROJECT = ROOT / "pyproject.toml"
 LOCK = ROOT / "requirements.lock"
 EXTRA = "dev"
 """The extra the lock installs (with the base dependencies): what the README's set-up and CI install."""
-STAMP = re.compile(r"^# inputs: sha256 ([0-9a-f]{64})", re.M)
+STAMP = re.compile(r"^# inputs: sha256 ([0-9a-f]{64}).*\n?", re.M)
 LOCAL_LABEL = re.compile(r"^(torch==[0-9.]+)\+\w+", re.M)
 
 
@@ -48,10 +49,31 @@ def stamped_digest(lock: Path = LOCK) -> str | None:
     return m.group(1) if m else None
 
 
+PIN_WITH_EXTRAS = re.compile(
+    r"^([A-Za-z0-9_.-]+)\[[^\]]+\](==\S+ \\\n(?:    --hash=sha256:\w+(?: \\)?\n)+)", re.M
+)
+"""A `name[extras]==version` pin and its hash lines."""
+PLAIN_COPY = "    # the pin above without its extras, for pip's hash-checking mode (.ci/lock.py)\n"
+
+
+def plain_pins(text: str) -> str:
+    """Add `name==version` (same hashes) after each `name[extras]==version` that has no such line: pip before
+    23.3 takes another package's plain `name` requirement for an unpinned one under --require-hashes."""
+    plain = {m.group(1).lower() for m in re.finditer(r"^([A-Za-z0-9_.-]+)==", text, re.M)}
+
+    def copy(m: re.Match) -> str:
+        if m.group(1).lower() in plain:
+            return m.group(0)
+        return f"{m.group(0)}{m.group(1)}{m.group(2)}{PLAIN_COPY}"
+
+    return PIN_WITH_EXTRAS.sub(copy, text)
+
+
 def stamp(lock: Path = LOCK, pyproject: Path = PYPROJECT) -> None:
-    """Record pyproject.toml's digest in the lock's header and drop torch's local label."""
+    """Record pyproject.toml's digest in the lock's header, drop torch's local label and add plain copies of
+    the pins with extras (`plain_pins`)."""
     text = STAMP.sub("", lock.read_text()).lstrip("\n")
-    text = LOCAL_LABEL.sub(r"\1", text)
+    text = plain_pins(LOCAL_LABEL.sub(r"\1", text))
     line = f"# inputs: sha256 {inputs_digest(pyproject)} (pyproject.toml; `just lock` writes it, .ci/lock.py checks it)\n"
     lock.write_text(line + text)
 

@@ -5,6 +5,7 @@ installed torch and Lightning are inside the ranges lm.base.private_api was test
 and the lock pins, with hashes, what pyproject.toml asks for (`.ci/lock.py`, which CI runs before installing).
 """
 
+import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -44,7 +45,7 @@ def pins() -> dict[str, tuple[Version, bool]]:
         if line and not line.startswith((" ", "#", "-")) and "==" in line:
             name, _, rest = line.partition("==")
             hashed = i + 1 < len(lines) and lines[i + 1].strip().startswith("--hash=sha256:")
-            found[canonical(name)] = (Version(rest.split()[0].rstrip("\\")), hashed)
+            found[canonical(name.split("[")[0])] = (Version(rest.split()[0].rstrip("\\")), hashed)
     return found
 
 
@@ -87,6 +88,12 @@ def test_the_lock_pins_with_hashes_what_pyproject_asks_for():
     assert locked["lightning"][0] not in (Version("2.6.2"), Version("2.6.3"))
     assert str(locked["torch"][0]) == "2.13.0"  # no local label: a GPU box's CUDA 2.13.0 satisfies it
     assert "setuptools" in locked  # the build backend too: `pip install --no-build-isolation -e .`
+    # Each pin with extras is repeated without them (.ci/lock.py's plain_pins), for the pip a venv starts with.
+    text = LOCK.read_text()
+    for name in re.findall(r"^([\w.-]+)\[[^\]]+\]==", text, re.M):
+        assert re.search(rf"^{re.escape(name)}==", text, re.M), (
+            f"{name}[...] has no plain pin: run `just lock`"
+        )
 
 
 @pytest.mark.parametrize(

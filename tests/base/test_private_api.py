@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lm.base import private_api
+from lm.checkpoint import files
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lm"
 
@@ -93,7 +94,9 @@ def test_shutdown_data_workers_stops_the_workers_of_a_running_fit():
     seen = ShutDownWorkers()
     run.callbacks.append(seen)
     # persistent, as lm's DataModule makes them (data.persistent_workers): the workers outlive an epoch
-    loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=2, num_workers=2, persistent_workers=True)
+    loader = torch.utils.data.DataLoader(
+        torch.randn(64, 4), batch_size=2, num_workers=2, persistent_workers=True
+    )
     with pytest.raises(Stop):
         run.fit(Tiny(), loader)
     assert len(seen.alive) >= 2 and seen.left == []  # the loop's workers were running, and are gone
@@ -117,8 +120,12 @@ def test_torchs_insides_are_where_lm_reaches_them(tmp_path):
     assert ortho.shape == (8, 4) and private_api.muon_adjust_lr(0.01, None, matrix.shape) > 0
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
-    assert torch.equal(private_api.read_sharded_whole(tmp_path / "dcp")["w"], torch.arange(6.0))
+    dcp.save({"w": torch.arange(6.0), "lr": 0.5}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    whole = private_api.read_sharded_whole(tmp_path / "dcp")
+    assert torch.equal(whole["w"], torch.arange(6.0)) and whole["lr"] == 0.5
+    # DCP_INDEX_TYPES is every type this torch pickles into an index: it reads back allowing only those.
+    index = files.read_index(tmp_path / "dcp")
+    assert {k for k in index.state_dict_metadata} == {"w", "lr"}
 
 
 def private_references(path: Path) -> list[str]:

@@ -13,6 +13,7 @@ tested with. Three Lightning names at most: each is a reason to leave Lightning'
 | `GradScaler._scale` | torch | fp16's loss scale as a device tensor (`get_scale()` reads it on the host: a sync per step) |
 | `torch.optim._muon` | torch | Muon's Newton-Schulz iteration and LR adjustment, shared with torch's own `Muon` (lm's steps it on FSDP2 shards) |
 | `state_dict_loader._load_state_dict`, `_EmptyStateDictLoadPlanner` | torch | a sharded checkpoint read whole on one process: what torch's own `dcp_to_torch_save` does, in memory |
+| `_StorageInfo`, `_get_layout`, `_MEM_FORMAT_ENCODING` (as names) | torch | what a DCP index pickles: torch reads it with a full `pickle.load`, lm with only these allowed (`DCP_INDEX_TYPES`), so a planted index cannot run code |
 | `Muon._init_group` | torch | the Polar Express Muon steps torch's Muon with other coefficients, gathering each group's tensors as torch's own step does |
 """
 
@@ -26,6 +27,34 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
+
+DCP_INDEX_TYPES = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+"""(module, name) of every type torch.distributed.checkpoint's index (`.metadata`) pickles besides dtypes: its
+dataclasses, the layout and memory-format codes, shapes, the checkpoint's path. lm.checkpoint.files reads the
+index allowing only these; a release that pickles another type is refused by name until it is added here."""
+
 
 MUON_QUINTIC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 """torch's Muon quintic Newton-Schulz coefficients."""

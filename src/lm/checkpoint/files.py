@@ -37,7 +37,7 @@ from typing import IO, Any
 import torch
 
 from lm.base.exits import Refused
-from lm.base.private_api import read_sharded_whole
+from lm.base.private_api import DCP_INDEX_TYPES, read_sharded_whole
 
 log = logging.getLogger(__name__)
 
@@ -177,39 +177,12 @@ def read_meta(path: Path) -> dict[str, Any]:
     return read(path)
 
 
-INDEX_TYPES = frozenset(
-    {
-        *(
-            ("torch.distributed.checkpoint.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "Size"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-    }
-)
-"""What torch.distributed.checkpoint's index pickles (its dataclasses, the layout and memory-format codes, shapes,
-dtypes, the checkpoint's path): read with only these (and dtypes) allowed. A torch release that pickles another
-type makes a sharded folder fail `sharded_loadable` here, named, until it is added (tests/checkpoint)."""
-
-
 class IndexUnpickler(pickle.Unpickler):
-    """`pickle` restricted to `INDEX_TYPES` and torch's dtypes; anything else is refused by name."""
+    """`pickle` restricted to what torch.distributed.checkpoint's index holds (`DCP_INDEX_TYPES`: its
+    dataclasses, shapes, layouts, paths) and torch's dtypes; anything else is refused by name."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in INDEX_TYPES or (
+        if (module, name) in DCP_INDEX_TYPES or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
