@@ -35,6 +35,11 @@ def stop_signal(action: str, phase: str | None) -> signal.Signals | None:
     return STOP_SIGNALS[name]
 
 
+def rank() -> int:
+    """This process's rank: torchrun sets RANK, Lightning's launcher LOCAL_RANK (one machine)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
 def saver(trainer: pl.Trainer) -> RunCheckpoint:
     """The run's save callback."""
     return next(c for c in trainer.callbacks if isinstance(c, RunCheckpoint))
@@ -62,6 +67,8 @@ class Fault(pl.Callback):
       ended a step `seconds` later (the save completes after the run moved on, as a slow disk makes it);
     - `fill_disk_in_save`: the checkpoint write fills its real filesystem (`<marker>.filler`) and meets ENOSPC;
       `disk_full`: the same failure simulated inside torch.save, on any filesystem;
+    - `slow_upload`: every checkpoint upload `seconds` longer; `refuse_uploads`: the bucket refuses every upload
+      of step >= `step` (access denied), in the process the fault fired in;
     - `nan` | `nan_always` | `drop_grads` | `slow`: numerics and a slow host.
 
     `rank`: fire on that rank only (under torchrun; every rank when None)."""
@@ -74,7 +81,7 @@ class Fault(pl.Callback):
 
     def fire(self) -> bool:
         """True the first time across restarts (on `rank` only, when one is named)."""
-        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+        if self.rank is not None and rank() != self.rank:
             return False
         if self.marker.exists():
             return False
@@ -185,6 +192,27 @@ class Fault(pl.Callback):
         uploader = saver(trainer).uploader
         if stop_signal(self.action, "upload") and uploader is not None:
             self.wrap_upload(uploader.store)
+        if self.action in ("slow_upload", "refuse_uploads") and uploader is not None:
+            self.wrap_upload_fault(uploader.store)
+
+    def wrap_upload_fault(self, store) -> None:
+        """`slow_upload`: every upload takes `seconds` longer (a stand-in for a 1B checkpoint's); with
+        `refuse_uploads`, the bucket refuses every upload of step >= `step` (access denied)."""
+        from lm.store.objects import explain
+
+        original_upload = store.upload
+        fault = self
+
+        def upload(f, step: int):
+            if fault.action == "slow_upload":
+                time.sleep(fault.seconds)
+            elif step >= fault.step and (getattr(fault, "_refusing", False) or fault.fire()):
+                fault._refusing = True  # from now on, in this process only: the rerun uploads
+                denied = PermissionError(errno.EACCES, "Access Denied")
+                raise explain(denied, store.url, "uploading a checkpoint to") from denied
+            return original_upload(f, step)
+
+        store.upload = upload
 
     def wrap_upload(self, store) -> None:
         """The signal arrives while a checkpoint of step >= `step` is on its way to the bucket."""

@@ -192,6 +192,7 @@ def run(
                     f"{' '.join(command(args, supervised))}\ndid not exit within {timeout:.0f} s: a hang. "
                     f"Stacks of every process of its group (faulthandler, on SIGABRT):\n{read(err)[-20000:]}"
                 )
+            drain(proc.pid)  # the other ranks leave after rank 0 under Lightning's launcher: their last lines
         finally:
             kill_group(proc)
         return Outcome(args, code, time.monotonic() - start, read(out), read(err), exited_at)
@@ -211,6 +212,13 @@ def wait(
     return None
 
 
+def drain(pgid: int, seconds: float = 15.0) -> None:
+    """Wait (at most `seconds`) for the rest of the group to end on its own once its leader has."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and [pid for pid in group_pids(pgid, live=True) if pid != pgid]:
+        time.sleep(0.05)
+
+
 def abort_group(proc: subprocess.Popen) -> None:
     """SIGABRT to every process of the group, one at a time so that their stacks do not interleave (the
     leader last: its exit may take the workers with it), then SIGKILL."""
@@ -223,15 +231,16 @@ def abort_group(proc: subprocess.Popen) -> None:
     kill_group(proc)
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The processes of process group `pgid` (from /proc; just the leader where there is no /proc)."""
+def group_pids(pgid: int, live: bool = False) -> list[int]:
+    """The processes of process group `pgid` (from /proc; just the leader where there is no /proc); `live`:
+    not those that have ended and wait to be reaped."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = (
                 stat.read_text().rsplit(")", 1)[1].split()
             )  # after the command name, which may hold spaces
-            if int(fields[2]) == pgid:
+            if int(fields[2]) == pgid and not (live and fields[0] in ("Z", "X")):
                 pids.append(int(stat.parent.name))
     return pids or [pgid]
 

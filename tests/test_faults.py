@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -872,3 +873,147 @@ def test_sharded_save_faults_on_two_ranks_resume_bitwise(root, data_cache, shard
     assert_bitwise(sharded_state(root / name), sharded_reference)
     assert not list(ckpt_dir.glob("*.tmp-*")), name
     row.equal = True
+
+
+# -- every rank leaves together: 2 DDP ranks under Lightning's own launcher (gloo, CPU) -------------------
+
+DDP = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "data.batch_size=4",
+    "data.num_workers=1",
+]
+LEAVES = re.compile(r"rank (\d) leaves with (-?\d+)")
+
+
+def ddp_overrides(root: Path, cache: Path, name: str, *extra: str) -> list[str]:
+    """`python train.py trainer=ddp trainer.accelerator=cpu trainer.devices=2`, the documented one-machine
+    command: Lightning's launcher starts rank 1 as a child of rank 0."""
+    return [o for o in overrides(root, cache, name, *DDP, *extra) if o != "trainer=cpu"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(root, data_cache) -> dict:
+    """2 DDP ranks, 20 steps uninterrupted."""
+    done = run(ddp_overrides(root, data_cache, "ddp_reference"))
+    assert done.code == 0, done.tail()
+    return last(root, "ddp_reference")
+
+
+def assert_left_together(outcome, code: int, row: Record) -> None:
+    """Rank 0 (the process the supervisor sees) exits `code`; so does rank 1 (its own line says so): none
+    crashed in a collective (1), none was killed by Lightning's child-process observer (137), none waited."""
+    row.code = outcome.code
+    text = outcome.stdout + outcome.stderr
+    assert outcome.code == code, outcome.tail(8000)
+    assert "Connection closed by peer" not in text, outcome.tail(8000)
+    assert "Forcefully terminating all other processes" not in text, outcome.tail(8000)
+    assert dict(LEAVES.findall(text)) == {"0": str(code), "1": str(code)}, outcome.tail(8000)
+
+
+def ddp_rerun_resumes(args, root, name, reference, row, resumes: bool = True, **kw) -> None:
+    """The same command again finishes (0) bitwise equal to the straight run on 2 ranks."""
+    again = run(args, **kw)
+    assert again.code == 0, again.tail()
+    row.resumed = "resuming from" in again.stdout + again.stderr
+    assert row.resumed == resumes, again.tail()
+    assert_matches_reference(root, name, reference)
+    row.equal = True
+
+
+def rm_rf(folder: Path) -> None:
+    """`rm -rf folder` while the run writes into it (a file it renames away mid-walk is no error)."""
+    while folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.faults_slow
+@pytest.mark.parametrize("every", [1, 5], ids=["ledger_every_step", "default_interval"])
+def test_ddp_run_directory_removed_between_saves_exits_74_on_every_rank(
+    root, data_cache, ddp_reference, row, every
+):
+    """Issue 54: rank 0's ledger write met the removed directory and exited 74 alone; rank 1 died in DDP's
+    next collective (gloo: "Connection closed by peer", exit 1), or waited in the save's agreement."""
+    name = row.case = f"ddp_run_dir_removed_{'every_step' if every == 1 else 'default'}"
+    run_dir = root / name
+    markers = root / f"{name}-markers"  # outside the run directory, which goes
+    markers.mkdir(parents=True)
+    held = [*fault(markers, "pause", step=8), "+callbacks.fault.rank=0"]  # between the saves of 6 and 12
+    args = ddp_overrides(root, data_cache, name, f"trainer.log_every_n_steps={every}", *held)
+    fired = marker(markers, "pause", 8)
+    first = run(args, triggers=(Trigger.at_pause(fired, lambda: rm_rf(run_dir)),))
+    row.expected, row.exit_s = EXIT_SAVE_FAILED, first.since(fired)
+    assert_left_together(first, EXIT_SAVE_FAILED, row)
+    assert row.exit_s <= 60
+    assert "was removed while the run was training" in first.stderr, first.tail()
+    ddp_rerun_resumes(args, root, name, ddp_reference, row, resumes=False)  # nothing left: a fresh start
+
+
+@pytest.mark.faults_slow
+def test_ddp_disk_filled_between_saves_exits_74_on_every_rank_then_resumes(
+    small_disk, data_cache, ddp_reference, row
+):
+    """Issue 54: a full disk at rank 0's cost.json raised DiskFull on rank 0 alone."""
+    name = row.case = "ddp_disk_filled_mid_run"
+    (small_disk / name).mkdir()
+    args = ddp_overrides(small_disk, data_cache, name, *fault(small_disk / name, "pause", step=8))
+    fired = marker(small_disk / name, "pause", 8)
+    filler = small_disk / "filler"
+    first = run(args, triggers=(Trigger.at_pause(fired, lambda: fill(filler)),))
+    row.expected, row.exit_s = EXIT_SAVE_FAILED, first.since(fired)
+    assert_left_together(first, EXIT_SAVE_FAILED, row)
+    assert row.exit_s <= 60
+    ckpt_dir = small_disk / name / "checkpoints"
+    assert sorted(checkpoints(ckpt_dir)) == [6]  # the previous checkpoint is intact
+    filler.unlink()
+    ddp_rerun_resumes(args, small_disk, name, ddp_reference, row)
+
+
+@pytest.mark.faults_slow
+def test_ddp_stop_signal_with_a_slow_upload_puts_the_stops_checkpoint_in_the_bucket(
+    root, data_cache, ddp_reference, row, tmp_path
+):
+    """Issue 54: SIGUSR1 to rank 0 with every upload 8 s slow: both ranks saved and logged 75, rank 1 exited
+    first and Lightning's child-process observer SIGKILLed rank 0 mid-upload (137, no checkpoint in the bucket)."""
+    import fsspec
+
+    name = row.case = "ddp_sigusr1_slow_upload"
+    (root / name).mkdir(parents=True)
+    bucket = tmp_path / "bucket"
+    args = ddp_overrides(
+        root,
+        data_cache,
+        name,
+        f"checkpoint.remote=file://{bucket}",
+        *fault(root / name, "slow_upload", key="slow", seconds=8.0),
+    )
+    signalled = fault(root / name, "sigusr1", step=13)
+    first = run([*args, *signalled, "+callbacks.fault.rank=0"])
+    row.expected, row.exit_s = EXIT_PREEMPTED, first.since(marker(root / name, "sigusr1", 13))
+    assert_left_together(first, EXIT_PREEMPTED, row)
+    saved = last(root, name)["global_step"]
+    assert saved in (14, 15), first.tail()
+    assert pointer_steps(fsspec.filesystem("file"), f"{bucket}/{name}/checkpoints")[:1] == [saved]
+    ddp_rerun_resumes(args, root, name, ddp_reference, row)
+
+
+@pytest.mark.faults_slow
+def test_ddp_upload_refused_mid_run_exits_74_on_every_rank(root, data_cache, ddp_reference, row, tmp_path):
+    """Issue 54: an upload the bucket refused was logged and the run trained on for hours with no mirror."""
+    name = row.case = "ddp_upload_refused"
+    (root / name).mkdir(parents=True)
+    args = ddp_overrides(
+        root,
+        data_cache,
+        name,
+        f"checkpoint.remote=file://{tmp_path / 'bucket'}",
+        *fault(root / name, "refuse_uploads", step=12),
+    )
+    first = run(args)
+    row.expected, row.exit_s = EXIT_SAVE_FAILED, first.since(marker(root / name, "refuse_uploads", 12))
+    assert_left_together(first, EXIT_SAVE_FAILED, row)
+    assert "the bucket refused the checkpoint upload" in first.stderr, first.tail()
+    assert last(root, name)["global_step"] < STEPS, "trained on to the end with no mirror"
+    assert sorted(checkpoints(root / name / "checkpoints")) == [6, 12]  # intact locally
+    ddp_rerun_resumes(args, root, name, ddp_reference, row)

@@ -16,26 +16,50 @@ once. On one process there is nothing to agree with: the votes are the answer, a
 Hangs are ruled out by construction: `exchange` is called at every optimizer step on every rank (the step
 boundary calls it before acting on anything), the flags are a fixed tuple (the same layout everywhere), and
 the round in flight is settled at the next step or at train end, which every rank reaches at the same step.
+
+The same object holds the run's two other agreements, so the ranks agree through one mechanism:
+- `agree`: a blocking round on each rank's problem (an exception or None) where the next act is collective
+  and cannot wait a step: before and after a checkpoint write, and at train end before the final save;
+- `leave`: how every rank leaves, whatever launched it: rank 0 does its exit work first (the upload, an
+  asynchronous save's finish, the ledger, the report), then tells the others its exit code on a gloo group of
+  their own (bounded by `exit_wait_s`), and every rank exits with that code. Under Lightning's launcher the
+  other ranks also wait for rank 0's process to end: its child-process observer SIGKILLs rank 0 within ~5 s of
+  any rank exiting non-zero first.
 """
 
 from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lm.base.exits import EXIT_GRACE_S
 from lm.callbacks.host_copy import HostCopy
 
-FLAGS = ("stop", "budget_over", "budget_near", "slow", "run_dir_lost", "save_failed")
+log = logging.getLogger(__name__)
+
+FLAGS = ("stop", "budget_over", "budget_near", "slow", "run_dir_lost", "save_failed", "run_file_failed")
 """The step boundary's decisions, in the order of the agreed tensor."""
 
 
 class Consensus:
     """Agree on the named boolean flags across ranks, one optimizer step late and without a host sync."""
 
-    def __init__(self, names: tuple[str, ...] = FLAGS) -> None:
+    def __init__(self, names: tuple[str, ...] = FLAGS, exit_wait_s: float = 900.0) -> None:
         self.names = names
         self._pending: _Round | None = None
+        self.exit_wait_s = exit_wait_s
+        """How long the other ranks wait for rank 0's exit work (`leave`): the upload's own bound and more."""
+        self._exit_group: dist.ProcessGroup | None = None
+        self.agreed_end = False
+        """Every rank reached the end together (training ended, or an agreed exit was raised): `leave` waits
+        for rank 0 only then; a rank that crashed alone must not wait for ranks stuck in a collective."""
 
     @staticmethod
     def distributed(trainer: pl.Trainer) -> bool:
@@ -65,6 +89,69 @@ class Consensus:
     def drop(self) -> None:
         """Forget the round in flight without waiting (another rank may be gone: never wait while failing)."""
         self._pending = None
+
+    def agree(self, trainer: pl.Trainer, error: BaseException | None) -> None:
+        """A blocking round: every rank calls this with its own problem (or None); if any rank has one, every
+        rank raises (its own, else the lowest rank's), so no rank goes on alone into a collective the others
+        left. One process: raise `error` if there is one."""
+        if self.distributed(trainer):
+            errors: list[BaseException | None] = [None] * trainer.world_size
+            dist.all_gather_object(errors, error)
+            first = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+            if first is not None and error is None:
+                rank, error = first
+                error.add_note(f"(raised on rank {rank}; this rank stops with it)")
+        if error is not None:
+            raise agreed(self, error)
+
+    # --- leaving ---------------------------------------------------------------------------------------
+
+    def open_exit(self, trainer: pl.Trainer) -> None:
+        """Every rank, at set-up: the gloo group `leave` talks on (its own, so its bound is not the training
+        group's, and so it works beside NCCL)."""
+        if self.distributed(trainer) and self._exit_group is None:
+            timeout = datetime.timedelta(seconds=self.exit_wait_s)
+            self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def leave(self, code: int) -> int:
+        """The code this process exits with, once rank 0's exit work is done: rank 0's own code on every rank.
+
+        Call after everything a rank does on its way out (rank 0: the upload, the report). Rank 0 sends its
+        code and the others wait for it (at most `exit_wait_s`), only when the end was agreed (`agreed_end`);
+        a rank whose end was its own (a crash) leaves with its code at once."""
+        group, self._exit_group = self._exit_group, None
+        if group is None or not self.agreed_end or not dist.is_initialized():
+            return code
+        rank = dist.get_rank()
+        sent = [(code, os.getpid(), socket.gethostname())]
+        try:
+            dist.broadcast_object_list(sent, src=0, group=group)
+        except Exception as e:  # rank 0 is gone, or took longer than the bound: leave with this rank's code
+            log.error("rank %d: rank 0 did not say how the run ends (%s); leaving with %d", rank, e, code)
+            return code
+        if rank == 0:
+            log.info("rank 0 leaves with %d", code)
+            return code
+        rank0_code, rank0_pid, host = sent[0]
+        if rank0_code != code:
+            log.warning("rank %d: leaving with rank 0's code %d (this rank's was %d)", rank, rank0_code, code)
+        if host == socket.gethostname() and os.getppid() == rank0_pid:
+            wait_for_parent(rank0_pid, EXIT_GRACE_S + 5.0)  # Lightning's launcher: rank 0 leaves first
+        log.info("rank %d leaves with %d", rank, rank0_code)
+        return rank0_code
+
+
+def agreed(consensus: Consensus, error: BaseException) -> BaseException:
+    """`error`, raised on every rank at once by an agreement: their end is agreed (`Consensus.agreed_end`)."""
+    consensus.agreed_end = True
+    return error
+
+
+def wait_for_parent(pid: int, seconds: float) -> None:
+    """Wait (at most `seconds`) until this process's parent `pid` has ended."""
+    deadline = time.monotonic() + seconds
+    while os.getppid() == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class _Round:

@@ -8,11 +8,12 @@ Lightning runs the forward, backward and optimizer step; everything lm decides a
     after the optimizer      1. count      tokens, time and dollars of the step (CostMeter)
     (`on_train_batch_end`,   2. observe    phase rows, milestone samples and benchmarks (they read the count)
     once per step)           3. vote       this rank: a stop signal, the budget, a slow host, the run
-                                           directory lost, a background save failed
+                                           directory lost, a background save or an upload failed, a run
+                                           file not written (rank 0's writes keep their failure: deferred)
                              4. agree      the votes across ranks (Consensus: one step late, no host sync)
-                             5. act        a lost run or failed save: exit 74 on every rank; the stopper's
-                                           budget or cooldown: stop; a stop signal: save, exit 75; a slow
-                                           host: save
+                             5. act        a lost run, a failed save or run file: exit 74 on every rank; the
+                                           stopper's budget or cooldown: stop; a stop signal: save, exit 75;
+                                           a slow host: save
                              6. save       the scheduled checkpoint (RunCheckpoint)
     at a save                the RunState snapshot (after the meter starts charging checkpoint time and
                              the guards settle the step just taken)
@@ -33,7 +34,8 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 
-from lm.callbacks.consensus import Consensus
+from lm.base.exits import CheckpointSaveError
+from lm.callbacks.consensus import Consensus, agreed
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.spike import SpikeGuard
@@ -44,6 +46,7 @@ from lm.callbacks.throughput_alarm import ThroughputAlarm
 from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.resume_check import ResumeCheck
 from lm.checkpoint.run_state import RUN_STATE, from_checkpoint, rng_state, set_rng_state
+from lm.store import atomic
 
 
 class Observer(Protocol):
@@ -74,6 +77,7 @@ class StepBoundary(pl.Callback):
         self.nonfinite, self.spike = nonfinite, spike
         self.observers = observers
         self.consensus = consensus or Consensus()
+        self.run_dir = saver.dirpath.parent
         self.state = meter.run
         """The run's RunState, which every part of the step shares."""
         self.steps = StepWatch()
@@ -101,11 +105,14 @@ class StepBoundary(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.spike.attach(trainer)  # before the training loader is built: the sampler skips the windows
+        if stage == "fit":
+            self.consensus.open_exit(trainer)  # every rank, in the same order as any other group
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.signals.install()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        atomic.defer(self.run_dir)  # a run file's failed write is a vote, not an exit on one rank
         self.signals.install(trainer)
         self.steps.start(trainer)
         self.nonfinite.start(trainer)
@@ -145,31 +152,54 @@ class StepBoundary(pl.Callback):
             observer.at_step(trainer, pl_module)
         # 3. vote
         lost, failure = self.saver.between_saves()
+        unwritten = atomic.deferred(self.run_dir)  # rank 0's run files: the ledger, phases, samples, ...
         votes = {
             "stop": self.signals.requested(trainer),
             **self.stopper.votes(),
             "slow": self.alarm.vote(trainer, batch, self.saver.saved_step),
             "run_dir_lost": lost,
             "save_failed": failure is not None,
+            "run_file_failed": unwritten is not None,
         }
         # 4. agree (every rank, every step: no rank is left in the collective)
-        agreed = self.consensus.exchange(trainer, votes)
+        decided = self.consensus.exchange(trainer, votes)
         # 5. act
-        self.saver.fail_between_saves(agreed["run_dir_lost"], agreed["save_failed"], failure)
-        self.stopper.at_step(trainer, agreed)
-        if agreed["stop"]:
+        self.fail(decided, failure, unwritten)
+        self.stopper.at_step(trainer, decided)
+        if decided["stop"]:
             self.saver.save_now(trainer)
-            self.signals.exit(trainer)  # exit 75, unless only the final validation and save are left
-        if agreed["slow"]:
+            try:
+                self.signals.exit(trainer)  # exit 75, unless only the final validation and save are left
+            except SystemExit as e:
+                agreed(self.consensus, e)
+                raise
+        if decided["slow"]:
             self.alarm.alarm()
             self.saver.save_now(trainer)
         # 6. save
         self.saver.at_step(trainer)
 
+    def fail(
+        self, decided: dict[str, bool], failure: BaseException | None, unwritten: OSError | None
+    ) -> None:
+        """Exit 74 on every rank at once on an agreed failure: the run directory lost, a background save or an
+        upload failed, a run file not written (each rank raises its own error, else one naming rank 0)."""
+        try:
+            self.saver.fail_between_saves(decided["run_dir_lost"], decided["save_failed"], failure)
+            if decided["run_file_failed"]:
+                raise unwritten or CheckpointSaveError(
+                    "a run file could not be written on rank 0 (its message names the file and the fix); "
+                    "every rank stops with it. The checkpoints are intact; rerun the same command to resume"
+                )
+        except OSError as e:
+            agreed(self.consensus, e)
+            raise
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.nonfinite.settle()
         self.spike.settle()
         self.consensus.settle()  # every rank ends at the same step, with the same rounds launched
+        self.consensus.agreed_end = True  # from here on, every rank leaves with rank 0's code
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

@@ -5,8 +5,8 @@ checkpoint dict, every callback's `on_save_checkpoint` included, and hands it to
 CheckpointIO plugin), not a `ModelCheckpoint` subclass: lm saves by step, keeps files by step number and
 links `last.ckpt` itself, so nothing of ModelCheckpoint's monitoring or top-k bookkeeping is used.
 
-Every decision about a save is agreed by all ranks before any acts on it (`agree`: each rank's problem
-gathered, the first raised on every rank): whether the run directory is still this run's and the checkpoint
+Every decision about a save is agreed by all ranks before any acts on it (the run's `Consensus.agree`: each
+rank's problem gathered, the first raised on every rank): whether the run directory is still this run's and the checkpoint
 fits (before any rank writes), whether the write failed (after Lightning's barrier, which a rank that raised
 inside it would leave the others waiting in), whether the previous background write completed. Failures found
 between saves (a background write's, the run directory's loss) are this rank's votes at the step boundary
@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 
 from lm.base.exits import CheckpointSaveError, RunDirRemoved, report_progress
 from lm.checkpoint.files import LAST, checkpoint_step, step_name
@@ -37,7 +37,7 @@ from lm.checkpoint.local import (
 )
 from lm.checkpoint.remote import CheckpointUploader, RemoteCheckpoints
 from lm.config import CheckpointConfig
-from lm.store.atomic import check_owned, lost_run_dir, removed_message
+from lm.store.atomic import check_owned, deferred, lost_run_dir, removed_message
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,22 @@ OWNER_CHECK_S = 2.0
 """How often (seconds, at most) rank 0 checks between saves that the run directory is still this run's."""
 
 
-def agree(trainer: pl.Trainer, error: BaseException | None) -> None:
-    """Every rank calls this with its own problem (or None): if any rank has one, every rank raises (its own,
-    else the lowest rank's), so no rank goes on alone into a collective the others left. One process: raise
-    `error` if there is one."""
-    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-        errors: list[BaseException | None] = [None] * trainer.world_size
-        dist.all_gather_object(errors, error)
-        first = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
-        if first is not None and error is None:
-            rank, error = first
-            error.add_note(f"(raised on rank {rank}; this rank stops with it)")
-    if error is not None:
-        raise error
+class Agreement(Protocol):
+    """How the ranks agree on a save's problems: the run's `lm.callbacks.consensus.Consensus`, the one
+    mechanism of the whole step (handed in, since it lives a wing above)."""
+
+    def agree(self, trainer: pl.Trainer, error: BaseException | None) -> None:
+        """Every rank raises the first rank's problem if any rank has one."""
+
+
+class Alone:
+    """The agreement of one process: its own problem is the answer."""
+
+    def agree(self, trainer: pl.Trainer, error: BaseException | None) -> None:
+        if trainer.world_size > 1:
+            raise RuntimeError("RunCheckpoint on several ranks needs the run's Consensus to agree through")
+        if error is not None:
+            raise error
 
 
 class RunCheckpoint(pl.Callback):
@@ -76,8 +79,11 @@ class RunCheckpoint(pl.Callback):
         cfg: CheckpointConfig,
         remote: RemoteCheckpoints | None = None,
         io: AtomicCheckpointIO | None = None,
+        consensus: Agreement | None = None,
     ) -> None:
         self.dirpath = Path(dirpath)
+        self.consensus = consensus or Alone()
+        """The run's agreement across ranks (the step boundary's), for every decision about a save."""
         self._owner_checked = time.monotonic()
         self.cfg = cfg
         self.io = io if io is not None else AtomicCheckpointIO()
@@ -116,31 +122,56 @@ class RunCheckpoint(pl.Callback):
 
     def between_saves(self) -> tuple[bool, BaseException | None]:
         """This rank's votes between saves: the run directory gone or taken over (rank 0's lock, checked at
-        most every `OWNER_CHECK_S`), and a background write's failure."""
+        most every `OWNER_CHECK_S`), and a background write's failure or an upload the bucket refused."""
         lost = False
         now = time.monotonic()
         if now - self._owner_checked >= OWNER_CHECK_S:  # rank 0's lock (lm.store.atomic.own)
             self._owner_checked, lost = now, lost_run_dir(self.dirpath) is not None
-        return lost, (self.background.failure if self.background is not None else None)
+        if self.background is not None and self.background.failure is not None:
+            return lost, self.background.failure
+        return lost, self.upload_refused()
+
+    def upload_refused(self) -> CheckpointSaveError | None:
+        """The bucket refused an upload (access denied, the bucket deleted: `Refused`, not an outage, which the
+        uploader retries): the run would train on with no mirror, so it stops (74) unless
+        `checkpoint.remote_best_effort` keeps it going with the failure logged."""
+        if self.uploader is None or self.cfg.remote_best_effort:
+            return None
+        refusal = self.uploader.refusal
+        if refusal is None:
+            return None
+        error = CheckpointSaveError(
+            f"the bucket refused the checkpoint upload ({refusal}); the run stops rather than train on with no "
+            f"mirror. The local checkpoints are intact: fix the bucket's permissions (or set "
+            f"checkpoint.remote_best_effort=true to train on with the failure logged) and rerun the same "
+            f"command to resume"
+        )
+        error.__cause__ = refusal
+        return error
 
     def fail_between_saves(self, lost: bool, failed: bool, failure: BaseException | None) -> None:
         """On the agreed flags, every rank stops together (exit 74): the run directory is not this run's any
-        more, or a background write failed (here, or `failure` is None: on another rank)."""
+        more, or a background write or an upload failed (here, or `failure` is None: on another rank)."""
         if lost:
             raise RunDirRemoved(removed_message(self.dirpath.parent))
+        if failed and isinstance(failure, CheckpointSaveError):
+            raise failure  # the upload's refusal says what it is
         if failed:
+            where = failure or "on another rank"
             raise CheckpointSaveError(
-                f"the checkpoint written in the background failed ({failure or 'on another rank'}). The "
-                "previous checkpoints are intact; fix the cause (disk full? quota?) and rerun the same command "
-                "to resume"
+                f"the checkpoint written in the background (or its upload) failed ({where}). The previous "
+                "checkpoints are intact; fix the cause (disk full? quota?) and rerun the same command to resume"
             ) from failure
 
     def write_problem(self, trainer: pl.Trainer, path: Path) -> OSError | None:
-        """This rank's reason not to write the checkpoint at `path` (None: go ahead)."""
+        """This rank's reason not to write the checkpoint at `path` (None: go ahead), a run file that rank 0
+        could not write since the last step boundary included (validation's, the train end's)."""
         try:
             check_owned(path)  # rank 0's lock still the run directory's
         except RunDirRemoved as e:
             return e
+        if (unwritten := deferred(self.dirpath.parent)) is not None:
+            return unwritten
         if trainer.is_global_zero or self.io.format.collective:  # the ranks that write
             return self.io.space_problem(path)
         return None
@@ -177,13 +208,13 @@ class RunCheckpoint(pl.Callback):
             return False
         path = self.dirpath / step_name(step)
         self.settle_background(trainer)  # at most one in flight: the previous one is complete, or all stop
-        agree(trainer, self.write_problem(trainer, path))  # before any rank writes
-        self.io.defer = True
+        self.consensus.agree(trainer, self.write_problem(trainer, path))  # before any rank writes
+        self.io.defer = True  # the checks are agreed: the plugin writes without checking again on its own
         try:
             trainer.save_checkpoint(path)  # every rank: the dict, the strategy, the CheckpointIO, a barrier
         finally:
             self.io.defer = False
-        agree(trainer, self.io.take_failure())
+        self.consensus.agree(trainer, self.io.take_failure())
         self.saved_step = step
         if self.background is None and trainer.is_global_zero:
             replace_symlink(path, self.dirpath / LAST)  # complete: the link moves, never to a partial file
@@ -223,7 +254,7 @@ class RunCheckpoint(pl.Callback):
                 "intact; fix the cause (disk full? quota?) and rerun the same command to resume"
             )
             problem.__cause__ = failure
-        agree(trainer, problem)
+        self.consensus.agree(trainer, problem)
 
     def finish_or_fail(self, trainer: pl.Trainer) -> None:
         """Finish the background save; a failed one ends the run on every rank with exit 74."""

@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
 
 from lm.checkpoint import resume_check
-from lm.checkpoint.callback import RunCheckpoint
+from lm.checkpoint.callback import Agreement, RunCheckpoint
 from lm.checkpoint.files import LAST, STEP_GLOB, loadable, read_meta, remove
 from lm.checkpoint.formats import FORMATS, FULL_FILE, TMP_MARK, AsyncShardedFolder, CheckpointFormat
 from lm.checkpoint.local import AtomicCheckpointIO, replace_symlink
@@ -93,16 +93,17 @@ class Checkpointer:
             self._io = AtomicCheckpointIO(fmt=self.format)
         return self._io
 
-    def saver(self) -> RunCheckpoint:
+    def saver(self, consensus: Agreement | None = None) -> RunCheckpoint:
         """The run's save callback (when to save, `last.ckpt`, rotation, uploads), made once and handed to
-        every part of the step that asks for a save or reads the newest saved step."""
+        every part of the step that asks for a save or reads the newest saved step; `consensus`: the run's
+        agreement across ranks."""
         if self._saver is None:
-            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io())
+            self._saver = RunCheckpoint(self.dir, self.cfg, self.remote, self.io(), consensus)
         return self._saver
 
-    def callbacks(self, meter=None) -> list[pl.Callback]:
+    def callbacks(self, meter=None, consensus: Agreement | None = None) -> list[pl.Callback]:
         """The resume check (first of all callbacks) and the save callback (last but the progress bar)."""
-        return [resume_check.ResumeCheck(meter), self.saver()]
+        return [resume_check.ResumeCheck(meter), self.saver(consensus)]
 
     def mirror_behind(self) -> str | None:
         """At the end of a run: None when there is no bucket or it holds the latest checkpoint, else what it

@@ -90,20 +90,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         try:
-            self.save(checkpoint, path, storage_options)
+            # Deferred: the saver agreed the ownership and space checks across ranks just before; checked
+            # again here, one rank alone could fail the second check and pair the wrong collectives.
+            self.save(checkpoint, path, storage_options, checked=self.defer)
         except (CheckpointSaveError, RunDirRemoved) as e:
             if not self.defer:
                 raise
             self.failure = e
 
-    def save(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        """`save_checkpoint`, raising its failure."""
+    def save(
+        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None, *, checked: bool = False
+    ) -> None:
+        """`save_checkpoint`, raising its failure; `checked`: ownership and space were checked (and agreed)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
-        check_owned(path)  # a run directory removed or taken over is never written into
+        if not checked:
+            check_owned(path)  # a run directory removed or taken over is never written into
+            self.check_space(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.check_space(path)
         try:
             size = self.format.save(checkpoint, path)
         except OSError as e:

@@ -43,6 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from lm.base.exits import Refused
 from lm.checkpoint.files import (
     LAST,
     checkpoint_step,
@@ -382,6 +383,8 @@ class CheckpointUploader:
         self.uploaded_step: int | None = None
         """Step of the newest checkpoint the remote pointer lists, as written by this process."""
         self.failed: str | None = None
+        self.refusal: Refused | None = None
+        """The bucket's refusal of the latest upload (access denied, no bucket), which no retry cures."""
         self._pending: tuple[IO[bytes], int] | None = None
         self._busy = False
         self._cond = threading.Condition()
@@ -420,13 +423,14 @@ class CheckpointUploader:
                 entry = (
                     self.store.upload_folder(f, step) if isinstance(f, dict) else self.store.upload(f, step)
                 )
-                self.uploaded_step, self.failed = step, None
+                self.uploaded_step, self.failed, self.refusal = step, None, None
                 log.info(
                     "uploaded step %d to %s/%s (%.1f MB in %.1f s)",
                     step, self.store.url, entry.file, entry.size / 1e6, time.monotonic() - t0,
                 )  # fmt: skip
             except Exception as e:
                 self.failed = f"step {step}: {type(e).__name__}: {e}"
+                self.refusal = e if isinstance(e, Refused) else None
                 log.error(
                     "uploading step %d to %s failed (%s: %s); the local checkpoint is intact and the next "
                     "save uploads again", step, self.store.url, type(e).__name__, e,

@@ -226,6 +226,9 @@ class CheckpointConfig:
     """How long a stop signal, a crash or the end of the run waits for the upload in flight before the process
     exits anyway (a hung connection must not hold a stopping run, nor a spot machine past its notice). The
     bucket then still holds the previous complete checkpoint; the local one is intact. None waits forever."""
+    remote_best_effort: bool = False
+    """An upload the bucket refuses mid-run (access denied, the bucket deleted) stops the run with exit 74 on
+    every rank, its local checkpoints intact; true logs it and trains on without a mirror."""
     retry_window_s: float = 300.0
     """How long an outage of `remote` (connection refused or reset, timeouts, 5xx, throttling) is retried inside
     the process, with exponential backoff, before the run exits 69 for `lm supervise` to restart it later. A

@@ -20,9 +20,9 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestone_samples import MilestoneSampler
 from lm.callbacks.nonfinite import NonFiniteGuard
@@ -45,6 +45,7 @@ from lm.numbers import cost, run_plan
 from lm.numbers.batch_ramp import seq_len_warmup, window_len_at
 from lm.numbers.memory import Workload
 from lm.store import rundir
+from lm.store.tensorboard_layout import RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def build_callbacks(
     *,
     resumed: bool,
     checkpointer: Checkpointer | None = None,
+    consensus: Consensus | None = None,
 ) -> list[pl.Callback]:
     """Every callback of the run, lm's and `cfg.callbacks`, in the order Lightning calls their hooks.
 
@@ -194,9 +196,12 @@ def build_callbacks(
     A callback of one's own (`cfg.callbacks`) comes after lm's: it sees each step counted, agreed and saved.
 
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
+    `consensus`: how the ranks agree, the step boundary's and the saver's (default: a new one); the run's own
+    (`lm.run.train`) also says how every rank leaves.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
-    resume_check, saver = checkpointer.callbacks(meter)
+    consensus = consensus or Consensus()
+    resume_check, saver = checkpointer.callbacks(meter, consensus)
     g = cfg.guards
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     observers: list[pl.Callback] = []  # called by the step boundary at each counted step, in this order
@@ -218,6 +223,7 @@ def build_callbacks(
         nonfinite=NonFiniteGuard(g.max_nonfinite, ckpt_dir, meter.run, saver),
         spike=SpikeGuard(g.spike_factor, g.spike_window, g.max_spikes, ckpt_dir, meter.run, saver),
         observers=tuple(observers),
+        consensus=consensus,
     )
     # 1. ranks that resumed differently would pair up any later hook's collectives wrongly: checked first;
     # 2. the step: RunState restored before any other load hook reads it; the step boundary's sequence;
@@ -296,7 +302,7 @@ def build_trainer(
         logger = overrides.pop("logger")
     else:
         logger = (
-            TensorBoardLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
+            RunLogger(save_dir=run_dir, name=rundir.TB, version="", default_hp_metric=False)
             if cfg.logger.tensorboard
             else False
         )

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from lm.base.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.base.private_api import shutdown_data_workers
+from lm.callbacks.consensus import Consensus
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.checkpoint.remote import run_identity
 from lm.checkpoint.run_state import RunState
@@ -46,22 +47,36 @@ def main(dcfg: DictConfig) -> float | None:
     """Train one run as configured; returns the last validation loss (the objective for Hydra sweepers).
 
     However the run ends, its DataLoader workers are stopped and its lock released before this returns, and the
-    process is bounded to exit within `EXIT_GRACE_S` with the code the outcome maps to.
+    process is bounded to exit within `EXIT_GRACE_S` with the code the outcome maps to. Under several ranks,
+    an end they agreed on (training over, a stop, a failure every rank raised together) leaves with rank 0's
+    code once rank 0's exit work is done (`Consensus.leave`): the upload of the stop's checkpoint, the report.
     """
     error: BaseException | None = None
+    consensus = Consensus(exit_wait_s=exit_wait_s(dcfg))
     try:
         with contextlib.ExitStack() as on_exit:
-            return run_training(dcfg, on_exit)
+            result = run_training(dcfg, on_exit, consensus)
     except BaseException as e:
         error = e
-        raise
-    finally:
-        # A sweep's exit code is decided after its last job: a sweep that hangs on the way out is a crash.
-        exit_within(1 if rundir.in_multirun() else intended_code(error))
+    code = consensus.leave(intended_code(error))
+    # A sweep's exit code is decided after its last job: a sweep that hangs on the way out is a crash.
+    exit_within(1 if rundir.in_multirun() else code)
+    if code != intended_code(error):
+        raise SystemExit(code) from error  # rank 0's code, which this rank was told
+    if error is not None:
+        raise error
+    return result
 
 
-def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | None:
-    """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers)."""
+def exit_wait_s(dcfg: DictConfig) -> float:
+    """How long the other ranks wait for rank 0's exit work: its upload's bound, and minutes for the rest."""
+    upload = dcfg.checkpoint.get("upload_timeout_s", None)
+    return (3600.0 if upload is None else float(upload)) + 300.0
+
+
+def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack, consensus: Consensus) -> float | None:
+    """The run itself; `on_exit` takes what must be undone however it ends (the lock, the data workers);
+    `consensus`: how its ranks agree."""
     started_at = time.monotonic()
     runtime.quiet_lightning()  # before the doctor's table: every record printed once
     cfg = to_objects(dcfg)
@@ -86,11 +101,13 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack) -> float | Non
         module,
         resumed=ckpt_path is not None,
         checkpointer=checkpointer,
+        consensus=consensus,
     )
     trainer = build.build_trainer(cfg, run_dir, rt.precision, callbacks, checkpointer=checkpointer)
     if isinstance(trainer.logger, TensorBoardLogger):  # the Custom Scalars tab opens on the loss
         write_layout(trainer.logger, priced=bool(rt.price), mixture=bool(cfg.data.mixture))
     on_exit.callback(stop_data_workers, trainer)
+    on_exit.callback(atomic.undefer, run_dir)  # deferred by the step boundary while it trains
     fit(trainer, module, datamodule, ckpt_path)
     return finish(trainer, run_dir, checkpointer)
 
@@ -119,7 +136,12 @@ def fit(
 
 
 def finish(trainer: pl.Trainer, run_dir: Path, checkpointer: Checkpointer) -> float | None:
-    """Rank 0 writes the report and checks the mirror; every rank returns the last validation loss."""
+    """Rank 0 writes the report and checks the mirror; every rank returns the last validation loss.
+
+    A run file rank 0 could not write after the final save (the ledger at teardown) is its exit code (74),
+    which `Consensus.leave` then gives every rank."""
+    if (unwritten := atomic.undefer(run_dir)) is not None:
+        raise unwritten
     if trainer.is_global_zero:
         behind = checkpointer.mirror_behind()  # after the last upload
         finish_report(trainer, run_dir)

@@ -66,9 +66,54 @@ def removed_message(run_dir: Path, not_written: str | None = None) -> str:
     )
 
 
+_deferred: dict[str, list[OSError]] = {}
+"""Run directories whose write failures are kept instead of raised (`defer`), each with those kept."""
+
+
+def defer(run_dir: Path) -> None:
+    """From now on, a run file under `run_dir` that cannot be written (a full disk, a read-only filesystem,
+    the directory removed) is kept for `deferred` instead of raised: the training step's boundary makes it
+    this rank's vote, so every rank stops together (74) instead of this one alone, leaving the others in a
+    collective. The file keeps its previous version (the write is atomic)."""
+    _deferred.setdefault(os.path.abspath(run_dir), [])
+
+
+def undefer(run_dir: Path) -> OSError | None:
+    """Stop deferring under `run_dir`; the first failure kept and not yet taken, if any."""
+    kept = _deferred.pop(os.path.abspath(run_dir), [])
+    return kept[0] if kept else None
+
+
+def deferred(run_dir: Path) -> OSError | None:
+    """The first failure kept under `run_dir` (it stays kept: the run stops on it)."""
+    kept = _deferred.get(os.path.abspath(run_dir))
+    return kept[0] if kept else None
+
+
+def keep(path: Path, error: OSError) -> None:
+    """Keep `error`, a failed write of `path`, when its run directory defers failures (`defer`); else raise
+    it. For the writers that do not go through this module (TensorBoard's event file)."""
+    where = os.path.abspath(path)
+    root = next((r for r in _deferred if where == r or where.startswith(r + os.sep)), None)
+    if root is None:
+        raise error
+    if not _deferred[root]:
+        log.error("%s; the run stops on it at the next step boundary, on every rank", error)
+    _deferred[root].append(error)
+
+
+@contextlib.contextmanager
+def kept_if_deferred(path: Path) -> Iterator[None]:
+    """Raise a failed write of `path`, or keep it when its run directory defers failures (`defer`)."""
+    try:
+        yield
+    except OSError as e:
+        keep(path, e)
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write `data` (text is UTF-8 encoded) to `path`: a hidden temporary beside it, fsync, then rename."""
-    with open_atomic(path) as f:
+    with kept_if_deferred(path), open_atomic(path) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
@@ -94,6 +139,11 @@ def open_atomic(path: Path) -> Iterator[BinaryIO]:
 def append_atomic(path: Path, data: bytes | str) -> None:
     """Append `data` to `path` whole or not at all: a failed append is cut back to the old end, so the next
     append never continues a torn line."""
+    with kept_if_deferred(path):
+        _append(path, data)
+
+
+def _append(path: Path, data: bytes | str) -> None:
     check_owned(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)

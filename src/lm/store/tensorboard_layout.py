@@ -6,9 +6,13 @@ TensorBoard cannot draw one scalar against another, so loss against dollars is i
 the validation loss at a step that counts whole cents spent, for the cost meter (which knows the dollars) to log.
 """
 
+import functools
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+from lm.store.atomic import keep
 
 LOSS_BY_CENTS = "val/loss_by_cents"
 """Validation loss logged at step = cents spent: TensorBoard's step axis read as dollars x 100."""
@@ -70,3 +74,37 @@ def write_layout(logger: TensorBoardLogger, priced: bool, mixture: bool = False)
 def log_loss_by_cost(logger: TensorBoardLogger, loss: float, usd: float) -> None:
     """Log a validation loss against the dollars spent so far (`LOSS_BY_CENTS`, step = whole cents)."""
     logger.experiment.add_scalar(LOSS_BY_CENTS, loss, global_step=round(usd * 100))
+
+
+class RunLogger(TensorBoardLogger):
+    """Lightning's TensorBoard logger, whose writes under a run directory that defers its failures
+    (`lm.store.atomic.defer`, while the run trains) keep an error instead of raising it: TensorBoard's writer
+    thread dies on a removed folder or a full disk and re-raises in the next write on rank 0 alone (in
+    Lightning's logging of the step), so every rank stops together at the step boundary instead."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        return KeptWrites(TensorBoardLogger.experiment.fget(self), self.log_dir)
+
+
+class KeptWrites:
+    """A SummaryWriter whose methods keep a failed write (`lm.store.atomic.keep`)."""
+
+    def __init__(self, writer: Any, where: str) -> None:
+        self._writer, self._where = writer, where
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._writer, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except OSError as e:
+                keep(self._where, e)
+                return None
+
+        return kept
