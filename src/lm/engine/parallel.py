@@ -64,7 +64,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.checkpoint_io.save_checkpoint(checkpoint, path)
 
 
-
 def build_strategy(name: str, sharded_checkpoints: bool = False, processes: int = 1) -> str | Strategy:
     """The Trainer's `strategy` argument for `trainer.strategy`: our FSDP2 over `processes` ranks for `fsdp`,
     else Lightning's name."""
