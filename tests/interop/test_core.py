@@ -274,6 +274,18 @@ def test_lm_eval_core_without_partial_exits_78_naming_the_files(run, capsys):
     assert all(f in err for f in ABSENT)
 
 
+@needs_olmo
+def test_lm_eval_runs_the_seeds_benchmarks_offline(run, capsys, monkeypatch):
+    """HellaSwag and ARC-Easy, the seed's headline numbers, with no network at all."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cli.main(["eval", str(run), "--tasks", "hellaswag@olmo,arc_easy@olmo", "--limit", "8"])
+    scores = json.loads((run / "eval.json").read_text())["scores"]
+    assert set(scores) == {"hellaswag@olmo", "arc_easy@olmo"}
+    assert set(scores["hellaswag@olmo"]) == {"acc", "acc_stderr", "acc_raw", "acc_char"}
+    assert "hellaswag@olmo" in capsys.readouterr().out
+
+
 # --- agreement with lm-evaluation-harness ---------------------------------------------------------------------
 
 
