@@ -15,19 +15,22 @@ Per arm and shape (`ablation.md`, `.csv`, `.json`, `ablation.png`, `lr.png`, `la
 - final validation loss (the evaluation at the last step, the end of the decay): mean and 95% t interval;
 - the difference to the baseline, paired by seed (a seed whose final is not finite in either arm leaves the
   pair and is listed), its p value and Holm's adjustment across every comparison of the spec, all shapes
-  together; the verdict (wins / loses / within noise) from the adjusted p; what the LR grid's spacing may cost,
+  together; the verdict (wins / loses / within noise) from the adjusted p, or `no seed spread` (no p) when the
+  seeds give one difference or an arm's seeds all left the same curve; what the LR grid's spacing may cost,
   flagged where it exceeds the difference;
 - tokens for the same loss, over the baseline's: with `fractions: {baseline: [...]}` the speed-up of Wen et
   al. 2025 (the baseline tokens whose final loss equals the variant's, interpolated in log tokens between the
-  baseline's complete runs, a bootstrap over seeds; outside their range a bound); else from the arm's own
+  baseline's complete runs, its interval a paired t test inverted over seeds, whose coverage
+  tests/numbers/test_coverage.py measures; outside their range a bound); else from the arm's own
   shorter runs, else off its curve (upper bounds only). A seed known only as a bound is never an observation
   in a t interval: bounds give a one-sided bound of the mean;
 - FLOPs per token (the cost model's formula plus Muon's Newton-Schulz FLOPs per step over the tokens of a
   step) and seconds per step measured with every arm's steps interleaved in one process, as ratios;
-- modelled dollars to the baseline's final loss (tokens x FLOPs ratios) and per loss point;
+- measured dollars to the baseline's final loss (tokens x the interleaved seconds-per-step ratio) and modelled
+  ones (tokens x FLOPs ratios, equal MFU: never a saving on their own), and modelled dollars per loss point;
 - with `shapes`, the paired Δ and (where every seed of a rung is measured) the tokens ratio fitted against
   non-embedding parameters (a line in log N, a bootstrap over each shape's seeds) and carried to
-  `extrapolate_to` (plan_1b), labelled as an extrapolation; beside it the fits without each rung and on the
+  `extrapolate_to` (plan_1b) only when it lies within 3x of the largest rung, else "not stated"; beside it the fits without each rung and on the
   largest rungs, and "grows / holds / shrinks with scale" only where every fit agrees.
 """
 
