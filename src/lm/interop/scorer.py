@@ -9,8 +9,9 @@ starts with the end-of-text token, as every training document does.
 Speed comes from packing. The requests of one question that share a prefix (a multiple-choice context and
 its choices, a schema task's few-shot examples) become one unit: the prefix once, then each continuation as
 a branch that sees the prefix and itself, never its sibling, each at the positions it would have alone.
-Units are packed into rows of the model's context length, rows into batches, and attention runs with a
-boolean mask (same unit, prefix or own branch, causal). The output head runs only at the positions whose
+Units are packed into rows as long as the longest unit of their batch (attention costs the square of a
+row's length), rows into batches of a token budget, and attention runs with a boolean mask (same unit,
+prefix or own branch, causal). The output head runs only at the positions whose
 next token is scored: logits for a few hundred positions, not (B, T, V).
 """
 
@@ -91,11 +92,17 @@ class _Unit:
     def size(self) -> int:
         return len(self.prefix) + sum(len(b) for _, b, _ in self.branches)
 
+    @property
+    def plain(self) -> bool:
+        """One sequence: at most one branch has inputs of its own (a choice of one token is predicted at the
+        prefix's last token and adds none), so plain causal attention serves it."""
+        return sum(1 for _, inputs, _ in self.branches if inputs) <= 1
+
 
 class Scorer:
     """Scores (context, continuation) requests on a `Transformer`, packed (see the module's docstring).
 
-    `rows` rows of the model's context length go through each forward pass. On CUDA the forward runs under
+    Each forward pass holds at most `rows` times the model's context length in tokens. On CUDA the forward runs under
     bf16 autocast unless the model is already in a low precision; elsewhere in the model's dtype.
     """
 
@@ -148,23 +155,44 @@ class Scorer:
             first += len(pairs)
         return requests, units
 
-    def rows_of(self, units: list[_Unit]) -> list[list[_Unit]]:
-        """Units packed into rows of at most the context length: largest first, each into the fullest row
-        it fits (best fit decreasing)."""
-        rows: list[list[_Unit]] = []
-        free: list[tuple[int, int]] = []  # (free tokens, row index), sorted
-        for unit in sorted(units, key=lambda u: -u.size):
-            at = bisect.bisect_left(free, (unit.size, -1))
-            if at < len(free):
-                space, row = free.pop(at)
-                rows[row].append(unit)
-            else:
-                rows.append([unit])
-                space, row = self.row_len, len(rows) - 1
-            left = space - unit.size
-            if left > 0:
-                bisect.insort(free, (left, row))
-        return rows
+    def batches_of(self, units: list[_Unit]) -> list[list[list[_Unit]]]:
+        """Units into forward passes: the largest unit left sets a batch's row length T, and the units that
+        follow (largest first) are packed best-fit into at most `rows * row_len / T` rows of T tokens.
+
+        Rows as long as the batch's largest unit, not the model's context: attention costs T^2 a row, so
+        short units share a short row instead of a long one (and never more rows than the token budget).
+        A plain unit (one sequence) gets a row of its own in a batch of plain rows."""
+        budget = self.rows * self.row_len
+        # A plain unit is one sequence: one a row, plain causal attention (no mask: SDPA may take its flash
+        # kernel), so never packed with another.
+        plain = sorted((u for u in units if u.plain), key=lambda u: -u.size)
+        batches, at = [], 0
+        while at < len(plain):
+            take = max(1, budget // plain[at].size)
+            batches.append([[u] for u in plain[at : at + take]])
+            at += take
+        ordered = sorted((u for u in units if not u.plain), key=lambda u: -u.size)
+        at = 0
+        while at < len(ordered):
+            width = ordered[at].size
+            rows: list[list[_Unit]] = []
+            free: list[tuple[int, int]] = []  # (free tokens, row index), sorted
+            while at < len(ordered):
+                unit = ordered[at]
+                fit = bisect.bisect_left(free, (unit.size, -1))
+                if fit < len(free):
+                    space, row = free.pop(fit)
+                    rows[row].append(unit)
+                elif (len(rows) + 1) * width <= budget or not rows:
+                    rows.append([unit])
+                    space, row = width, len(rows) - 1
+                else:
+                    break
+                if space > unit.size:
+                    bisect.insort(free, (space - unit.size, row))
+                at += 1
+            batches.append(rows)
+        return batches
 
     # --- scoring -------------------------------------------------------------------------------------------
 
@@ -173,14 +201,13 @@ class Scorer:
         """Each question's requests scored, in order: a list of `Scored` per question."""
         requests, units = self.units(questions)
         results: list[Scored | None] = [None] * len(requests)
-        rows = self.rows_of(units)
-        rows.sort(key=lambda r: -sum(u.size for u in r))
+        batches = self.batches_of(units)
         model = self.model
         was_training = model.training
         model.eval()
         try:
-            for at in range(0, len(rows), self.rows):
-                self.forward(rows[at : at + self.rows], requests, results)
+            for rows in batches:
+                self.forward(rows, requests, results)
         finally:
             model.train(was_training)
         out, k = [], 0
@@ -223,14 +250,17 @@ class Scorer:
                     where.append((request, predictors, targets))
                     t += n
                 n_unit += 1
-        same_unit = unit_id[:, :, None] == unit_id[:, None, :]
-        visible = (branch_id[:, None, :] == 0) | (branch_id[:, :, None] == branch_id[:, None, :])
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        mask = (same_unit & visible & causal).unsqueeze(1)
         flat = torch.tensor([i for _, ps, _ in where for i in ps], dtype=torch.long, device=device)
         targets = torch.tensor([x for _, _, ts in where for x in ts], dtype=torch.long, device=device)
+        packed = {}
+        if any(len(row) > 1 or not row[0].plain for row in rows):  # else each row is one sequence
+            same_unit = unit_id[:, :, None] == unit_id[:, None, :]
+            visible = (branch_id[:, None, :] == 0) | (branch_id[:, :, None] == branch_id[:, None, :])
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            mask = (same_unit & visible & causal).unsqueeze(1)
+            packed = {"pos_BT": pos.to(device), "mask_B1TT": mask.to(device)}
         with self.autocast(device):
-            hidden = self.model.hidden(idx.to(device), pos_BT=pos.to(device), mask_B1TT=mask.to(device))
+            hidden = self.model.hidden(idx.to(device), **packed)
             logits = self.model.head(hidden.reshape(B * T, -1)[flat])
         logprobs = F.log_softmax(logits.float(), dim=-1)
         picked = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
