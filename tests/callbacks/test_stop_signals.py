@@ -283,9 +283,9 @@ def test_nonfinite_guard_checkpoint_keeps_a_streak_of_skipped_steps():
     """A save inside a streak of skipped steps (2 of 3 before a rollback) resumes inside it, as the
     uninterrupted run would: the third in a row still rolls back."""
     state, again = RunState(), RunState()
-    saved = NonFiniteGuard(max_in_a_row=3, run_state=state)
+    saved = NonFiniteGuard(3, None, state)
     saved.guards.skipped, saved.guards.in_a_row = 5, 2
-    resumed = NonFiniteGuard(max_in_a_row=3, run_state=again)
+    resumed = NonFiniteGuard(3, None, again)
     again.load(state.snapshot())
     assert (resumed.guards.skipped, resumed.guards.in_a_row) == (5, 2)
     # A checkpoint written before the streak was saved (its state in the guard's callback key, before RunState).

@@ -10,6 +10,7 @@ import torch
 
 from lm.base.exits import Refused
 from lm.callbacks.stopper import EarlyStopper
+from lm.checkpoint.run_state import RunState
 from lm.config import EarlyStoppingConfig, OptimConfig, to_objects
 from lm.engine.module import lr_lambda
 from lm.numbers.loss_law import ANNEAL_GAIN, ScheduleLaw, lam_for, schedule_forecast
@@ -29,7 +30,7 @@ TOKENS_PER_STEP = 131_072
 
 def replay(cfg: EarlyStoppingConfig, points, tmp_path) -> int | None:
     """Feed (step, loss, usd) points to the stopper; the index of the point at which it says stop."""
-    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True)
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, run_state=RunState(), flat_lr=True)
     for i, (step, loss, usd) in enumerate(points):
         if stopper.observe(step, step * TOKENS_PER_STEP, usd, loss):
             return i
@@ -60,7 +61,11 @@ def test_the_window_fit_lets_one_unlucky_validation_weigh_less(tmp_path):
     assert replay(ends, points, tmp_path) == 10
     assert replay(dataclasses.replace(ends, window_fit=True), points, tmp_path) is None
     stopper = EarlyStopper(
-        dataclasses.replace(ends, window_fit=True), meter=None, run_dir=tmp_path, flat_lr=True
+        dataclasses.replace(ends, window_fit=True),
+        meter=None,
+        run_dir=tmp_path,
+        run_state=RunState(),
+        flat_lr=True,
     )
     for step, loss, usd in points:
         stopper.observe(step, step * TOKENS_PER_STEP, usd, loss)
@@ -118,7 +123,15 @@ def test_the_forecast_can_replace_the_trailing_window(tmp_path):
     )
     threshold = math.sqrt(price[20] * price[21])  # crossed between points 20 and 21 (7% apart)
     cfg = EarlyStoppingConfig(max_usd_per_loss_point=threshold, use_forecast=True)
-    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=optim, schedule_steps=plan)
+    stopper = EarlyStopper(
+        cfg,
+        meter=None,
+        run_dir=tmp_path,
+        run_state=RunState(),
+        flat_lr=True,
+        optim=optim,
+        schedule_steps=plan,
+    )
     for i, (step, loss, usd) in enumerate(points):  # noqa: B007 (i is read after the loop)
         said = stopper.observe(step, step * TOKENS_PER_STEP, usd, loss)
         if said:
@@ -328,7 +341,7 @@ def test_a_non_finite_validation_is_skipped_logged_and_the_smoothed_loss_recover
     """One NaN validation once made the smoothed loss NaN for good (even at smoothing 0: the EMA multiplied it
     by 0), so no target, patience or price could fire again."""
     cfg = EarlyStoppingConfig(target_loss=2.5, patience=3, smoothing=smoothing)
-    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True)
+    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, run_state=RunState(), flat_lr=True)
     assert stopper.observe(100, 100 * TOKENS_PER_STEP, 1.0, 3.0) is None
     with caplog.at_level("WARNING", logger="lm.callbacks.stopper"):
         assert stopper.observe(200, 200 * TOKENS_PER_STEP, 2.0, bad) is None
@@ -346,7 +359,11 @@ def test_a_resumed_history_holding_a_nan_recovers_at_the_next_validation(tmp_pat
     from lm.checkpoint.run_state import ValPoint
 
     stopper = EarlyStopper(
-        EarlyStoppingConfig(smoothing=0.5, patience=2), meter=None, run_dir=tmp_path, flat_lr=True
+        EarlyStoppingConfig(smoothing=0.5, patience=2),
+        meter=None,
+        run_dir=tmp_path,
+        run_state=RunState(),
+        flat_lr=True,
     )
     stopper.points.append(ValPoint(100, 100 * TOKENS_PER_STEP, 1.0, math.nan, math.nan))
     stopper.run.stopper.best = math.nan

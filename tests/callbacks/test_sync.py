@@ -144,3 +144,27 @@ def test_ddp_ranks_agree_on_stops_without_reading_the_device_every_step(tmp_path
         assert len(reads) > 1, f"rank {rank}: the probe saw no training step"
         hot = hot_reads(reads)
         assert not hot, f"rank {rank}: host reads of device values inside training steps: {hot}"
+
+
+def test_no_number_is_logged_from_the_host_inside_a_training_step(tiny_cfg, monkeypatch):
+    """Issue 54: `self.log(name, <python number>)` makes a device tensor from a host number, on a GPU a
+    host-to-device copy that waits for every kernel queued so far: `train/lr`, `train/spikes` and `phase/index`
+    did so at every step. A CPU has nothing to wait for, so the calls themselves are counted (with the phase
+    tracker and the spike guard on)."""
+    cfg = tiny_cfg(*(o for o in HOT_PATH if o != "phases.phases=[]"))
+    reads = HostReads()
+    factory = build.build_callbacks
+    monkeypatch.setattr(build, "build_callbacks", lambda *a, **k: [StepMarker(reads), *factory(*a, **k)])
+    numbers: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    log = pl.LightningModule.log
+
+    def counting_log(module, name, value, *args, **kwargs):
+        if reads.step is not None and isinstance(value, int | float):
+            numbers[reads.step][name] += 1
+        return log(module, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(pl.LightningModule, "log", counting_log)
+    lm_train.main(cfg)
+    assert sorted(numbers), "the probe saw no number logged: the logging steps log the meter's"
+    hot = hot_reads(numbers)
+    assert not hot, f"numbers logged from the host inside training steps: {hot}"

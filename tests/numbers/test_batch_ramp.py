@@ -11,6 +11,7 @@ import pytest
 from lm.base.exits import EXIT_PREEMPTED, Refused
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
+from lm.checkpoint.run_state import RunState
 from lm.config import DataConfig, MixtureSource, OptimConfig, PhaseConfig, TrainerConfig, conf_dir, to_objects
 from lm.data.dataset import StepSampler
 from lm.numbers.batch_ramp import BatchRamp
@@ -271,6 +272,7 @@ def test_a_phase_ending_at_a_token_count_is_one_milestone_with_the_ramp(tmp_path
         price_per_hour=None,
         log_every=1,
         ramp=ramp,
+        run_state=RunState(),
     )
     phases = [PhaseConfig("warm", end_tokens=ramp.tokens_through(5)), PhaseConfig("rest", end_step=100)]
     cfg = SimpleNamespace(steps=[], at_phase_ends=True, at_last_step=False)

@@ -13,6 +13,7 @@ from tensorboard.util import tensor_util
 from lm.base.exits import Refused
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.step import restore
+from lm.checkpoint.run_state import RunState
 from lm.config import CostConfig, GpuConfig, PhaseConfig
 from lm.model import ModelConfig
 from lm.numbers import cost
@@ -286,7 +287,7 @@ def meter_resumed_from(tmp_path, ckpt_seconds: dict, ckpt_step: int, ledger_seco
     write_ledger(tmp_path, {"seconds": ledger_seconds, "tokens": 0, "step": ledger_step})
     meter = CostMeter(
         tokens_per_device_step=1, flops_per_token=1.0, peak_flops=None, price_per_hour=3.6, log_every=1,
-        run_dir=tmp_path,
+        run_dir=tmp_path, run_state=RunState(),
     )  # fmt: skip
     saved = {"seconds": ckpt_seconds, "tokens": 0, "step": ckpt_step, "restarts": 0}
     restore(meter, {"run_state": {"meter": saved}})  # as a resume does

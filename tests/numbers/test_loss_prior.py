@@ -7,6 +7,7 @@ import pytest
 
 from lm.base.exits import Refused
 from lm.callbacks.stopper import EarlyStopper
+from lm.checkpoint.run_state import RunState
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers.loss_law import ScheduleLaw, fit_schedule_law, lam_for
 from lm.numbers.loss_prior import (
@@ -102,7 +103,9 @@ def test_the_stopper_forecasts_from_a_calibration_file_and_says_which_prior(tmp_
         json.dumps({"law": {}, "forecast_prior": priors_record(priors_from_curves(curves, "cal"))})
     )
     cfg = EarlyStoppingConfig(forecast_prior=str(path), forecast_min_points=3)
-    stopper = EarlyStopper(cfg, meter=None, run_dir=tmp_path, flat_lr=True, optim=WSD, schedule_steps=PLAN)
+    stopper = EarlyStopper(
+        cfg, meter=None, run_dir=tmp_path, run_state=RunState(), flat_lr=True, optim=WSD, schedule_steps=PLAN
+    )
     _, y = schedule_curve(0.5, 6.0, 0.005, seed=3)
     for step, loss in zip(STEPS[:6], y[:6], strict=True):
         stopper.observe(int(step), int(step) * 512, None, float(loss))
@@ -117,6 +120,7 @@ def test_the_stopper_forecasts_from_a_calibration_file_and_says_which_prior(tmp_
         flat_lr=True,
         optim=WSD,
         schedule_steps=PLAN,
+        run_state=RunState(),
     )
     for step, loss in zip(STEPS[:6], y[:6], strict=True):
         plain.observe(int(step), int(step) * 512, None, float(loss))

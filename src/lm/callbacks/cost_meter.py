@@ -48,10 +48,10 @@ class CostMeter(Callback):
         started_at: float | None = None,
         about: dict[str, Any] | None = None,
         ramp: BatchRamp | None = None,
-        run_state: RunState | None = None,
+        run_state: RunState,
         flops_at: Callable[[int], float] | None = None,
     ) -> None:
-        self.run = run_state if run_state is not None else RunState()
+        self.run = run_state
         self.tokens_per_device_step = tokens_per_device_step
         self.tokens_per_step = tokens_per_device_step  # x world size, known at setup
         # The tokens of each step (a batch-size ramp's first steps have fewer); one device's until setup.

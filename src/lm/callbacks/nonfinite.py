@@ -41,16 +41,16 @@ class NonFiniteGuard:
 
     def __init__(
         self,
-        max_in_a_row: int = 3,
-        ckpt_dir: str | Path | None = None,
-        run_state: RunState | None = None,
+        max_in_a_row: int,
+        ckpt_dir: str | Path | None,
+        run_state: RunState,
         saver: RunCheckpoint | None = None,
     ) -> None:
         self.saver = saver
         """The run's saver: the newest checkpoint, which a rollback returns to."""
         self.max_in_a_row = max_in_a_row
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
-        self.guards = (run_state if run_state is not None else RunState()).guards
+        self.guards = run_state.guards
         """The counters, in RunState (a save inside a streak of skipped steps resumes inside it)."""
         self._start_step = 0
         self._pending: tuple[int, HostCopy] | None = None  # (step, verdict) not yet read by the host

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lm.base.tables import phases_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig
+from lm.engine.module import DeviceScalar
 from lm.numbers.run_plan import phase_at
 from lm.store import rundir
 
@@ -35,6 +36,7 @@ class PhaseTracker(Callback):
         self.eval_batches = eval_batches
         self.table = meter.run.phases
         """The closed rows and the current phase's start, in the run's RunState (the meter's)."""
+        self.index_scalar = DeviceScalar()  # phase/index at every step, without a host-to-device copy
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -56,7 +58,7 @@ class PhaseTracker(Callback):
         if self.start is None:
             return
         index = self.index(trainer)
-        pl_module.log("phase/index", float(index), on_step=True, on_epoch=False)
+        pl_module.log("phase/index", self.index_scalar(index, pl_module.device), on_step=True, on_epoch=False)
         if index > self.start["phase"] and self.start["phase"] < len(self.phases):
             end = self.snapshot(trainer, pl_module)
             self.rows.append(self.row(self.start, end, status="done"))

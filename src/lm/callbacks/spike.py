@@ -27,6 +27,7 @@ from lm.callbacks.host_copy import HostCopy
 from lm.callbacks.nonfinite import resume_step, roll_back, skip_update, skips_on_device
 from lm.checkpoint.callback import RunCheckpoint
 from lm.checkpoint.run_state import GuardState, RunState
+from lm.engine.module import DeviceScalar
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,14 @@ class SpikeGuard:
         window: int,
         max_spikes: int,
         ckpt_dir: str | Path,
-        run_state: RunState | None = None,
+        run_state: RunState,
         saver: RunCheckpoint | None = None,
     ) -> None:
         self.saver = saver
         """The run's saver: the newest checkpoint, which a rollback returns to."""
-        self.guards = (run_state if run_state is not None else RunState()).guards
+        self.guards = run_state.guards
         self.detector = SpikeDetector(factor, window, max_spikes, self.guards)
+        self.spikes_scalar = DeviceScalar()  # train/spikes at every step, without a host-to-device copy
         self.ckpt_dir = Path(ckpt_dir)
         self._loss: torch.Tensor | None = None  # this optimizer step's loss so far
         self._pending: tuple[int, float | None, HostCopy] | None = None  # (step, threshold, [loss, spike])
@@ -156,7 +158,7 @@ class SpikeGuard:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """This step's verdict, just before its optimizer step, on the device: skip it if its loss spikes."""
-        pl_module.log("train/spikes", float(self.detector.spikes))
+        pl_module.log("train/spikes", self.spikes_scalar(self.detector.spikes, pl_module.device))
         loss, self._loss = self._loss, None
         if loss is None:
             return

@@ -14,7 +14,9 @@ Lightning runs the forward, backward and optimizer step; everything lm decides a
                              5. act        a lost run, a failed save or run file: exit 74 on every rank; the
                                            stopper's budget or cooldown: stop; a stop signal: save, exit 75;
                                            a slow host: save
-                             6. save       the scheduled checkpoint (RunCheckpoint)
+                             6. save       the scheduled checkpoint (`checkpoint.every_n_steps`)
+    after validation         the stopper's decision: the run stops (`AfterOthers`, after every callback)
+    at train end             the final save, after every callback's train-end work (`AfterOthers`)
     at a save                the RunState snapshot (after the meter starts charging checkpoint time and
                              the guards settle the step just taken)
     at a resume              RunState restored before any other part reads it
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 
-from lm.base.exits import CheckpointSaveError
+from lm.base.exits import CheckpointSaveError, Diverged
 from lm.callbacks.consensus import Consensus, agreed
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
@@ -90,8 +92,7 @@ class StepBoundary(pl.Callback):
         # Called as Lightning builds the checkpoint dict, i.e. when a save is staged: a background write
         # pickles this deep snapshot, never the live record.
         self.meter.switch("checkpoint")  # what follows is checkpoint time
-        self.nonfinite.settle()  # a checkpoint holds the guards' counts up to its own step
-        self.spike.settle()
+        self.settle_guards()  # a checkpoint holds the guards' counts up to its own step
         settings = ResumeCheck.run_settings(trainer, pl_module)
         checkpoint[RUN_STATE] = self.state.snapshot(rng=rng_state(), settings=settings)
 
@@ -132,11 +133,21 @@ class StepBoundary(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # The previous step's verdicts, long computed by now (either may roll back: exit 75).
-        self.nonfinite.settle(log_metric=True)
-        self.spike.settle()
+        self.settle_guards(log_metric=True)
         # This step's, on the device: the non-finite guard's `found_inf` first, the spike guard's joins it.
         self.nonfinite.judge(trainer, pl_module, optimizer)
         self.spike.judge(trainer, pl_module, optimizer)
+
+    def settle_guards(self, log_metric: bool = False) -> None:
+        """The guards' verdicts on the steps taken, read on the host; a rollback (75) or a repeated divergence
+        (65) is raised on every rank at the same step (their verdicts come from all-reduced losses and
+        gradients), and every rank then leaves with rank 0's code (its rollbacks.json decides 65 or 75)."""
+        try:
+            self.nonfinite.settle(log_metric=log_metric)
+            self.spike.settle()
+        except Diverged as e:
+            agreed(self.consensus, e)
+            raise
 
     # --- the step boundary ---------------------------------------------------------------------------------
 
@@ -166,6 +177,8 @@ class StepBoundary(pl.Callback):
         # 5. act
         self.fail(decided, failure, unwritten)
         self.stopper.at_step(trainer, decided)
+        if self.stopper.stopping:  # its budget, or its cooldown's end
+            trainer.should_stop = True
         if decided["stop"]:
             self.saver.save_now(trainer)
             try:
@@ -177,7 +190,9 @@ class StepBoundary(pl.Callback):
             self.alarm.alarm()
             self.saver.save_now(trainer)
         # 6. save
-        self.saver.at_step(trainer)
+        self.saver.poll()  # a background write that finished becomes the newest checkpoint
+        if self.saver.due(trainer):
+            self.saver.save_now(trainer)
 
     def fail(
         self, decided: dict[str, bool], failure: BaseException | None, unwritten: OSError | None
@@ -196,10 +211,24 @@ class StepBoundary(pl.Callback):
             raise
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.nonfinite.settle()
-        self.spike.settle()
+        self.settle_guards()
         self.consensus.settle()  # every rank ends at the same step, with the same rounds launched
         self.consensus.agreed_end = True  # from here on, every rank leaves with rank 0's code
+
+    # --- after every other callback (`AfterOthers`, last in the run's list) --------------------------------
+
+    def stop_if_decided(self, trainer: pl.Trainer) -> None:
+        """A stop the stopper decided in validation (or that a resumed run keeps): the run ends after this
+        step (`trainer.should_stop`: Lightning validates once more, then the final save)."""
+        if self.stopper.stopping:
+            trainer.should_stop = True
+
+    def final_save(self, trainer: pl.Trainer) -> None:
+        """The last step of the invocation, saved once every callback's train-end work is done (the phase
+        row, the last milestone: in RunState and on disk), after one agreement that includes their run-file
+        writes; a background write finished, or every rank stops with 74."""
+        self.saver.save_now(trainer)
+        self.saver.finish_or_fail(trainer)  # while every rank's process group is still up for the collectives
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -209,6 +238,25 @@ class StepBoundary(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.signals.uninstall()
+
+
+class AfterOthers(pl.Callback):
+    """The step boundary's hooks that must run after every other callback's, listed last but the progress bar:
+    the stop a validation decided (the stopper's hook comes first), and the final save (the observers' train
+    end comes first). What they decide is `StepBoundary`'s."""
+
+    def __init__(self, boundary: StepBoundary) -> None:
+        self.boundary = boundary
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.boundary.stop_if_decided(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.boundary.stop_if_decided(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.boundary.final_save(trainer)
 
 
 def restore(meter: CostMeter, checkpoint: dict[str, Any]) -> None:

@@ -76,6 +76,7 @@ class EarlyStopper(Callback):
         optim: OptimConfig | None = None,
         schedule_steps: int | None = None,
         references: list[Curve] | None = None,
+        run_state: RunState | None = None,
     ) -> None:
         self.cfg = cfg
         self.meter = meter
@@ -85,8 +86,9 @@ class EarlyStopper(Callback):
         self.plan_end_steps = plan_end_steps
         self.plan_end_tokens = plan_end_tokens  # turned into steps once the meter knows tokens per step
         self.chinchilla_tokens = chinchilla_tokens
-        self.run = meter.run if meter is not None else RunState()
-        """The run's RunState: the stopper's history and decision (`stopper`), the LR cooldown it starts."""
+        self.run = meter.run if meter is not None else run_state
+        """The run's RunState (the meter's; `run_state` without a meter): the stopper's history and decision
+        (`stopper`), the LR cooldown it starts."""
         self.optim, self.schedule_steps = optim, schedule_steps
         """The LR schedule (its config and the steps it spans), for the schedule-aware forecast."""
         self.priors = {}
@@ -261,8 +263,7 @@ class EarlyStopper(Callback):
                 "this run stopped early at step %d (%s); set early_stopping=off or raise the threshold to go on",
                 self.decision["step"],
                 again[1],
-            )
-            trainer.should_stop = True
+            )  # still `stopping`: the step boundary stops the run again
         else:
             log.info("the early stop at step %d no longer applies; training continues", self.decision["step"])
             self.decision = None
@@ -287,8 +288,8 @@ class EarlyStopper(Callback):
 
     def at_step(self, trainer: pl.Trainer, agreed: dict[str, bool]) -> None:
         """Act on the agreed budget flags (any rank over the cap stops every rank), and end a cooldown whose
-        last step this was: `trainer.should_stop`, after which Lightning validates once more and the saver
-        writes the final checkpoint."""
+        last step this was (`stopping`: the step boundary stops the run, Lightning validates once more and
+        the boundary writes the final checkpoint)."""
         if self.decision and self.decision.get("stopped"):
             return
         step = trainer.global_step
@@ -367,8 +368,14 @@ class EarlyStopper(Callback):
         else:
             self.stop(trainer)
 
+    @property
+    def stopping(self) -> bool:
+        """This stopper's vote: the run stops after this step (the step boundary sets `trainer.should_stop`,
+        Lightning validates once more, then the boundary saves the final state)."""
+        return bool(self.decision and self.decision.get("stopped"))
+
     def stop(self, trainer: pl.Trainer) -> None:
-        """Stop after this step: Lightning validates once more, then RunCheckpoint saves the final state."""
+        """Decide to stop after this step (`stopping`), with its record in stop.json."""
         d = self.decision
         d.update(
             stopped=True,
@@ -377,7 +384,6 @@ class EarlyStopper(Callback):
             usd=self.meter.usd(),
             usd_previous_step=self.usd_before,
         )
-        trainer.should_stop = True
         log.warning("stopping early at step %d: %s", trainer.global_step, d["reason"])
         self.write(trainer)
         experiment = getattr(trainer.logger, "experiment", None)

@@ -12,8 +12,9 @@ inside it would leave the others waiting in), whether the previous background wr
 between saves (a background write's, the run directory's loss) are this rank's votes at the step boundary
 (`lm.callbacks.step`), which agrees on them across ranks before `fail_between_saves` acts.
 
-The step boundary drives it at every optimizer step (`at_step`: a finished background write, the scheduled
-save) and asks it for the saves it decides (`save_now`); its own hooks set it up and write the final save.
+The step boundary drives it at every optimizer step (`poll`: a finished background write) and asks it for the
+saves it decides (`save_now`: the scheduled one, a stop's, a slow host's, the final one); its own hooks set it
+up and finish a background write on the way out.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Alone:
 
 
 class RunCheckpoint(pl.Callback):
-    """`step-<N>.ckpt` every N steps, at the last step of an invocation and on demand (`save_now`: a stop
-    signal, a slow host); the newest `keep_last` kept by step number; `last.ckpt` linking the newest.
+    """`step-<N>.ckpt` when the step boundary asks (`save_now`: every N steps, the last step of an invocation, a
+    stop signal, a slow host); the newest `keep_last` kept by step number; `last.ckpt` linking the newest.
 
     The final step is saved so that the next phase or a rerun resumes where this invocation stopped, not at
     the last interval. `last.ckpt` is a symlink moved only once the step file is complete (a background save:
@@ -111,14 +112,16 @@ class RunCheckpoint(pl.Callback):
         if trainer.ckpt_path is not None:  # this step is on disk already: it is what the run resumed from
             self.saved_step = trainer.global_step
 
-    def at_step(self, trainer: pl.Trainer) -> None:
+    def poll(self) -> None:
         """At each optimizer step, last in the step boundary: a finished background write becomes the run's
-        newest checkpoint; every `every_n_steps` steps a step checkpoint is saved."""
+        newest checkpoint."""
         if self.background is not None:
             self.background.poll()
+
+    def due(self, trainer: pl.Trainer) -> bool:
+        """Whether this step is one `checkpoint.every_n_steps` asks to save."""
         every = self.cfg.every_n_steps
-        if every and trainer.global_step % every == 0:
-            self.save_now(trainer)
+        return bool(every) and trainer.global_step % every == 0
 
     def between_saves(self) -> tuple[bool, BaseException | None]:
         """This rank's votes between saves: the run directory gone or taken over (rank 0's lock, checked at
@@ -175,10 +178,6 @@ class RunCheckpoint(pl.Callback):
         if trainer.is_global_zero or self.io.format.collective:  # the ranks that write
             return self.io.space_problem(path)
         return None
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.save_now(trainer)
-        self.finish_or_fail(trainer)  # while every rank's process group is still up for the collectives
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

@@ -42,6 +42,23 @@ def eager_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tor
     return F.cross_entropy(logits_NV.float(), targets_N)
 
 
+class DeviceScalar:
+    """A number logged at every step as one tensor kept on the module's device and refilled in place.
+
+    `self.log(name, <python float>)` makes a new device tensor from a host number each call: on a GPU a
+    host-to-device copy, which waits for the kernels queued so far, at every step (issue 54). `fill_` passes the
+    number as a kernel argument instead: nothing is copied and the host does not wait. Lightning reads the value
+    (a device-to-host copy) only when it writes the logs, every `trainer.log_every_n_steps` steps."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def __call__(self, value: float, device: torch.device) -> torch.Tensor:
+        if self.tensor is None or self.tensor.device != device:
+            self.tensor = torch.zeros((), device=device)
+        return self.tensor.fill_(value)
+
+
 def short_windows(window_BT1: torch.Tensor, length: int) -> torch.Tensor:
     """Each window of T+1 tokens cut into T/length windows of length+1 (`data.seq_len_warmup_steps`): piece j
     is tokens j·length .. (j+1)·length, so the pieces predict exactly the T targets of the window, each from
@@ -88,6 +105,7 @@ class LMModule(pl.LightningModule):
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
         self.optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**optim)
+        self.lr_scalar = DeviceScalar()  # train/lr, logged at every step without a host-to-device copy
         self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
         self.total_steps = total_steps or self.optim_cfg.total_steps
         self.compile_model, self.compile_mode = compile, compile_mode
@@ -249,7 +267,7 @@ class LMModule(pl.LightningModule):
         norm = self.gradient_norm()
         if norm is not None:
             self.log("train/grad_norm", norm)
-        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self.log("train/lr", self.lr_scalar(optimizer.param_groups[0]["lr"], self.device))
 
     def configure_gradient_clipping(
         self,

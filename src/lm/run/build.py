@@ -30,7 +30,7 @@ from lm.callbacks.phase_tracker import PhaseTracker
 from lm.callbacks.progress import LossProgressBar
 from lm.callbacks.run_tokenizer import KeepTokenizer
 from lm.callbacks.spike import SpikeGuard
-from lm.callbacks.step import StepBoundary
+from lm.callbacks.step import AfterOthers, StepBoundary
 from lm.callbacks.stop_signals import StopSignals
 from lm.callbacks.stopper import EarlyStopper
 from lm.callbacks.throughput_alarm import ThroughputAlarm
@@ -133,10 +133,10 @@ def cost_meter(
     run_dir: Path,
     started_at: float,
     ac: activation_checkpointing.Decision,
-    run_state: RunState | None = None,
+    run_state: RunState,
 ) -> CostMeter:
     """The meter, with the FLOPs per token and peak that MFU is measured against (both logged once); its
-    ledger is `run_state`'s (a new RunState by default), which every part of the step then shares."""
+    ledger is `run_state`'s (the run's one, made by `lm.run.train`), which every part of the step then shares."""
     n_params = module.model.num_parameters()
     non_embedding = module.model.num_parameters(exclude_embedding=True)
     fpt = cost.flops_per_token(cfg.model, cfg.data.seq_len, non_embedding)
@@ -233,9 +233,12 @@ def build_callbacks(
     # 4. the observers' own hooks (train start and end, validation), then the stopper's (each validation);
     # 5. the run's tokenizer beside its checkpoints (setup only: what sample/export/eval read).
     callbacks += [*observers, early, KeepTokenizer(run_dir, resumed=resumed)]
-    # 6. one's own callbacks; 7. the saver's own hooks (set-up, the final save); 8. the progress bar.
+    # 6. one's own callbacks;
     callbacks += [hydra.utils.instantiate(node) for node in cfg.callbacks.values()]
-    callbacks.append(saver)
+    # 7. the step boundary's last word: a stop decided in validation, the final save (after every callback's
+    # train-end work, which it then holds); 8. the saver's own hooks (set-up, finishing a background write);
+    # 9. the progress bar.
+    callbacks += [AfterOthers(step), saver]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(LossProgressBar())
     return callbacks
