@@ -1017,3 +1017,35 @@ def test_ddp_upload_refused_mid_run_exits_74_on_every_rank(root, data_cache, ddp
     assert last(root, name)["global_step"] < STEPS, "trained on to the end with no mirror"
     assert sorted(checkpoints(root / name / "checkpoints")) == [6, 12]  # intact locally
     ddp_rerun_resumes(args, root, name, ddp_reference, row)
+
+
+@pytest.mark.faults_slow
+def test_ddp_stop_signal_with_a_slow_upload_under_torchrun_leaves_together(root, data_cache, row, tmp_path):
+    """The same stop under torchrun (its agent stops every worker once one exits non-zero): rank 1 waits for
+    rank 0's upload before either exits, both leave with 75 and the bucket holds the stop's checkpoint."""
+    import fsspec
+
+    from .engine.test_distributed import launch, torchrun
+
+    name = row.case = "ddp_sigusr1_slow_upload_torchrun"
+    (root / name).mkdir(parents=True)
+    bucket = tmp_path / "bucket"
+    args = ddp_overrides(
+        root,
+        data_cache,
+        name,
+        f"checkpoint.remote=file://{bucket}",
+        *fault(root / name, "slow_upload", key="slow", seconds=8.0),
+        *fault(root / name, "sigusr1", step=13),
+        "+callbacks.fault.rank=0",
+    )
+    t0 = time.monotonic()
+    out = launch([*torchrun(2), *args], ok=False)
+    row.expected, row.exit_s = EXIT_PREEMPTED, time.monotonic() - t0
+    text = out.stdout + out.stderr
+    assert dict(LEAVES.findall(text)) == {"0": "75", "1": "75"}, text[-6000:]
+    exits = [int(x) for x in re.findall(r"exitcode\s*:\s*(-?\d+)", text)]
+    row.code = exits[0] if exits else None
+    assert exits and set(exits) == {EXIT_PREEMPTED}, text[-6000:]  # torchrun's summary: no -9, no -15
+    saved = last(root, name)["global_step"]
+    assert pointer_steps(fsspec.filesystem("file"), f"{bucket}/{name}/checkpoints")[:1] == [saved]

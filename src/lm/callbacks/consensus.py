@@ -22,9 +22,9 @@ The same object holds the run's two other agreements, so the ranks agree through
   and cannot wait a step: before and after a checkpoint write, and at train end before the final save;
 - `leave`: how every rank leaves, whatever launched it: rank 0 does its exit work first (the upload, an
   asynchronous save's finish, the ledger, the report), then tells the others its exit code on a gloo group of
-  their own (bounded by `exit_wait_s`), and every rank exits with that code. Under Lightning's launcher the
-  other ranks also wait for rank 0's process to end: its child-process observer SIGKILLs rank 0 within ~5 s of
-  any rank exiting non-zero first.
+  their own (bounded by `exit_wait_s`), and every rank exits with that code, rank 0 first where the others share
+  its machine: Lightning's child-process observer SIGKILLs rank 0 within ~5 s of any rank exiting non-zero
+  first, torchrun's agent SIGTERMs the other ranks once one exits non-zero.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -135,9 +137,13 @@ class Consensus:
         rank0_code, rank0_pid, host = sent[0]
         if rank0_code != code:
             log.warning("rank %d: leaving with rank 0's code %d (this rank's was %d)", rank, rank0_code, code)
-        if host == socket.gethostname() and os.getppid() == rank0_pid:
-            wait_for_parent(rank0_pid, EXIT_GRACE_S + 5.0)  # Lightning's launcher: rank 0 leaves first
         log.info("rank %d leaves with %d", rank, rank0_code)
+        if host == socket.gethostname():
+            # Rank 0 leaves first: a launcher that ends every rank once one exits non-zero (Lightning's observer
+            # SIGKILLs, torchrun's agent SIGTERMs) then finds rank 0 gone and reports its code as the cause.
+            # This rank's own SIGTERM is ignored meanwhile: it leaves with the same code in a moment anyway.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            wait_for_end(rank0_pid, EXIT_GRACE_S + 5.0)
         return rank0_code
 
 
@@ -147,11 +153,22 @@ def agreed(consensus: Consensus, error: BaseException) -> BaseException:
     return error
 
 
-def wait_for_parent(pid: int, seconds: float) -> None:
-    """Wait (at most `seconds`) until this process's parent `pid` has ended."""
+def wait_for_end(pid: int, seconds: float) -> None:
+    """Wait (at most `seconds`) until process `pid` of this host has ended (gone, or a zombie its parent has
+    not reaped yet; as this process's parent, once this process is handed to another)."""
     deadline = time.monotonic() + seconds
-    while os.getppid() == pid and time.monotonic() < deadline:
+    while time.monotonic() < deadline and running(pid):
         time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    if os.getppid() == pid:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class _Round:

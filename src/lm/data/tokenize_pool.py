@@ -151,12 +151,36 @@ def tokenize_unit(unit: Unit) -> dict:
     }
 
 
+COUNTER_LOCK_S = 1.0
+"""How long a worker waits for the progress counters' lock: a worker killed while holding it never gives it
+back, and the others must not wait for ever (the counts only draw the progress bar)."""
+
+
 def counters_add(n_bytes: int, n_tokens: int) -> None:
     counters = _worker.get("counters")
-    if counters is not None:
-        with counters[0].get_lock():
-            counters[0].value += n_bytes
-            counters[1].value += n_tokens
+    if counters is None:
+        return
+    lock = counters[0].get_lock()
+    if not lock.acquire(timeout=COUNTER_LOCK_S):
+        return  # a worker died holding it: the bar undercounts, nothing waits
+    try:
+        counters[0].get_obj().value += n_bytes
+        counters[1].get_obj().value += n_tokens
+    finally:
+        lock.release()
+
+
+def counted(counter) -> int:
+    """A progress counter's value, read without its lock (which a killed worker may hold for ever)."""
+    return counter.get_obj().value
+
+
+def kill_new_children(before: set[int]) -> None:
+    """SIGKILL the worker processes started since `before` (their pids): none may rename a shard after an
+    interruption, and a SIGTERM can land on one still starting and be swallowed there (d1e0532)."""
+    for child in mp.active_children():
+        if child.pid not in before:
+            child.kill()
 
 
 # --- the pool (runs in the parent) ----------------------------------------------------------------------
@@ -176,13 +200,13 @@ def run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path,
 
     def update() -> None:
         now = time.perf_counter()
-        rate = counters[1].value / max(now - t0, 1e-9)
-        bar.update(counters[0].value - bar.n)
+        rate = counted(counters[1]) / max(now - t0, 1e-9)
+        bar.update(counted(counters[0]) - bar.n)
         bar.set_postfix_str(f"{rate / 1e3:,.0f}K tok/s")
         if bar.disable and now - last_log[0] > LOG_EVERY_S:  # no terminal (a job's log file): a line instead
             last_log[0] = now
-            done = f"{counters[0].value / total_bytes:.1%} of " if total_bytes else ""
-            log.info("tokenized %s%.1f MB, %.0fK tokens/s", done, counters[0].value / 1e6, rate / 1e3)
+            done = f"{counted(counters[0]) / total_bytes:.1%} of " if total_bytes else ""
+            log.info("tokenized %s%.1f MB, %.0fK tokens/s", done, counted(counters[0]) / 1e6, rate / 1e3)
 
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
@@ -196,7 +220,12 @@ def run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path,
         # runs it on one thread, since the processes already fill the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         before = {child.pid for child in mp.active_children()}
-        with mp.get_context("fork").Pool(procs, initializer=_init_pool_worker, initargs=args) as pool:
+        try:  # a stop signal while the pool forks its workers: they are killed, not left starting
+            pool = mp.get_context("fork").Pool(procs, initializer=_init_pool_worker, initargs=args)
+        except BaseException:
+            kill_new_children(before)
+            raise
+        with pool:
             try:
                 results = pool.imap_unordered(tokenize_unit, todo)
                 while True:
@@ -217,9 +246,7 @@ def run_units(cfg: DataConfig, todo: list[Unit], tokenizer_json: str, out: Path,
             except BaseException:
                 # Interrupted: no worker may rename a shard after this call returns. SIGKILL, for the same
                 # reason; the pool's own terminate (leaving this block) then joins the dead workers.
-                for child in mp.active_children():
-                    if child.pid not in before:
-                        child.kill()
+                kill_new_children(before)
                 raise
     finally:
         if saved is None:
