@@ -234,22 +234,34 @@ def test_full_disk_at_a_checkpoint_write_exits_74_then_resumes_once_freed(
 
 
 @pytest.mark.faults_slow
-def test_disk_filled_between_saves_exits_74_then_resumes_once_freed(small_disk, data_cache, reference, row):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "ddp"])
+def test_disk_filled_between_saves_exits_74_then_resumes_once_freed(
+    small_disk, data_cache, row, request, ranks
+):
     """Another process fills the disk mid-run: the next write anywhere in the run directory (TensorBoard, the
-    cost ledger, the checkpoint) meets ENOSPC, and the run stops with 74, its checkpoints intact."""
-    name = row.case = "disk_filled_mid_run"
+    cost ledger, the checkpoint) meets ENOSPC, and the run stops with 74, its checkpoints intact. On 2 DDP
+    ranks every rank exits 74 (issue 54: rank 0 raised DiskFull at cost.json alone, and rank 1 crashed in
+    DDP's next collective)."""
+    name = row.case = "disk_filled_mid_run" if ranks == 1 else "ddp_disk_filled_mid_run"
     (small_disk / name).mkdir()
-    args = overrides(small_disk, data_cache, name, *fault(small_disk / name, "pause", step=8))
+    command_line = overrides if ranks == 1 else ddp_overrides
+    args = command_line(small_disk, data_cache, name, *fault(small_disk / name, "pause", step=8))
     fired = marker(small_disk / name, "pause", 8)
     filler = small_disk / "filler"
     first = run(args, triggers=(Trigger.at_pause(fired, lambda: fill(filler)),))
     row.outcome(first, fired, EXIT_SAVE_FAILED)
-    assert first.code == EXIT_SAVE_FAILED, first.tail()
+    if ranks == 1:
+        assert first.code == EXIT_SAVE_FAILED, first.tail()
+    else:
+        assert_left_together(first, EXIT_SAVE_FAILED, row)
     assert row.exit_s <= 60
     ckpt_dir = small_disk / name / "checkpoints"
-    assert sorted(checkpoints(ckpt_dir)) == [6]
+    assert sorted(checkpoints(ckpt_dir)) == [6]  # the previous checkpoint is intact
     filler.unlink()
-    rerun_resumes(args, small_disk, name, reference, row)
+    if ranks == 1:
+        rerun_resumes(args, small_disk, name, request.getfixturevalue("reference"), row)
+    else:
+        ddp_rerun_resumes(args, small_disk, name, request.getfixturevalue("ddp_reference"), row)
 
 
 @pytest.mark.faults_slow
@@ -950,24 +962,13 @@ def test_ddp_run_directory_removed_between_saves_exits_74_on_every_rank(
     ddp_rerun_resumes(args, root, name, ddp_reference, row, resumes=False)  # nothing left: a fresh start
 
 
-@pytest.mark.faults_slow
-def test_ddp_disk_filled_between_saves_exits_74_on_every_rank_then_resumes(
-    small_disk, data_cache, ddp_reference, row
-):
-    """Issue 54: a full disk at rank 0's cost.json raised DiskFull on rank 0 alone."""
-    name = row.case = "ddp_disk_filled_mid_run"
-    (small_disk / name).mkdir()
-    args = ddp_overrides(small_disk, data_cache, name, *fault(small_disk / name, "pause", step=8))
-    fired = marker(small_disk / name, "pause", 8)
-    filler = small_disk / "filler"
-    first = run(args, triggers=(Trigger.at_pause(fired, lambda: fill(filler)),))
-    row.expected, row.exit_s = EXIT_SAVE_FAILED, first.since(fired)
-    assert_left_together(first, EXIT_SAVE_FAILED, row)
-    assert row.exit_s <= 60
-    ckpt_dir = small_disk / name / "checkpoints"
-    assert sorted(checkpoints(ckpt_dir)) == [6]  # the previous checkpoint is intact
-    filler.unlink()
-    ddp_rerun_resumes(args, small_disk, name, ddp_reference, row)
+def slow_upload_stop(root: Path, cache: Path, name: str, bucket: Path) -> tuple[list[str], list[str]]:
+    """The run's command line with every upload 8 s slower (a stand-in for a 1B checkpoint's), and the
+    overrides that send SIGUSR1 to rank 0 at step 13 (a rerun leaves them out)."""
+    (root / name).mkdir(parents=True)
+    slow = fault(root / name, "slow_upload", key="slow", seconds=8.0)
+    args = ddp_overrides(root, cache, name, f"checkpoint.remote=file://{bucket}", *slow)
+    return args, [*fault(root / name, "sigusr1", step=13), "+callbacks.fault.rank=0"]
 
 
 @pytest.mark.faults_slow
@@ -979,17 +980,9 @@ def test_ddp_stop_signal_with_a_slow_upload_puts_the_stops_checkpoint_in_the_buc
     import fsspec
 
     name = row.case = "ddp_sigusr1_slow_upload"
-    (root / name).mkdir(parents=True)
     bucket = tmp_path / "bucket"
-    args = ddp_overrides(
-        root,
-        data_cache,
-        name,
-        f"checkpoint.remote=file://{bucket}",
-        *fault(root / name, "slow_upload", key="slow", seconds=8.0),
-    )
-    signalled = fault(root / name, "sigusr1", step=13)
-    first = run([*args, *signalled, "+callbacks.fault.rank=0"])
+    args, signalled = slow_upload_stop(root, data_cache, name, bucket)
+    first = run([*args, *signalled])
     row.expected, row.exit_s = EXIT_PREEMPTED, first.since(marker(root / name, "sigusr1", 13))
     assert_left_together(first, EXIT_PREEMPTED, row)
     saved = last(root, name)["global_step"]
@@ -1028,19 +1021,10 @@ def test_ddp_stop_signal_with_a_slow_upload_under_torchrun_leaves_together(root,
     from .engine.test_distributed import launch, torchrun
 
     name = row.case = "ddp_sigusr1_slow_upload_torchrun"
-    (root / name).mkdir(parents=True)
     bucket = tmp_path / "bucket"
-    args = ddp_overrides(
-        root,
-        data_cache,
-        name,
-        f"checkpoint.remote=file://{bucket}",
-        *fault(root / name, "slow_upload", key="slow", seconds=8.0),
-        *fault(root / name, "sigusr1", step=13),
-        "+callbacks.fault.rank=0",
-    )
+    args, signalled = slow_upload_stop(root, data_cache, name, bucket)
     t0 = time.monotonic()
-    out = launch([*torchrun(2), *args], ok=False)
+    out = launch([*torchrun(2), *args, *signalled], ok=False)
     row.expected, row.exit_s = EXIT_PREEMPTED, time.monotonic() - t0
     text = out.stdout + out.stderr
     assert dict(LEAVES.findall(text)) == {"0": "75", "1": "75"}, text[-6000:]
