@@ -272,7 +272,7 @@ def phase_benchmarks(rows: list[dict], evals: list[dict]) -> list[str]:
         cell = f"{core['label']} {end:.4f}" if core else f"{end:.1%}"
         if start is not None and core:
             gain = end - start
-            price = row.get("usd") / (gain / 0.01) if row.get("usd") is not None and gain > 0 else None
+            price = row["usd"] / (gain / 0.01) if row.get("usd") and gain > 0 else None  # 0: unpriced
             cell += f" ({gain:+.4f}" + (f", {fmt_money(price)} per 0.01 CORE)" if price is not None else ")")
         elif start is not None:
             cell += f" ({(end - start) * 100:+.1f} pts)"
