@@ -26,7 +26,9 @@ ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 
 
 def core_dir() -> Path:
-    for candidate in (common.REPO.parent / "shared/evals/core", common.REPO / "shared/evals/core"):
+    """LM_CORE_DATA (a copy the device call carries), else the checkout's neighbour or its own shared/."""
+    env = [Path(os.environ["LM_CORE_DATA"])] if os.environ.get("LM_CORE_DATA") else []
+    for candidate in (*env, common.REPO.parent / "shared/evals/core", common.REPO / "shared/evals/core"):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(

@@ -254,11 +254,11 @@ class Scorer:
         targets = torch.tensor([x for _, _, ts in where for x in ts], dtype=torch.long, device=device)
         packed = {}
         if any(len(row) > 1 or not row[0].plain for row in rows):  # else each row is one sequence
+            unit_id, branch_id = unit_id.to(device), branch_id.to(device)  # the (B, T, T) mask built there
             same_unit = unit_id[:, :, None] == unit_id[:, None, :]
             visible = (branch_id[:, None, :] == 0) | (branch_id[:, :, None] == branch_id[:, None, :])
-            causal = torch.ones(T, T, dtype=torch.bool).tril()
-            mask = (same_unit & visible & causal).unsqueeze(1)
-            packed = {"pos_BT": pos.to(device), "mask_B1TT": mask.to(device)}
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            packed = {"pos_BT": pos.to(device), "mask_B1TT": (same_unit & visible & causal).unsqueeze(1)}
         with self.autocast(device):
             hidden = self.model.hidden(idx.to(device), **packed)
             logits = self.model.head(hidden.reshape(B * T, -1)[flat])
