@@ -50,8 +50,8 @@ def callback_names(cfg, run_dir) -> list[str]:
         ),
         (
             ["phases=smoke", "evals=small", "trainer.enable_progress_bar=true", LR, TIMER],
-            ["ResumeCheck", "StepBoundary", "CostMeter", "PhaseTracker", "MilestoneSampler",
-             "BenchmarkEvaluator", "EarlyStopper", "KeepTokenizer", "LearningRateMonitor", "Timer", "AfterOthers", "RunCheckpoint",
+            ["ResumeCheck", "StepBoundary", "CostMeter", "BenchmarkEvaluator", "PhaseTracker",
+             "MilestoneSampler", "EarlyStopper", "KeepTokenizer", "LearningRateMonitor", "Timer", "AfterOthers", "RunCheckpoint",
              "LossProgressBar"],
         ),
         (

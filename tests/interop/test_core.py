@@ -378,6 +378,9 @@ def test_core_at_milestones_priced_per_phase_and_never_twice(tmp_path, data_cach
     assert [s for s, _ in scalars(run, "eval/core")] == [2, 5]  # logged at the step's last batch, as val/loss
     assert scalars(run, "eval/core")[1][1] == pytest.approx(records[1]["core"]["value"])
     assert len(scalars(run, "eval/core/copa")) == 2
+    phases = (run / "phases.csv").read_text().splitlines()
+    assert phases[0].endswith("core_label,core,core_gain,usd_per_0.01_core")
+    assert phases[1].split(",")[-4:-2] == ["CORE-18", str(records[0]["core"]["value"])]  # phase 1 ends at 3
     report = (run / "report.md").read_text()
     assert "CORE-18" in report.split("## Phases")[1].split("##")[0]  # the phase table's benchmark column
     train(tmp_path, data_cache, "trainer.max_steps=8")  # resumed: 3 and 6 are done, 8 is new

@@ -1,4 +1,5 @@
-"""PhaseTracker: what each phase of a run cost and bought, as rows of `phases.csv` and TensorBoard text."""
+"""PhaseTracker: what each phase of a run cost and bought, as rows of `phases.csv` and TensorBoard text
+(CORE at each phase's end, with its gain and dollars per 0.01 CORE, where `evals=` scores it)."""
 
 from __future__ import annotations
 
@@ -127,11 +128,29 @@ class PhaseTracker(Callback):
         """Rewrite phases.csv (atomically) and put the table into TensorBoard's text tab; rank 0 only."""
         if not trainer.is_global_zero:
             return
-        rows = self.rows + ([partial] if partial else [])
+        rows = with_core(self.rows + ([partial] if partial else []), rundir.read_evals(self.run_dir))
         rundir.write_phases(self.run_dir, rows)
         experiment = getattr(trainer.logger, "experiment", None)
         if experiment is not None and hasattr(experiment, "add_text"):
             experiment.add_text("phases", phases_markdown(rows), global_step=trainer.global_step)
+
+
+def with_core(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each phase row with the CORE scored at its end step (evals.jsonl; the benchmark callback runs before
+    this one at a boundary), what the phase added since its start's CORE and the dollars per 0.01 CORE."""
+    scored = {r["step"]: r["core"] for r in evals if r.get("core")}
+    out = []
+    for row in rows:
+        end, start = scored.get(row["end_step"]), scored.get(row["start_step"])
+        extra: dict[str, Any] = {}
+        if end:
+            extra = {"core_label": end["label"], "core": end["value"]}
+            if start and start["label"] == end["label"]:
+                gain = end["value"] - start["value"]
+                price = row["usd"] / (gain / 0.01) if row.get("usd") and gain > 0 else None
+                extra |= {"core_gain": gain, "usd_per_0.01_core": price}
+        out.append({**row, **extra})
+    return out
 
 
 def evaluate(

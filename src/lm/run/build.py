@@ -205,14 +205,14 @@ def build_callbacks(
     g = cfg.guards
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     observers: list[pl.Callback] = []  # called by the step boundary at each counted step, in this order
+    if cfg.evals.tasks:  # before the phase tracker: a phase's row in phases.csv carries its end's CORE
+        from lm.callbacks.milestone_evals import BenchmarkEvaluator  # optional: loaded when configured
+
+        observers.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
     if cfg.phases.phases:
         observers.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         observers.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
-    if cfg.evals.tasks:
-        from lm.callbacks.milestone_evals import BenchmarkEvaluator  # optional: loaded when configured
-
-        observers.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
     early = stopper(cfg, plan, meter, run_dir, module.model.num_parameters())
     step = StepBoundary(
         meter=meter,
