@@ -9,6 +9,7 @@ import json
 import math
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from lm.model import ModelConfig, Transformer
 from lm.run.train import main
 
 from ..conftest import CONF, TINY
+from ..engine.test_distributed import launch
 
 CORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "evals" / "core"
 needs_core = pytest.mark.skipif(not CORE_DIR.is_dir(), reason=f"no CORE task files at {CORE_DIR}")
@@ -406,11 +408,6 @@ def test_doctor_names_a_missing_core_folder_and_left_out_tasks():
 def test_ddp_ranks_split_the_items_and_agree_on_core(tmp_path, data_cache):
     """Two DDP ranks (gloo, Lightning's launcher) score CORE at the last step, each its share of the items:
     every item once (9 per task, split 5 + 4), the figure rank 0 records equal to `lm eval` on one process."""
-    import os
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
     tasks = "[core:copa,core:winograd,core:lambada_openai]"
     overrides = [
         *TINY,
@@ -425,19 +422,7 @@ def test_ddp_ranks_split_the_items_and_agree_on_core(tmp_path, data_cache):
         "evals.limit=9",
         "sampling.prompts=[]",
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo / "src"), os.environ.get("PYTHONPATH")])),
-    }
-    out = subprocess.run(
-        [sys.executable, "train.py", *overrides],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    launch([sys.executable, "train.py", *overrides])  # Lightning's launcher: 2 processes, 300 s at most
     run = tmp_path / "smoke"
     (record,) = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["core"]["label"] == "CORE-3"
