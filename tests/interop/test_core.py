@@ -96,6 +96,31 @@ def test_packed_scores_equal_one_forward_per_request():
             assert (result.greedy, result.tokens) == (greedy, tokens)
 
 
+def test_a_doc_mask_model_is_scored_as_it_trained_whatever_its_eot_id():
+    """Under model.doc_mask no token saw across an end-of-text in training, so the one a prompt starts with is
+    not seen by the rest: the packed and the plain rows agree with the model's own doc-masked forward, both
+    with `Transformer.eot_id` set (in the loop) and unset (`lm eval`)."""
+    torch.manual_seed(0)
+    tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog. Answer: a cat\n"] * 30, 300)
+    model = Transformer(
+        ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, max_seq_len=64, doc_mask=True)
+    )
+    model.eval()
+    questions = [
+        [("the quick brown fox", " jumps"), ("the quick brown fox", " dog")],
+        [("Answer:", " a cat")],
+    ]
+    for eot_id in (None, 0):
+        model.eot_id = eot_id
+        scored = Scorer(model, tokenizer, 0).score(questions)
+        model.eot_id = 0  # the reference: the model's own dense doc mask
+        for pairs, results in zip(questions, scored):
+            for (context, continuation), result in zip(pairs, results):
+                assert result.logprob == pytest.approx(
+                    one_forward(model, tokenizer, context, continuation)[0], abs=1e-4
+                )
+
+
 # --- a model whose answers are known -------------------------------------------------------------------------
 
 WORDS = [EOT, "q", "a", "b", "c", "d", "x", "y"]

@@ -253,12 +253,20 @@ class Scorer:
         flat = torch.tensor([i for _, ps, _ in where for i in ps], dtype=torch.long, device=device)
         targets = torch.tensor([x for _, _, ts in where for x in ts], dtype=torch.long, device=device)
         packed = {}
-        if any(len(row) > 1 or not row[0].plain for row in rows):  # else each row is one sequence
+        # A model trained with model.doc_mask never saw across an end-of-text token: the one each prompt starts
+        # with is its own document, and the mask says so (whatever Transformer.eot_id holds), so it always has one.
+        doc_mask = self.model.cfg.doc_mask
+        if doc_mask or any(len(row) > 1 or not row[0].plain for row in rows):  # else one sequence a row
             unit_id, branch_id = unit_id.to(device), branch_id.to(device)  # the (B, T, T) mask built there
             same_unit = unit_id[:, :, None] == unit_id[:, None, :]
             visible = (branch_id[:, None, :] == 0) | (branch_id[:, :, None] == branch_id[:, None, :])
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            packed = {"pos_BT": pos.to(device), "mask_B1TT": (same_unit & visible & causal).unsqueeze(1)}
+            mask = same_unit & visible & causal
+            if doc_mask:  # the leading end-of-text sees itself only
+                pos_d, idx_d = pos.to(device), idx.to(device)
+                lead = (pos_d == 0) & (idx_d == self.prefix_id)
+                mask &= ~(lead[:, None, :] & ~lead[:, :, None])
+            packed = {"pos_BT": pos.to(device), "mask_B1TT": mask.unsqueeze(1)}
         with self.autocast(device):
             hidden = self.model.hidden(idx.to(device), **packed)
             logits = self.model.head(hidden.reshape(B * T, -1)[flat])
