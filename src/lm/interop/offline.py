@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,9 +81,8 @@ class Counts:
     right_char: int = 0
     truncated: int = 0
 
-    def add(self, other: Counts) -> None:
-        for name in ("n", "right", "right_raw", "right_char", "truncated"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 def tally(data: TaskData, question, scored: list[Scored]) -> Counts:
@@ -125,7 +124,7 @@ def score_tasks(
         scored = scorer.score([q.pairs for q in questions])
         total = Counts()
         for q, s in zip(questions, scored):
-            total.add(tally(data, q, s))
+            total += tally(data, q, s)
         counts[data.label] = total
         if examples:
             kept[data.label] = [
@@ -140,10 +139,7 @@ def score_tasks(
                 for q, s in zip(questions, scored)
             ]
     if reduce is not None and world > 1:
-        names = ("n", "right", "right_raw", "right_char", "truncated")
-        local = torch.tensor(
-            [[getattr(counts[d.label], k) for k in names] for d in tasks], dtype=torch.float64
-        )
+        local = torch.tensor([astuple(counts[d.label]) for d in tasks], dtype=torch.float64)
         summed = reduce(local)
         for d, row in zip(tasks, summed.tolist()):
             counts[d.label] = Counts(*(round(x) for x in row))
