@@ -227,24 +227,26 @@ def metrics_of(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def load(path: str | Path, device: str) -> tuple[Any, Any, Path, dict[str, Any]]:
+def load(
+    path: str | Path, device: str, run: hf.Loaded | None = None
+) -> tuple[Any, Any, Path, dict[str, Any]]:
     """(model, tokenizer, folder for eval.json, what was loaded) for a run directory, a checkpoint in one,
-    or a Hugging Face model folder (`lm export`'s output or any causal LM's)."""
+    or a Hugging Face model folder (`lm export`'s output or any causal LM's); `run`: the run, already open."""
     transformers = hf.require_transformers()
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / rundir.CHECKPOINTS).is_dir():
+    if run is None and (path / "config.json").is_file() and not (path / rundir.CHECKPOINTS).is_dir():
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         return model.to(device), tokenizer, path, {"model": str(path)}
-    run = hf.load_run(path)
+    run = run or hf.load_run(path)
     model = hf.to_hf_model(run.model, eos_id=run.eot_id).to(device)
     tokenizer = hf.hf_tokenizer(run.tokenizer_path, run.eot_token)
-    return (
-        model,
-        tokenizer,
-        run.run_dir,
-        {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step},
-    )
+    return model, tokenizer, run.run_dir, loaded_run(run)
+
+
+def loaded_run(run: hf.Loaded) -> dict[str, Any]:
+    """What eval.json says was scored: the run, its checkpoint and step."""
+    return {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
 
 
 def evaluate_path(
@@ -284,10 +286,10 @@ def evaluate_path(
     core_record = None
     with generators_kept(torch.device(device)):
         started = time.monotonic()
+        run = None
         if plan is not None:
             run = own_model(path, device)
-            about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
-            folder = run.run_dir
+            about, folder = loaded_run(run), run.run_dir
             scorer = Scorer(
                 run.model, Tokenizer.from_file(str(run.tokenizer_path)), run.eot_id, rows=batch_size
             )
@@ -295,7 +297,7 @@ def evaluate_path(
             scores, core_record = offline.summary(plan, counts, limit)
             samples |= kept
         if harness:
-            model, tokenizer, folder, about = load(path, device)
+            model, tokenizer, folder, about = load(path, device, run)  # the run opened once
             out = score(
                 model,
                 tokenizer,
