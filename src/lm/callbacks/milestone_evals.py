@@ -47,11 +47,12 @@ class BenchmarkEvaluator(MilestoneCallback):
         self.plan: offline.Plan | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # An unknown task, a missing or changed CORE file: refused before the first step, not at a milestone.
+        # An unknown task, a missing or changed CORE file: refused before the first step, not at a milestone,
+        # and on every rank alike (a refusal on rank 0 alone would leave the others in the first collective).
         if self.own:
             cfg = self.cfg
             self.plan = offline.resolve(self.own, cfg.data_dir, partial=cfg.partial, fill_olmo=cfg.fill_olmo)
-        if self.harness and trainer.is_global_zero:
+        if self.harness:
             task_manager(self.harness, self.cfg.include_path)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
