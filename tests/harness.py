@@ -145,10 +145,13 @@ class Hang(AssertionError):
     """The process did not exit within its bound; the message holds every process's stacks."""
 
 
-def command(args: list[str], supervised: bool = False) -> list[str]:
+def command(args: list[str], supervised: bool = False, torchrun: int = 0) -> list[str]:
     """`python train.py *args`, or the same under `lm supervise` (tiny backoff, and room for every crash a
     case injects: more than 10 in a row without a checkpoint saved between give up)."""
     cmd = [sys.executable, "train.py", *args]
+    if torchrun:  # torchrun's agent starts the ranks (`--standalone`: one machine), Lightning reads its env
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        cmd = [sys.executable, *launcher, "train.py", *args]
     if not supervised:
         return cmd
     supervise = [sys.executable, "-m", "lm.cli", "supervise", "--backoff", "0.05", "--max-failures", "10"]
@@ -162,6 +165,7 @@ def run(
     timeout: float = TIMEOUT_S,
     env: dict[str, str] | None = None,
     triggers: tuple[Trigger, ...] = (),
+    torchrun: int = 0,
 ) -> Outcome:
     """Run `python train.py *args` in its own session (as a service on a VM is) and wait at most `timeout`.
 
@@ -174,7 +178,7 @@ def run(
         with open(out, "w") as out_f, open(err, "w") as err_f:
             start = time.monotonic()
             proc = subprocess.Popen(
-                command(args, supervised),
+                command(args, supervised, torchrun),
                 cwd=ROOT,
                 env=full_env,
                 stdout=out_f,
@@ -189,7 +193,7 @@ def run(
             if code is None:
                 abort_group(proc)
                 raise Hang(
-                    f"{' '.join(command(args, supervised))}\ndid not exit within {timeout:.0f} s: a hang. "
+                    f"{' '.join(command(args, supervised, torchrun))}\ndid not exit within {timeout:.0f} s: a hang. "
                     f"Stacks of every process of its group (faulthandler, on SIGABRT):\n{read(err)[-20000:]}"
                 )
             drain(proc.pid)  # the other ranks leave after rank 0 under Lightning's launcher: their last lines
@@ -364,6 +368,8 @@ class Record:
     exit_s: float | None = None
     resumed: bool | None = None
     equal: bool | None = None
+    saved: int | None = None
+    """The step last.ckpt holds after the fault run (where the case records it)."""
 
     def outcome(self, outcome: Outcome, fired: Path | None = None, expected: int = 0) -> None:
         """The fault run's exit code and its seconds to exit (from the fault when it has a marker)."""

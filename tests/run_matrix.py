@@ -24,7 +24,7 @@ def main(extra: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         cmd = [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py",
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py", "tests/test_faults_end.py",
             "-m", "faults_slow or not faults_slow", f"--junitxml={junit}", *extra,
         ]  # fmt: skip
         started = time.monotonic()
@@ -66,12 +66,14 @@ def cell(value) -> str:
 
 def table(rows: list[dict], outcomes: dict[str, tuple[str, str]]) -> str:
     lines = [
-        "| case | expected | exit code | seconds to exit | resumed | bitwise equal | result | what failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | expected | exit code | seconds to exit | last saved step | resumed | bitwise equal | result "
+        "| what failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         status, why = outcomes.get(row["test"].split("::")[-1], ("?", ""))
-        cells = [row["case"], row["expected"], row["code"], row["exit_s"], row["resumed"], row["equal"]]
+        cells = [row["case"], row["expected"], row["code"], row["exit_s"], row.get("saved")]
+        cells += [row["resumed"], row["equal"]]
         why = why.replace("|", "\\|")
         lines.append("| " + " | ".join([*map(cell, cells), status, why]) + " |")
     return "\n".join(lines)

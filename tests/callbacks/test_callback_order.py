@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.checkpoint.run_state import RunState
 from lm.config import to_objects
@@ -32,7 +33,7 @@ def callback_names(cfg, run_dir) -> list[str]:
     )
     module = LMModule(cfg.model, cfg.optim)
     plan = run_plan.resolve(cfg.data, cfg.trainer, cfg.optim, cfg.phases.phases)
-    callbacks = build_callbacks(cfg, plan, meter, run_dir, module, resumed=False)
+    callbacks = build_callbacks(cfg, plan, meter, run_dir, module, resumed=False, consensus=Consensus())
     return [type(c).__name__ for c in callbacks]
 
 

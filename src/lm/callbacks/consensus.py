@@ -17,14 +17,23 @@ Hangs are ruled out by construction: `exchange` is called at every optimizer ste
 boundary calls it before acting on anything), the flags are a fixed tuple (the same layout everywhere), and
 the round in flight is settled at the next step or at train end, which every rank reaches at the same step.
 
-The same object holds the run's two other agreements, so the ranks agree through one mechanism:
+The same object holds the run's other agreements, so the ranks agree through one mechanism, built once per
+run (`lm.run.train`) and handed to every part that agrees:
 - `agree`: a blocking round on each rank's problem (an exception or None) where the next act is collective
   and cannot wait a step: before and after a checkpoint write, and at train end before the final save;
+- `gather` / `from_rank0`: a blocking round where every rank needs every rank's value (a milestone's CORE
+  failure, the step each rank resumed at) or rank 0's decision (the stopper's at a validation, the activation
+  checkpointing stride rank 0 measured);
+- `reach_end`: the end of training, agreed where it is reached: after the final save and the end's optional
+  work, the run's last collective. From there on no rank waits for another in a collective, so a rank that
+  fails after it (a user callback at train end) waits for rank 0's exit work, which can still get there;
+  a rank that fails before it leaves at once (the others' next collective then fails within seconds);
 - `leave`: how every rank leaves, whatever launched it: rank 0 does its exit work first (the upload, an
-  asynchronous save's finish, the ledger, the report), then tells the others its exit code on a gloo group of
-  their own (bounded by `exit_wait_s`), and every rank exits with that code, rank 0 first where the others share
-  its machine: Lightning's child-process observer SIGKILLs rank 0 within ~5 s of any rank exiting non-zero
-  first, torchrun's agent SIGTERMs the other ranks once one exits non-zero.
+  asynchronous save's finish, the ledger, the report), then the ranks tell each other their exit codes on a
+  gloo group of their own (bounded by `exit_wait_s`), and every rank exits with one code (rank 0's, or the
+  first other rank's that is not 0), rank 0 first where the others share its machine: Lightning's
+  child-process observer SIGKILLs rank 0 within ~5 s of any rank exiting non-zero first, torchrun's agent
+  SIGTERMs the other ranks once one exits non-zero.
 """
 
 from __future__ import annotations
@@ -60,8 +69,9 @@ class Consensus:
         """How long the other ranks wait for rank 0's exit work (`leave`): the upload's own bound and more."""
         self._exit_group: dist.ProcessGroup | None = None
         self.agreed_end = False
-        """Every rank reached the end together (training ended, or an agreed exit was raised): `leave` waits
-        for rank 0 only then; a rank that crashed alone must not wait for ranks stuck in a collective."""
+        """Every rank reached the end together (`reach_end`, or an exit every rank raised at once: `all_end_with`):
+        `leave` waits for rank 0 only then; a rank that crashed alone must not wait for ranks stuck in a
+        collective."""
 
     @staticmethod
     def distributed(trainer: pl.Trainer) -> bool:
@@ -96,15 +106,44 @@ class Consensus:
         """A blocking round: every rank calls this with its own problem (or None); if any rank has one, every
         rank raises (its own, else the lowest rank's), so no rank goes on alone into a collective the others
         left. One process: raise `error` if there is one."""
-        if self.distributed(trainer):
-            errors: list[BaseException | None] = [None] * trainer.world_size
-            dist.all_gather_object(errors, error)
-            first = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
-            if first is not None and error is None:
-                rank, error = first
-                error.add_note(f"(raised on rank {rank}; this rank stops with it)")
+        errors = self.gather(trainer, error)
+        first = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+        if first is not None and error is None:
+            rank, error = first
+            error.add_note(f"(raised on rank {rank}; this rank stops with it)")
         if error is not None:
-            raise agreed(self, error)
+            raise self.all_end_with(error)
+
+    def gather(self, trainer: pl.Trainer, value: object) -> list:
+        """A blocking round: every rank's `value` (picklable), in rank order, on every rank; one process:
+        `[value]`. Every rank must call it at the same point."""
+        if not self.distributed(trainer):
+            return [value]
+        values: list = [None] * trainer.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def from_rank0(self, trainer: pl.Trainer, value: object) -> object:
+        """A blocking round: rank 0's `value` on every rank (the others' is ignored: pass None); one process:
+        `value`. For a decision rank 0 takes alone so that every rank acts on the same one."""
+        if not self.distributed(trainer):
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def reach_end(self, trainer: pl.Trainer) -> None:
+        """Every rank, after the final save and the end's optional work: the run's last collective, agreed
+        where it is reached. From here on every rank leaves with one code (`leave` waits for rank 0)."""
+        self.settle()
+        self.gather(trainer, None)
+        self.agreed_end = True
+
+    def all_end_with(self, error: BaseException) -> BaseException:
+        """`error`, which every rank raises at once (an agreement's, a verdict every rank computed alike): their
+        end is agreed, so every rank leaves with one code (`leave`). Returns `error`, to raise."""
+        self.agreed_end = True
+        return error
 
     # --- leaving ---------------------------------------------------------------------------------------
 
@@ -116,41 +155,36 @@ class Consensus:
             self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def leave(self, code: int) -> int:
-        """The code this process exits with, once rank 0's exit work is done: rank 0's own code on every rank.
+        """The code this process exits with, once rank 0's exit work is done: one code on every rank, rank 0's
+        unless it is 0 and another rank's is not (a user callback's bug at train end on rank 1 is a crash).
 
-        Call after everything a rank does on its way out (rank 0: the upload, the report). Rank 0 sends its
-        code and the others wait for it (at most `exit_wait_s`), only when the end was agreed (`agreed_end`);
-        a rank whose end was its own (a crash) leaves with its code at once."""
+        Call after everything a rank does on its way out (rank 0: the upload, the report). The ranks tell each
+        other their codes (at most `exit_wait_s`), only when the end was agreed (`agreed_end`); a rank whose
+        end was its own (a crash before the end was reached) leaves with its code at once."""
         group, self._exit_group = self._exit_group, None
         if group is None or not self.agreed_end or not dist.is_initialized():
             return code
         rank = dist.get_rank()
-        sent = [(code, os.getpid(), socket.gethostname())]
+        told: list = [None] * dist.get_world_size(group)
         try:
-            dist.broadcast_object_list(sent, src=0, group=group)
-        except Exception as e:  # rank 0 is gone, or took longer than the bound: leave with this rank's code
-            log.error("rank %d: rank 0 did not say how the run ends (%s); leaving with %d", rank, e, code)
+            dist.all_gather_object(told, (code, os.getpid(), socket.gethostname()), group=group)
+        except Exception as e:  # a rank is gone, or took longer than the bound: leave with this rank's code
+            log.error(
+                "rank %d: the other ranks did not say how the run ends (%s); leaving with %d", rank, e, code
+            )
             return code
-        if rank == 0:
-            log.info("rank 0 leaves with %d", code)
-            return code
-        rank0_code, rank0_pid, host = sent[0]
-        if rank0_code != code:
-            log.warning("rank %d: leaving with rank 0's code %d (this rank's was %d)", rank, rank0_code, code)
-        log.info("rank %d leaves with %d", rank, rank0_code)
-        if host == socket.gethostname():
+        rank0_code, rank0_pid, host = told[0]
+        final = rank0_code or next((c for c, _, _ in told if c), 0)
+        if final != code:
+            log.warning("rank %d: leaving with the run's code %d (this rank's was %d)", rank, final, code)
+        log.info("rank %d leaves with %d", rank, final)
+        if rank != 0 and host == socket.gethostname():
             # Rank 0 leaves first: a launcher that ends every rank once one exits non-zero (Lightning's observer
             # SIGKILLs, torchrun's agent SIGTERMs) then finds rank 0 gone and reports its code as the cause.
             # This rank's own SIGTERM is ignored meanwhile: it leaves with the same code in a moment anyway.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             wait_for_end(rank0_pid, EXIT_GRACE_S + 5.0)
-        return rank0_code
-
-
-def agreed(consensus: Consensus, error: BaseException) -> BaseException:
-    """`error`, raised on every rank at once by an agreement: their end is agreed (`Consensus.agreed_end`)."""
-    consensus.agreed_end = True
-    return error
+        return final
 
 
 def wait_for_end(pid: int, seconds: float) -> None:

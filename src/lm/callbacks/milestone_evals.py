@@ -7,12 +7,18 @@ rank scores its share of each task's items on its own copy of the model and the 
 ranks, so every rank holds the same figure. lm-evaluation-harness tasks run on rank 0 on an in-memory
 `transformers` copy while the other ranks wait at the next collective. The time is charged to the `eval`
 bucket, so tokens/s and MFU stay training's.
+
+A benchmark that fails at a milestone (an out-of-memory in the scorer, a task file changed under the run, a
+harness task's data out of reach) is recorded under `errors` in that milestone's evals.jsonl line, the other
+tasks' scores kept, and training goes on. CORE's failure on any rank is agreed before the counts' reduce
+(`Consensus.gather`), so every rank reaches the same collectives and rank 0 records every rank's reason.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,6 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lm.base.tables import evals_markdown
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import EvalsConfig, PhaseConfig
@@ -40,8 +47,19 @@ class BenchmarkEvaluator(MilestoneCallback):
     crashed after an evaluation but before its next checkpoint does not pay for that evaluation again.
     """
 
-    def __init__(self, cfg: EvalsConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
+    what = "milestone benchmarks"
+
+    def __init__(
+        self,
+        cfg: EvalsConfig,
+        phases: list[PhaseConfig],
+        meter: CostMeter,
+        run_dir: Path,
+        consensus: Consensus,
+    ) -> None:
         super().__init__(cfg, phases, meter, run_dir)
+        self.consensus = consensus
+        """The run's agreement across ranks: a CORE failure on any rank, before the counts' reduce."""
         self.own = [t for t in cfg.tasks if offline.is_offline(t)]
         self.harness = [t for t in cfg.tasks if not offline.is_offline(t)]
         self.plan: offline.Plan | None = None
@@ -76,13 +94,14 @@ class BenchmarkEvaluator(MilestoneCallback):
         core = None
         with generators_kept(pl_module.device):
             if self.plan is not None:  # every rank: each scores its share, the counts are summed
-                scores, core = self.score_own(trainer, pl_module)
+                scores, core, errors = self.score_own(trainer, pl_module)
             if self.harness and trainer.is_global_zero:
                 try:
-                    more, errors = self.run_tasks(trainer, pl_module)
-                    scores |= more
+                    more, failed = self.run_tasks(trainer, pl_module)
+                    scores, errors = scores | more, errors | failed
                 except Exception as e:  # a benchmark's data out of reach must not end a paid-for run
-                    errors = {task: f"{type(e).__name__}: {e}" for task in self.harness}
+                    log.exception("lm-evaluation-harness tasks at step %d failed", step)
+                    errors |= {task: f"{type(e).__name__}: {e}" for task in self.harness}
         seconds = time.monotonic() - started
         self.meter.switch("train")
         if not trainer.is_global_zero:
@@ -123,24 +142,44 @@ class BenchmarkEvaluator(MilestoneCallback):
             experiment.add_text("benchmarks", text, global_step=step)
         log.info("step %d benchmarks (%.1f s): %s", step, seconds, metrics)
 
-    def score_own(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict, dict | None]:
-        """CORE and the @olmo tasks on this rank's share of the items, summed over every rank."""
+    def score_own(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[dict, dict | None, dict[str, str]]:
+        """CORE and the @olmo tasks on this rank's share of the items, summed over every rank: (scores, the
+        CORE record, task -> why it failed). A failure on any rank is agreed first (one round, every rank):
+        then no rank reduces and every task is recorded as failed with each failing rank's reason."""
+        try:
+            counts = self.count_share(trainer, pl_module)
+            why = None
+        except Exception as e:  # an out-of-memory, a changed file: this milestone's CORE is lost, not the run
+            log.exception("CORE at step %d failed on rank %d", trainer.global_step, trainer.global_rank)
+            counts, why = {}, f"{type(e).__name__}: {e}"
+        reasons = self.consensus.gather(trainer, why)
+        failed = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(reasons) if r is not None)
+        if failed:
+            return {}, None, {task: failed for task in self.own}
+        if trainer.world_size > 1:
+            local = torch.tensor([astuple(counts[d.label]) for d in self.plan.tasks], dtype=torch.float64)
+            summed = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="sum").cpu()
+            counts = {
+                d.label: offline.Counts(*(round(x) for x in row))
+                for d, row in zip(self.plan.tasks, summed.tolist())
+            }
+        return *offline.summary(self.plan, counts, self.cfg.limit), {}
+
+    def count_share(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, offline.Counts]:
+        """This rank's counts over its share of each task's items (every `world`-th one), not yet summed."""
         datamodule = trainer.datamodule
         tokenizer = Tokenizer.from_file(str(datamodule.data_dir / TOKENIZER))
         scorer = Scorer(pl_module.model, tokenizer, datamodule.eot_id, rows=self.cfg.batch_size)
-
-        def reduce(tensor: torch.Tensor) -> torch.Tensor:
-            return trainer.strategy.reduce(tensor.to(pl_module.device), reduce_op="sum").cpu()
-
         counts, _ = offline.score_tasks(
             scorer,
             self.plan.tasks,
             limit=self.cfg.limit,
             rank=trainer.global_rank,
             world=trainer.world_size,
-            reduce=reduce,
         )
-        return offline.summary(self.plan, counts, self.cfg.limit)
+        return counts
 
     def run_tasks(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule

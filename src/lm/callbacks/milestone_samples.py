@@ -28,6 +28,8 @@ class MilestoneSampler(MilestoneCallback):
     The steps already sampled (`done`) are RunState's `samples`, saved with every checkpoint, so a resume
     never repeats or skips a milestone."""
 
+    what = "milestone samples"
+
     def __init__(
         self, cfg: SamplingConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path
     ) -> None:

@@ -3,11 +3,17 @@
 A milestone is an explicit step, every N steps (where the config has `every_n_steps`), each phase boundary,
 and the last step of an invocation. The callbacks that act at milestones differ only in what they do there;
 when is decided here once, so samples and benchmarks of one run always fall on the same steps.
+
+What they do there is optional: a failure (an out-of-memory in generation, a benchmark file changed under the
+run) is recorded (the log, `failures.jsonl`, TensorBoard's text tab, the report) and training goes on
+(`attempt`). Work with a collective in it agrees on its failures across ranks before that collective (the
+evaluator), so no rank is left in it alone.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,7 @@ from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig
 from lm.engine.parallel import is_sharded
 from lm.numbers.run_plan import phase_at
+from lm.store import rundir
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,9 @@ class MilestoneCallback(Callback):
     """Calls `at_milestone(trainer, pl_module)` once per milestone step; `done` holds the steps handled.
 
     `cfg` needs `steps`, `at_phase_ends` and `at_last_step` (and may have `every_n_steps`)."""
+
+    what = "milestone work"
+    """What a failure record calls this work (`failures.jsonl`'s `what`)."""
 
     def __init__(self, cfg: Any, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
         self.cfg = cfg
@@ -66,14 +76,44 @@ class MilestoneCallback(Callback):
     def at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
 
-    # --- Lightning hooks ---------------------------------------------------------------------------------
+    def attempt(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """This milestone's work; a failure on this rank is recorded and training goes on (it never ends a
+        paid-for run). Rank-0-only work fails on rank 0 alone; the evaluator's collective agrees first."""
+        try:
+            self.at_milestone(trainer, pl_module)
+        except Exception as e:
+            self.meter.switch("train")  # the failed work's time was the eval bucket's
+            record_failure(trainer, self.run_dir, self.what, e)
+
+    # --- called by the step boundary ---------------------------------------------------------------------
 
     def at_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At each optimizer step, once the step boundary has counted it: act if it is a milestone."""
         step = trainer.global_step
         if step not in self.done and self.is_milestone(step, self.meter.state.tokens):
-            self.at_milestone(trainer, pl_module)
+            self.attempt(trainer, pl_module)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At train end, once the last step is saved: the last step's milestone."""
         if self.cfg.at_last_step and trainer.global_step > 0 and trainer.global_step not in self.done:
-            self.at_milestone(trainer, pl_module)
+            self.attempt(trainer, pl_module)
+
+
+def record_failure(trainer: pl.Trainer, run_dir: Path, what: str, error: BaseException) -> None:
+    """Optional work that failed on this rank, recorded where a user looks: the log (with the traceback), and
+    on rank 0 `failures.jsonl` (which the report lists) and TensorBoard's text tab."""
+    step = trainer.global_step
+    log.error(
+        "%s at step %d failed on rank %d; training goes on without it:\n%s",
+        what,
+        step,
+        trainer.global_rank,
+        "".join(traceback.format_exception(error)),
+    )
+    if not trainer.is_global_zero:
+        return
+    why = f"{type(error).__name__}: {error}"
+    rundir.append_failure(run_dir, {"step": step, "what": what, "rank": trainer.global_rank, "error": why})
+    experiment = getattr(trainer.logger, "experiment", None)
+    if hasattr(experiment, "add_text"):
+        experiment.add_text("failures", f"{what} at step {step} failed: `{why}`", global_step=step)

@@ -67,7 +67,8 @@ class PhaseTracker(Callback):
             self.table.start = end
             self.write(trainer, partial=None)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At train end, once the last step is saved (the step boundary calls it): the phase's partial row."""
         if self.start is None or self.start["phase"] >= len(self.phases):
             return
         if trainer.global_step > self.start["step"]:

@@ -16,7 +16,13 @@ Lightning runs the forward, backward and optimizer step; everything lm decides a
                                            a slow host: save
                              6. save       the scheduled checkpoint (`checkpoint.every_n_steps`)
     after validation         the stopper's decision: the run stops (`AfterOthers`, after every callback)
-    at train end             the final save, after every callback's train-end work (`AfterOthers`)
+    at train end             1. save       the last step, agreed, before anything optional (a background
+                                           write finished): a failure after it costs extras, never training
+                             2. observe    the last milestone's samples and benchmarks, the phase's partial
+                                           row (a failure is recorded, training is saved)
+                             3. end        the run's last collective, agreed where it is reached
+                                           (`Consensus.reach_end`): from here every rank leaves with one
+                                           code; then the other callbacks' train-end hooks (one's own)
     at a save                the RunState snapshot (after the meter starts charging checkpoint time and
                              the guards settle the step just taken)
     at a resume              RunState restored before any other part reads it
@@ -37,7 +43,7 @@ import lightning.pytorch as pl
 import torch
 
 from lm.base.exits import CheckpointSaveError, Diverged
-from lm.callbacks.consensus import Consensus, agreed
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.nonfinite import NonFiniteGuard
 from lm.callbacks.spike import SpikeGuard
@@ -52,9 +58,12 @@ from lm.store import atomic
 
 
 class Observer(Protocol):
-    """A callback that looks at each counted step (PhaseTracker, the milestone callbacks)."""
+    """A callback that looks at each counted step (PhaseTracker, the milestone callbacks) and at the end, once
+    the last step is saved."""
 
     def at_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
+
+    def at_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
 
 class StepBoundary(pl.Callback):
@@ -72,13 +81,13 @@ class StepBoundary(pl.Callback):
         nonfinite: NonFiniteGuard,
         spike: SpikeGuard,
         observers: tuple[Observer, ...] = (),
-        consensus: Consensus | None = None,
+        consensus: Consensus,
     ) -> None:
         self.meter, self.saver, self.stopper = meter, saver, stopper
         self.signals, self.alarm = signals, alarm
         self.nonfinite, self.spike = nonfinite, spike
         self.observers = observers
-        self.consensus = consensus or Consensus()
+        self.consensus = consensus
         self.run_dir = saver.dirpath.parent
         self.state = meter.run
         """The run's RunState, which every part of the step shares."""
@@ -146,7 +155,7 @@ class StepBoundary(pl.Callback):
             self.nonfinite.settle(log_metric=log_metric)
             self.spike.settle()
         except Diverged as e:
-            agreed(self.consensus, e)
+            self.consensus.all_end_with(e)
             raise
 
     # --- the step boundary ---------------------------------------------------------------------------------
@@ -184,7 +193,7 @@ class StepBoundary(pl.Callback):
             try:
                 self.signals.exit(trainer)  # exit 75, unless only the final validation and save are left
             except SystemExit as e:
-                agreed(self.consensus, e)
+                self.consensus.all_end_with(e)
                 raise
         if decided["slow"]:
             self.alarm.alarm()
@@ -207,13 +216,19 @@ class StepBoundary(pl.Callback):
                     "every rank stops with it. The checkpoints are intact; rerun the same command to resume"
                 )
         except OSError as e:
-            agreed(self.consensus, e)
+            self.consensus.all_end_with(e)
             raise
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.settle_guards()
         self.consensus.settle()  # every rank ends at the same step, with the same rounds launched
-        self.consensus.agreed_end = True  # from here on, every rank leaves with rank 0's code
+        # 1. save: the last step, before any optional work (its agreement includes the run files written so far)
+        self.final_save(trainer)
+        # 2. observe: the last milestone, the phase's partial row (their failures are recorded, not raised)
+        for observer in self.observers:
+            observer.at_end(trainer, pl_module)
+        # 3. end: the last collective of the run; one's own callbacks' train-end hooks come after it
+        self.consensus.reach_end(trainer)
 
     # --- after every other callback (`AfterOthers`, last in the run's list) --------------------------------
 
@@ -224,9 +239,9 @@ class StepBoundary(pl.Callback):
             trainer.should_stop = True
 
     def final_save(self, trainer: pl.Trainer) -> None:
-        """The last step of the invocation, saved once every callback's train-end work is done (the phase
-        row, the last milestone: in RunState and on disk), after one agreement that includes their run-file
-        writes; a background write finished, or every rank stops with 74."""
+        """The last step of the invocation, saved before the end's optional work (the last milestone, the
+        phase's partial row, one's own callbacks, the report), after one agreement that includes the run-file
+        writes so far; a background write finished, or every rank stops with 74."""
         self.saver.save_now(trainer)
         self.saver.finish_or_fail(trainer)  # while every rank's process group is still up for the collectives
 
@@ -242,8 +257,7 @@ class StepBoundary(pl.Callback):
 
 class AfterOthers(pl.Callback):
     """The step boundary's hooks that must run after every other callback's, listed last but the progress bar:
-    the stop a validation decided (the stopper's hook comes first), and the final save (the observers' train
-    end comes first). What they decide is `StepBoundary`'s."""
+    the stop a validation decided (the stopper's hook comes first). What they decide is `StepBoundary`'s."""
 
     def __init__(self, boundary: StepBoundary) -> None:
         self.boundary = boundary
@@ -254,9 +268,6 @@ class AfterOthers(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.boundary.stop_if_decided(trainer)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.boundary.final_save(trainer)
 
 
 def restore(meter: CostMeter, checkpoint: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lm.base.tables import fmt_money
+from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
@@ -77,8 +78,12 @@ class EarlyStopper(Callback):
         schedule_steps: int | None = None,
         references: list[Curve] | None = None,
         run_state: RunState | None = None,
+        consensus: Consensus | None = None,
     ) -> None:
         self.cfg = cfg
+        self.consensus = consensus
+        """The run's agreement across ranks: rank 0's decision at a validation, on every rank (None: one
+        process)."""
         self.meter = meter
         self.stop_path = run_dir / rundir.STOP
         self.forecast_path = run_dir / rundir.FORECAST
@@ -322,7 +327,10 @@ class EarlyStopper(Callback):
         if self.points and self.points[-1].step == trainer.global_step:
             return  # the extra validation Lightning runs when a stop was requested at a validation step
         said = self.observe(trainer.global_step, self.meter.state.tokens, self.meter.usd(), loss)
-        said = trainer.strategy.broadcast(said, src=0)  # rank 0 decides, so every rank stops together
+        if self.consensus is not None:  # rank 0 decides, so every rank stops together
+            said = self.consensus.from_rank0(trainer, said)
+        elif trainer.world_size > 1:
+            raise RuntimeError("EarlyStopper on several ranks needs the run's Consensus")
         self.log_metrics(trainer, pl_module)
         if said and self.decision is None:
             self.decide(trainer, *said, cooldown=self.cooldown_applies())

@@ -47,21 +47,28 @@ OWNER_CHECK_S = 2.0
 
 
 class Agreement(Protocol):
-    """How the ranks agree on a save's problems: the run's `lm.callbacks.consensus.Consensus`, the one
-    mechanism of the whole step (handed in, since it lives a wing above)."""
+    """How the ranks agree (a save's problems, the step each resumed at): the run's
+    `lm.callbacks.consensus.Consensus`, the one mechanism of the whole run (handed in: it lives a wing above)."""
 
     def agree(self, trainer: pl.Trainer, error: BaseException | None) -> None:
         """Every rank raises the first rank's problem if any rank has one."""
 
+    def gather(self, trainer: pl.Trainer, value: object) -> list:
+        """Every rank's `value`, in rank order, on every rank."""
+
 
 class Alone:
-    """The agreement of one process: its own problem is the answer."""
+    """The agreement of one process: its own problem, its own value is the answer."""
 
     def agree(self, trainer: pl.Trainer, error: BaseException | None) -> None:
-        if trainer.world_size > 1:
-            raise RuntimeError("RunCheckpoint on several ranks needs the run's Consensus to agree through")
+        self.gather(trainer, error)
         if error is not None:
             raise error
+
+    def gather(self, trainer: pl.Trainer, value: object) -> list:
+        if trainer.world_size > 1:
+            raise RuntimeError("a run on several ranks needs the run's Consensus to agree through")
+        return [value]
 
 
 class RunCheckpoint(pl.Callback):

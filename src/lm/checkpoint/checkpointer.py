@@ -103,7 +103,7 @@ class Checkpointer:
 
     def callbacks(self, meter=None, consensus: Agreement | None = None) -> list[pl.Callback]:
         """The resume check (first of all callbacks) and the save callback (last but the progress bar)."""
-        return [resume_check.ResumeCheck(meter), self.saver(consensus)]
+        return [resume_check.ResumeCheck(meter, consensus), self.saver(consensus)]
 
     def mirror_behind(self) -> str | None:
         """At the end of a run: None when there is no bucket or it holds the latest checkpoint, else what it

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 
 from lm.base.exits import Refused
 from lm.checkpoint import files
+from lm.checkpoint.callback import Agreement, Alone
 from lm.checkpoint.run_state import from_checkpoint
 from lm.config import DataConfig
 from lm.data.datamodule import LMDataModule
@@ -195,8 +196,10 @@ class ResumeCheck(pl.Callback):
     data.batch_size) re-reads or skips windows; the meter's tokens per step tell.
     """
 
-    def __init__(self, meter=None) -> None:
+    def __init__(self, meter=None, consensus: Agreement | None = None) -> None:
         self.meter = meter
+        self.consensus = consensus or Alone()
+        """The run's agreement across ranks: every rank's resumed step, gathered."""
         self.previous: dict[str, Any] | None = None
         """The resumed checkpoint's settings (flattened hyper-parameters + RunState's `settings`); None on a
         fresh run."""
@@ -217,14 +220,13 @@ class ResumeCheck(pl.Callback):
         self.previous = {**hparams, **saved_settings(checkpoint)}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size > 1:
-            rank0_step = trainer.strategy.broadcast(trainer.global_step, src=0)
-            if trainer.strategy.reduce_boolean_decision(rank0_step != trainer.global_step, all=False):
-                raise Refused(
-                    f"rank {trainer.global_rank} starts at step {trainer.global_step}, rank 0 at step "
-                    f"{rank0_step} (or another rank disagrees): every node must see the same checkpoints. "
-                    "Put run.root on storage that all nodes share"
-                )
+        steps = self.consensus.gather(trainer, trainer.global_step)  # every rank sees every rank's step
+        if len(set(steps)) > 1:  # the same answer on every rank: all refuse together
+            starts = ", ".join(f"rank {rank} at step {step}" for rank, step in enumerate(steps))
+            raise Refused(
+                f"the ranks start at different steps ({starts}): every node must see the same checkpoints. "
+                "Put run.root on storage that all nodes share"
+            )
         changed = []
         if trainer.is_global_zero and self.previous is not None:
             changed = self.log_changes(trainer, pl_module)

@@ -101,6 +101,7 @@ class LMModule(pl.LightningModule):
         window_stages: tuple[tuple[int, int], ...] | None = None,
         lr_cooldown: Callable[[], tuple[int, int] | None] | None = None,
         decide_stride: Callable[[], Any] | None = None,
+        from_rank0: Callable[[pl.Trainer, Any], Any] | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -113,6 +114,9 @@ class LMModule(pl.LightningModule):
         self.model.ac_every = ac_every
         self.decide_stride = decide_stride
         """`activation_checkpointing=auto` on a GPU: the probe rank 0 runs at setup (None: `ac_every` is it)."""
+        self.from_rank0 = from_rank0
+        """Rank 0's value on every rank: the run's `Consensus.from_rank0` (the ranks' one agreement; None: one
+        process, where the value is the answer)."""
         self.stride: Any = None
         """The `lm.engine.activation_checkpointing.Decision` taken at setup, once `decide_stride` has run (what
         the cost meter records); not imported here: that module trains an LMModule in its trial steps."""
@@ -220,7 +224,11 @@ class LMModule(pl.LightningModule):
         and before `configure_model` (sharding, compilation) and before the model reaches the device."""
         trainer = self.trainer
         decision = self.decide_stride() if trainer.is_global_zero else None
-        self.stride = trainer.strategy.broadcast(decision, src=0)
+        if self.from_rank0 is not None:
+            decision = self.from_rank0(trainer, decision)
+        elif trainer.world_size > 1:
+            raise RuntimeError("activation_checkpointing=auto on several ranks needs the run's Consensus")
+        self.stride = decision
         self.model.ac_every = self.stride.every
         log.info(
             "activation checkpointing %s (%s)%s",

@@ -88,6 +88,7 @@ def build_module(
     eot_id: int | None = None,
     run_state: RunState | None = None,
     decide: Callable[[], activation_checkpointing.Decision] | None = None,
+    from_rank0: Callable[[pl.Trainer, Any], Any] | None = None,
 ) -> LMModule:
     """The seeded LightningModule a run of `cfg` trains.
 
@@ -97,7 +98,8 @@ def build_module(
     neither `optim.total_steps` nor the Trainer's `max_steps` is the one wanted. `eot_id`: the end-of-text id
     `model.doc_mask` splits documents at, where no data module will set it (a run's comes from its manifest).
     `run_state`: the run's RunState, whose LR cooldown (an early stop's) the schedule follows. `decide`:
-    `activation_checkpointing=auto` on a GPU, which rank 0 measures at setup (`checkpointing_decision`).
+    `activation_checkpointing=auto` on a GPU, which rank 0 measures at setup (`checkpointing_decision`);
+    `from_rank0`: how every rank gets rank 0's measurement (the run's `Consensus.from_rank0`).
     """
     cfg = objects(cfg)
     rt = rt if rt is not None else resolve_runtime(cfg)
@@ -117,6 +119,7 @@ def build_module(
         window_stages=seq_len_warmup(cfg.data) if cfg.data.seq_len_warmup_steps else None,
         lr_cooldown=(lambda: run_state.lr_cooldown) if run_state is not None else None,
         decide_stride=decide,
+        from_rank0=from_rank0,
     )
     if cfg.model.init_from is not None and init_from:
         from lm.interop import hf  # an optional feature: loaded when configured
@@ -185,8 +188,8 @@ def build_callbacks(
     module: LMModule,
     *,
     resumed: bool,
+    consensus: Consensus,
     checkpointer: Checkpointer | None = None,
-    consensus: Consensus | None = None,
 ) -> list[pl.Callback]:
     """Every callback of the run, lm's and `cfg.callbacks`, in the order Lightning calls their hooks.
 
@@ -196,11 +199,10 @@ def build_callbacks(
     A callback of one's own (`cfg.callbacks`) comes after lm's: it sees each step counted, agreed and saved.
 
     `checkpointer`: the run's (default: one without a bucket), which gives the resume check and the saver.
-    `consensus`: how the ranks agree, the step boundary's and the saver's (default: a new one); the run's own
-    (`lm.run.train`) also says how every rank leaves.
+    `consensus`: how the ranks agree, the run's one (`lm.run.train` builds it, and it also says how every rank
+    leaves): the step boundary's, the saver's, the resume check's, the stopper's and the benchmarks'.
     """
     checkpointer = checkpointer or Checkpointer(run_dir, cfg.checkpoint)
-    consensus = consensus or Consensus()
     resume_check, saver = checkpointer.callbacks(meter, consensus)
     g = cfg.guards
     ckpt_dir = run_dir / rundir.CHECKPOINTS
@@ -208,12 +210,12 @@ def build_callbacks(
     if cfg.evals.tasks:  # before the phase tracker: a phase's row in phases.csv carries its end's CORE
         from lm.callbacks.milestone_evals import BenchmarkEvaluator  # optional: loaded when configured
 
-        observers.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir))
+        observers.append(BenchmarkEvaluator(cfg.evals, cfg.phases.phases, meter, run_dir, consensus))
     if cfg.phases.phases:
         observers.append(PhaseTracker(cfg.phases.phases, meter, run_dir, cfg.trainer.limit_val_batches))
     if cfg.sampling.prompts:
         observers.append(MilestoneSampler(cfg.sampling, cfg.phases.phases, meter, run_dir))
-    early = stopper(cfg, plan, meter, run_dir, module.model.num_parameters())
+    early = stopper(cfg, plan, meter, run_dir, module.model.num_parameters(), consensus)
     step = StepBoundary(
         meter=meter,
         saver=saver,
@@ -250,6 +252,7 @@ def stopper(
     meter: CostMeter,
     run_dir: Path,
     n_params: int,
+    consensus: Consensus | None = None,
 ) -> EarlyStopper:
     """The early stopper, with the plan's end for the forecast (in tokens, or in steps that the meter turns
     into tokens once it knows the world size)."""
@@ -265,6 +268,7 @@ def stopper(
         optim=cfg.optim,
         schedule_steps=plan.schedule_steps,
         references=references(cfg, plan),
+        consensus=consensus,
     )
 
 

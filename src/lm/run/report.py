@@ -55,6 +55,7 @@ def write_report(run_dir: str | Path) -> Path:
     text += reference_section((forecast or {}).get("reference"))
     text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
+    text += failures_section(evals, rundir.read_failures(run_dir))
     path = run_dir / "report.md"
     write_atomic(path, text)
     return path
@@ -363,6 +364,27 @@ def stopping_section(stop: dict | None, sched: dict | None) -> str:
             lines.append(f"Spent at the stop: {fmt_money(stop['usd'])} for {stop.get('tokens', 0):,} tokens.")
         lines.append("")
     return "\n".join(lines)
+
+
+def failures_section(evals: list[dict], failures: list[dict]) -> str:
+    """Optional work that failed while the run went on: a benchmark's `errors` at a milestone (evals.jsonl),
+    milestone samples or benchmarks that failed whole (failures.jsonl)."""
+    rows = [
+        (r["step"], f"benchmark {task}", why) for r in evals for task, why in (r.get("errors") or {}).items()
+    ]
+    rows += [(f["step"], f"{f['what']} (rank {f['rank']})", f["error"]) for f in failures]
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "## What failed (the run went on without it)",
+        "",
+        "| step | what | error |",
+        "|---|---|---|",
+    ]
+    for step, what, why in sorted(rows, key=lambda row: row[0]):
+        lines.append(f"| {step:,} | {what} | {str(why).replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
 
 
 def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from lm.base.exits import CheckpointSaveError, Preempted, RunDirRemoved, exit_within, intended_code
 from lm.base.private_api import shutdown_data_workers
 from lm.callbacks.consensus import Consensus
+from lm.callbacks.milestones import record_failure
 from lm.checkpoint.checkpointer import Checkpointer
 from lm.checkpoint.remote import run_identity
 from lm.checkpoint.run_state import RunState
@@ -91,7 +92,15 @@ def run_training(dcfg: DictConfig, on_exit: contextlib.ExitStack, consensus: Con
     ac, decide = build.checkpointing_decision(cfg, rt)
     log_runtime(cfg, rt, ac, run_dir)
     run_state = RunState()  # all a resume needs beyond weights and optimizer (owned by StepBoundary)
-    module = build.build_module(cfg, rt, ac, init_from=ckpt_path is None, run_state=run_state, decide=decide)
+    module = build.build_module(
+        cfg,
+        rt,
+        ac,
+        init_from=ckpt_path is None,
+        run_state=run_state,
+        decide=decide,
+        from_rank0=consensus.from_rank0,
+    )
     meter = build.cost_meter(cfg, rt, plan, module, run_dir, started_at, ac, run_state)
     callbacks = build.build_callbacks(
         cfg,
@@ -138,13 +147,17 @@ def fit(
 def finish(trainer: pl.Trainer, run_dir: Path, checkpointer: Checkpointer) -> float | None:
     """Rank 0 writes the report and checks the mirror; every rank returns the last validation loss.
 
-    A run file rank 0 could not write after the final save (the ledger at teardown) is its exit code (74),
+    A report that fails is recorded (the log, failures.jsonl, TensorBoard's text tab) and the run still ends 0:
+    its training is saved. A run file rank 0 could not write after the final save (the ledger at teardown) is its exit code (74),
     which `Consensus.leave` then gives every rank."""
     if (unwritten := atomic.undefer(run_dir)) is not None:
         raise unwritten
     if trainer.is_global_zero:
         behind = checkpointer.mirror_behind()  # after the last upload
-        finish_report(trainer, run_dir)
+        try:
+            finish_report(trainer, run_dir)
+        except Exception as e:  # the report is optional work: the run is trained and saved, so it ends 0
+            record_failure(trainer, run_dir, "the report", e)
         if behind:
             raise CheckpointSaveError(behind)  # exit 74: the run's mirror is not what a new machine needs
     val_loss = trainer.callback_metrics.get("val/loss")

@@ -62,6 +62,9 @@ ROLLBACKS = "rollbacks.json"
 """In `checkpoints/`: how often each checkpoint was rolled back to after non-finite steps."""
 EVALS = "evals.jsonl"
 """Benchmark scores at training milestones (`evals=`), one line per milestone."""
+FAILURES = "failures.jsonl"
+"""Optional work that failed (milestone samples or benchmarks, the report): step, what, rank, error; one line
+each, the run went on without it."""
 EVAL = "eval.json"
 """The last `lm eval` of the run or export folder."""
 EVAL_MD = "eval.md"
@@ -363,6 +366,16 @@ def append_evals(run_dir: Path, record: dict[str, Any]) -> None:
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """evals.jsonl as records by step; a milestone evaluated twice (a crash before its checkpoint): the last wins."""
     return sorted(read_jsonl_latest(run_dir / EVALS, lambda r: r["step"]), key=lambda r: r["step"])
+
+
+def append_failure(run_dir: Path, record: dict[str, Any]) -> None:
+    """Append one failure of optional work (append-only: a torn last line is skipped by the reader)."""
+    append_atomic(run_dir / FAILURES, json.dumps(record) + "\n")
+
+
+def read_failures(run_dir: Path) -> list[dict[str, Any]]:
+    """failures.jsonl as records, oldest first (none if the run had no failure)."""
+    return read_jsonl_latest(run_dir / FAILURES, lambda r: (r["step"], r["what"], r["rank"], r["error"]))
 
 
 def write_eval(folder: Path, record: dict[str, Any], markdown: str, prefix: str = "") -> Path:
