@@ -119,6 +119,17 @@ class BenchmarkEvaluator(MilestoneCallback):
             record["core"] = core
         if errors:  # the tasks that failed, with why; the others' scores are kept
             record["errors"] = errors
+        self.publish(trainer, record)
+
+    def publish(self, trainer: pl.Trainer, record: dict) -> None:
+        """Rank 0: one milestone's record in evals.jsonl, its scores in TensorBoard (scalars and the text tab,
+        with what failed) and the log."""
+        step, scores, core, errors = (
+            record["step"],
+            record["scores"],
+            record.get("core"),
+            record.get("errors", {}),
+        )
         for task, why in errors.items():
             log.error("benchmark %s at step %d failed; the other tasks are kept: %s", task, step, why)
         rundir.append_evals(self.run_dir, record)
@@ -139,8 +150,9 @@ class BenchmarkEvaluator(MilestoneCallback):
             text = (offline.core_markdown(core) + "\n\n" if core else "") + evals_markdown(
                 {t: m for t, m in scores.items() if t != "core" and not t.startswith("core:")}
             )
+            text += "".join(f"\n\nfailed: {task}: `{why}`" for task, why in errors.items())
             experiment.add_text("benchmarks", text, global_step=step)
-        log.info("step %d benchmarks (%.1f s): %s", step, seconds, metrics)
+        log.info("step %d benchmarks (%.1f s): %s", step, record["seconds"], metrics)
 
     def score_own(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule

@@ -163,7 +163,7 @@ class StepBoundary(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.steps.ended(trainer):
+        if not self.steps.advance(trainer):
             return  # a micro-batch inside gradient accumulation
         # 1. count
         self.meter.count(trainer, pl_module)

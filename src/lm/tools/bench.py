@@ -88,7 +88,7 @@ class Clock(pl.Callback):
         self.steps.start(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.steps.ended(trainer):
+        if self.steps.advance(trainer):
             if self.cuda:
                 torch.cuda.synchronize()
             self.stamps.append(time.perf_counter())
