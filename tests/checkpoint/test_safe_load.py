@@ -293,3 +293,13 @@ def test_the_opt_in_trusts_the_file_it_named_not_what_the_link_points_to_later(r
     with pytest.raises(UnsafeCheckpoint) as refused:
         files.read(ckpts / "last.ckpt")
     assert_refused(refused.value, marker, "step-6.ckpt")
+
+
+def test_a_save_does_not_log_lightnings_weights_only_default(run, data_cache, caplog):
+    """Lightning logs "`weights_only` was not set, defaulting to `False`" at a save that leaves it unset: about
+    what is saved, it reads like an unsafe load to a user checking that checkpoints load as data. lm says what
+    it saves (the full state), so the line never appears."""
+    caplog.set_level("INFO", logger="lightning.pytorch.trainer.connectors.checkpoint_connector")
+    assert resume(run, data_cache) is None  # saves at step 9
+    assert files.read(run / "checkpoints" / "last.ckpt")["global_step"] == 9
+    assert not [r for r in caplog.records if "weights_only" in r.getMessage()], caplog.text
