@@ -90,6 +90,34 @@ def stamp(lock: Path = LOCK, pyproject: Path = PYPROJECT, build_lock: Path = BUI
     build_lock.write_text(header + pin_block(text, BUILD_BACKEND))
 
 
+CUDA_ONLY = re.compile(r"^(nvidia-|cuda-|triton==|liger-kernel==)")
+"""What torch's Linux wheel on the public index brings for CUDA (runtime libraries, bindings, Triton), and Liger
+Kernel, which needs Triton."""
+PIN_BLOCK = re.compile(r"^[A-Za-z0-9_.\[\], -]+==[^\n]*\n(?:(?:    |#)[^\n]*\n)*", re.M)
+"""A pin, its hash lines and the comments after it, up to the next pin."""
+
+
+def cpu_lock(text: str, wheel: Path) -> str:
+    """The lock for a CPU-only CI machine that keeps PyTorch's CPU wheel of the locked version on disk: torch's
+    hash is that file's, and the CUDA packages only PyPI's torch needs are left out. For CI's speed alone (no
+    5 GB of CUDA libraries per run); what users install is the lock itself, which `.ci/lock_targets.py` and the
+    index-only install in docs/development.md check."""
+    version = re.search(r"^torch==([^\s;\\]+)", text, re.M).group(1)
+    if not wheel.name.startswith(f"torch-{version}+cpu-"):
+        raise SystemExit(f"{wheel} is not torch {version}'s CPU wheel (the lock's torch)")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+    def keep(m: re.Match) -> str:
+        block = m.group(0)
+        if CUDA_ONLY.match(block):
+            return ""
+        if block.startswith("torch=="):
+            return f"torch=={version} \\\n    --hash=sha256:{digest}\n"
+        return block
+
+    return PIN_BLOCK.sub(keep, text)
+
+
 def problem(lock: Path = LOCK, pyproject: Path = PYPROJECT) -> str | None:
     """None when the lock was compiled from pyproject.toml as it is, else what is wrong and the fix."""
     if not lock.is_file():
@@ -114,13 +142,16 @@ def main(argv: list[str]) -> int:
     if argv == ["stamp"]:
         stamp()
         return 0
+    if len(argv) == 2 and argv[0] == "cpu":
+        sys.stdout.write(cpu_lock(LOCK.read_text(), Path(argv[1])))
+        return 0
     if argv == ["check"]:
         if (why := problem()) is not None:
             print(f"lock check: {why}", file=sys.stderr)
             return 1
         print(f"lock check: {LOCK.name} matches pyproject.toml")
         return 0
-    print("usage: python3 .ci/lock.py check|stamp", file=sys.stderr)
+    print("usage: python3 .ci/lock.py check|stamp|cpu TORCH_CPU_WHEEL", file=sys.stderr)
     return 2
 
 

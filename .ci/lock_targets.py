@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -54,7 +55,9 @@ def _manylinux(arch: str) -> tuple[str, ...]:
     # glibc 2.28 (RHEL 8, Ubuntu 20.04 and newer; torch's own floor, manylinux_2_28) and every older glibc a
     # wheel may name, with the legacy aliases (manylinux2014 = 2.17, manylinux2010 = 2.12, manylinux1 = 2.5).
     tags = [f"manylinux_2_{minor}_{arch}" for minor in range(28, 4, -1)]
-    legacy = [f"manylinux2014_{arch}"] + ([f"manylinux2010_{arch}", f"manylinux1_{arch}"] if arch == "x86_64" else [])
+    legacy = [f"manylinux2014_{arch}"] + (
+        [f"manylinux2010_{arch}", f"manylinux1_{arch}"] if arch == "x86_64" else []
+    )
     return (*tags, *legacy, f"linux_{arch}")
 
 
@@ -110,8 +113,10 @@ def resolve(platform: Platform, python: str) -> dict[str, str]:
 def project_files(name: str) -> tuple[tuple[str, str, str], ...]:
     """(version, filename, sha256) of every file of one project, from the index's JSON simple API (PEP 691,
     what pip itself reads): metadata only, nothing large is fetched."""
-    request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as r:  # noqa: S310 (a fixed https address)
+    request = urllib.request.Request(
+        f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
         files = json.load(r)["files"]
     found = []
     for f in files:
@@ -186,19 +191,23 @@ def check_target(target: str, hashes: dict[tuple[str, str], set[str]]) -> tuple[
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", nargs="*", default=TARGETS, help="platform:python, e.g. linux-x86_64:3.11")
+    parser.add_argument(
+        "--targets", nargs="*", default=TARGETS, help="platform:python, e.g. linux-x86_64:3.11"
+    )
     args = parser.parse_args(argv)
-    hashes = lock_hashes(LOCK.read_text())
-    failed = False
     for target in args.targets:
         if target.split(":")[0] not in PLATFORMS:
             parser.error(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
-        problems, sdists = check_target(target, hashes)
-        print(f"{target}: {'FAIL' if problems else 'ok'}" + (f" (builds {', '.join(sdists)})" if sdists else ""))
+    hashes = lock_hashes(LOCK.read_text())
+    with ThreadPoolExecutor(max_workers=4) as pool:  # uv and the index do the work: waiting, not computing
+        results = list(pool.map(lambda target: check_target(target, hashes), args.targets))
+    for target, (problems, sdists) in zip(args.targets, results):
+        print(
+            f"{target}: {'FAIL' if problems else 'ok'}" + (f" (builds {', '.join(sdists)})" if sdists else "")
+        )
         for p in problems:
             print(f"  {p}")
-        failed |= bool(problems)
-    return 1 if failed else 0
+    return 1 if any(problems for problems, _ in results) else 0
 
 
 if __name__ == "__main__":
