@@ -2,30 +2,29 @@
 
 python := env_var_or_default("PYTHON", ".venv/bin/python")
 
-# Create .venv and install lm with its dev tools from requirements.lock: every package pinned, every file
-# checked against its sha256 (torch is the CPU wheel). lm itself goes in editable, without touching the rest.
+# Create .venv and install lm with its dev tools from requirements.lock, the README's first command: every
+# package pinned, every file checked against its sha256, all from the public index (on Linux, PyPI's torch: the
+# CUDA build with its CUDA libraries, which also runs on a CPU). setuptools first, so sdists build with a hashed
+# backend; lm itself goes in editable, without touching the rest.
 setup:
     test -x {{python}} || python3 -m venv .venv
-    {{python}} -m pip install -q --require-hashes -r requirements.lock
+    {{python}} -m pip install -q --require-hashes -r requirements-build.lock
+    {{python}} -m pip install -q --require-hashes --no-build-isolation -r requirements.lock
     {{python}} -m pip install -q --no-deps --no-build-isolation -e .
 
-# On a GPU box: the CUDA build of the locked torch version first (PyPI's Linux wheel; pass an index for
-# another CUDA, e.g. just setup-gpu --index-url https://download.pytorch.org/whl/cu130), then the same lock,
-# which keeps that torch, then Liger Kernel and torchao (the gpu extra, outside the lock).
-setup-gpu *torch_index:
-    test -x {{python}} || python3 -m venv .venv
-    {{python}} -m pip install -q "torch==$(sed -n 's/^torch==\([0-9.]*\).*/\1/p' requirements.lock)" {{torch_index}}
-    {{python}} -m pip install -q --require-hashes -r requirements.lock
-    {{python}} -m pip install -q --no-deps --no-build-isolation -e .
-    {{python}} -m pip install -q "liger-kernel>=0.8" "torchao>=0.14"
+# On a Linux GPU box: the same hashed lock (PyPI's torch there is the CUDA 13 build; Liger Kernel and torchao are
+# in the lock), then a check that torch sees the GPU. Another CUDA build: docs/development.md#installing-and-the-lock.
+setup-gpu: setup
+    {{python}} -c "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: nvidia-smi shows whether the driver supports that CUDA'; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}: {torch.cuda.get_device_name()}')"
 
-# Recompile requirements.lock from pyproject.toml (pip-tools in its own .venv-lock/, .venv untouched): pins
-# that still fit are kept, torch held at the CPU wheel's version, sha256 for every file, pyproject.toml's digest
-# stamped in the header (CI fails on a lock that does not match). `just lock --upgrade`: the newest allowed.
+# Recompile requirements.lock from pyproject.toml: uv's universal lock (every platform, CPython 3.10+, the
+# public index only, sha256 for every file), pins that still fit kept; pyproject.toml's digest stamped in the
+# header (CI fails on a lock that does not match) and requirements-build.lock written from it.
+# `just lock --upgrade`: the newest allowed. Then check it per platform: .venv/bin/python .ci/lock_targets.py
 lock *args:
-    test -x .venv-lock/bin/pip-compile || (python3 -m venv .venv-lock && .venv-lock/bin/pip install -q "pip-tools==7.6.2")
-    .venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe --no-strip-extras --extra dev --build-deps-for editable \
-        --no-emit-index-url --no-emit-find-links -P torch==2.13.0 -o requirements.lock {{args}} pyproject.toml
+    env -u PIP_FIND_LINKS UV_NO_CONFIG=1 {{python}} -m uv pip compile pyproject.toml --extra dev --universal \
+        --generate-hashes --python-version 3.10 --index-url https://pypi.org/simple --no-emit-index-url \
+        --no-strip-extras --custom-compile-command "just lock" -o requirements.lock {{args}}
     python3 .ci/lock.py stamp
 
 # Train (defaults: the smoke run). Pass Hydra overrides: just train +experiment=phase1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def load_script(path: Path, name: str):
     """An experiment's Python script (experiments/<date>-<topic>/*.py, not a package) imported as a module."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up while the class is built
     spec.loader.exec_module(module)
     return module
 

@@ -265,3 +265,41 @@ def test_an_old_checkpoint_with_more_than_plain_types_resumes_through_the_opt_in
     monkeypatch.delenv(TRUST_ENV)
     resumed = files.read(run / "checkpoints" / "last.ckpt")  # weights_only: plain data again
     assert resumed["global_step"] == 9 and "OldCallback" not in resumed["callbacks"]
+
+
+def test_the_opt_in_trusts_the_file_it_named_not_what_the_link_points_to_later(run, marker, monkeypatch):
+    """LM_TRUST_CHECKPOINT=.../last.ckpt pins the step file the link resolved to, and its content, when first
+    read: a payload the link points to later (a later save, a bucket's file) or written over the pinned file is
+    read as data and refused, and never runs."""
+    ckpts = run / "checkpoints"
+    monkeypatch.setenv(TRUST_ENV, str(ckpts / "last.ckpt"))
+    pinned = ckpts / "step-6.ckpt"
+    state = torch.load(pinned, map_location="cpu", weights_only=True)
+    state["callbacks"]["OldCallback"] = {"best": np.float64(3.5)}  # needs the opt-in to be read
+    pinned.unlink()
+    torch.save(state, pinned)
+    assert files.read(ckpts / "last.ckpt")["callbacks"]["OldCallback"]["best"] == 3.5  # the opt-in, pinned
+    later = ckpts / "step-9.ckpt"  # a later save the link moves to, planted
+    shutil.copyfile(ckpts / "step-3.ckpt", later)
+    plant(later, marker)
+    (ckpts / "last.ckpt").unlink()
+    (ckpts / "last.ckpt").symlink_to(later.name)
+    with pytest.raises(UnsafeCheckpoint) as refused:
+        files.read(ckpts / "last.ckpt")
+    assert_refused(refused.value, marker, "step-9.ckpt")
+    (ckpts / "last.ckpt").unlink()
+    (ckpts / "last.ckpt").symlink_to(pinned.name)
+    shutil.copyfile(later, pinned)  # the pinned file itself rewritten with a payload: not the content named
+    with pytest.raises(UnsafeCheckpoint) as refused:
+        files.read(ckpts / "last.ckpt")
+    assert_refused(refused.value, marker, "step-6.ckpt")
+
+
+def test_a_save_does_not_log_lightnings_weights_only_default(run, data_cache, caplog):
+    """Lightning logs "`weights_only` was not set, defaulting to `False`" at a save that leaves it unset: about
+    what is saved, it reads like an unsafe load to a user checking that checkpoints load as data. lm says what
+    it saves (the full state), so the line never appears."""
+    caplog.set_level("INFO", logger="lightning.pytorch.trainer.connectors.checkpoint_connector")
+    assert resume(run, data_cache) is None  # saves at step 9
+    assert files.read(run / "checkpoints" / "last.ckpt")["global_step"] == 9
+    assert not [r for r in caplog.records if "weights_only" in r.getMessage()], caplog.text

@@ -217,7 +217,11 @@ class RunCheckpoint(pl.Callback):
         self.consensus.agree(trainer, self.write_problem(trainer, path))  # before any rank writes
         self.io.defer = True  # the checks are agreed: the plugin writes without checking again on its own
         try:
-            trainer.save_checkpoint(path)  # every rank: the dict, the strategy, the CheckpointIO, a barrier
+            # Every rank: the dict, the strategy, the CheckpointIO, a barrier. weights_only=False says *what* is
+            # saved (the full training state, not the weights alone); left unset, Lightning logs "`weights_only`
+            # was not set, defaulting to `False`" at every save, which reads like an unsafe load. Every read of
+            # a checkpoint is as data (lm.checkpoint.files.load).
+            trainer.save_checkpoint(path, weights_only=False)
         finally:
             self.io.defer = False
         self.consensus.agree(trainer, self.io.take_failure())

@@ -16,13 +16,15 @@ Every read is a read of data: `torch.load(weights_only=True)`, whose allow-list 
 strings, `torch.Size`, dtypes) is all an lm checkpoint holds, since `RunState`, the hyper-parameters and
 Lightning's loops keep plain types. A file whose pickle names anything else (a payload's `posix.system`, an old
 callback's numpy scalar) is refused (`UnsafeCheckpoint`, exit 78) with the name, never run; `LM_TRUST_CHECKPOINT`
-names one checkpoint a user vouches for, read as a full pickle once (the next save writes plain types). A
+names one checkpoint a user vouches for, read as a full pickle once (the next save writes plain types); the
+name is resolved and the content hashed when it is first read, and only that file with that content is trusted. A
 sharded folder's two pickles besides `meta.pt` (torch.distributed.checkpoint's index, and the non-tensor items
 inside the shards, which torch's own readers unpickle in full) are checked the same way before torch reads them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -31,6 +33,7 @@ import re
 import secrets
 import shutil
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -108,10 +111,61 @@ class UnsafeCheckpoint(Refused):
     read (exit 78). The message names the type, the file and the two ways on."""
 
 
-def trusted(ckpt: Path) -> bool:
-    """Whether `LM_TRUST_CHECKPOINT` names `ckpt` (compared resolved: `last.ckpt` is its step file)."""
+@dataclass(frozen=True)
+class Trust:
+    """What `LM_TRUST_CHECKPOINT` named, pinned the first time this process read it: the file (or sharded
+    folder) the name resolved to then, and the sha256 of its content (None: nothing was there to trust)."""
+
+    path: Path
+    digest: str | None
+
+
+_pinned: dict[str, Trust] = {}
+"""One pin per value of the variable: `last.ckpt` is resolved once, so a later save it points to, a file fetched
+from a bucket, or a payload planted behind the link is never trusted in its place."""
+
+
+def content_digest(path: Path) -> str:
+    """sha256 over a file's bytes, or over a folder's file names and bytes (a sharded checkpoint)."""
+    h = hashlib.sha256()
+    parts = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for part in parts:
+        h.update(str(part.relative_to(path)).encode() if path.is_dir() else b"")
+        with open(part, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def trust() -> Trust | None:
+    """The checkpoint `LM_TRUST_CHECKPOINT` names, resolved and hashed once (the opt-in); None when unset."""
     named = os.environ.get(TRUST_ENV)
-    return bool(named) and Path(named).resolve() == ckpt.resolve()
+    if not named:
+        return None
+    if named not in _pinned:
+        path = Path(named).resolve()
+        digest = content_digest(path) if path.exists() else None
+        _pinned[named] = Trust(path, digest)
+        log.warning(
+            "%s names %s: that %s, as it is now (sha256 %s), is the one checkpoint read as a full pickle",
+            TRUST_ENV,
+            named,
+            path,
+            (digest or "nothing there")[:16],
+        )
+    return _pinned[named]
+
+
+def trusted(ckpt: Path) -> bool:
+    """Whether `ckpt` is the checkpoint `LM_TRUST_CHECKPOINT` pinned, content unchanged (`last.ckpt` is compared
+    as the step file it pointed to when first read). Anything else is read as data."""
+    pin = trust()
+    if pin is None or pin.digest is None or ckpt.resolve() != pin.path:
+        return False
+    if content_digest(pin.path) != pin.digest:
+        log.warning("%s changed since %s named it: read as data", pin.path, TRUST_ENV)
+        return False
+    return True
 
 
 def refusal(ckpt: Path, part: Path, names: list[str]) -> UnsafeCheckpoint:
