@@ -12,6 +12,7 @@ The wings of `src/lm`, bottom to top (docs/architecture.md draws the tree, one l
   lm.checkpoint   checkpoint files: names and reading, local saves and resume, the bucket, the save callback
   lm.engine       the LightningModule, optimizers, kernels, parallelism, runtime, activation checkpointing
   lm.interop      the model's interfaces to other tools: Hugging Face (export, import), lm-eval, generation
+  lm.evals        benchmarks: CORE and the @olmo sets scored by lm, lm-eval driven, one entry, the bundle fetch
   lm.callbacks    the run's Lightning callbacks
   lm.run          one run: preflight (doctor), composition (train), a sweep's summary, the report
   lm.tools        the verbs around runs: bench, plan, calibrate, sky, supervise, export, ablate
@@ -29,7 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 WINGS = [
     "lm", "lm.base", "lm.model", "lm.store", "lm.config", "lm.numbers", "lm.data", "lm.checkpoint", "lm.engine",
-    "lm.interop", "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
+    "lm.interop", "lm.evals", "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
 ]  # fmt: skip
 LAYERS = {i: [wing] for i, wing in enumerate(WINGS)}
 ROOT_FILES_AT_MOST = 6
@@ -178,7 +179,8 @@ OPTIONAL = (
     "lm.numbers.loss_prior",  # forecast models other than the schedule law, and shape priors
     "lm.numbers.reference",  # the reference-curve forecast
     "lm.run.references",
-    "lm.interop.evaluation",  # benchmarks at milestones (evals=)
+    "lm.interop.harness",  # lm-evaluation-harness (evals= with its tasks)
+    "lm.evals",  # benchmarks at milestones (evals=)
     "lm.callbacks.milestone_evals",
     "lm.interop.hf",  # model.init_from (and export, eval, sample)
     "lm.tools",  # the verbs around runs: planner, calibration, ablation, SkyPilot, bench, export
