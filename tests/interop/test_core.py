@@ -97,6 +97,53 @@ def test_packed_scores_equal_one_forward_per_request():
             assert (result.greedy, result.tokens) == (greedy, tokens)
 
 
+def hf_model(arch: str, vocab: int, context: int):
+    """A tiny random transformers causal LM of `arch`: what `lm eval HF_FOLDER` loads."""
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_layer=2, n_embd=32, n_head=4, n_positions=context
+        )
+        return transformers.GPT2LMHeadModel(config).eval()
+    sizes = dict(
+        vocab_size=vocab, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=context,
+    )  # fmt: skip
+    if arch == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_any_transformers_causal_lm_is_scored_packed_as_one_forward_per_request(arch):
+    """The scorer on a transformers model (its base model under lm's packed positions and 4D mask, its
+    output head at the scored positions): every log-likelihood as the model's own plain forward gives it."""
+    pytest.importorskip("transformers")
+    from lm.evals.scorer import HFBackbone
+
+    tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog. Answer: a cat\n"] * 30, 300)
+    model = hf_model(arch, 300, 48)
+    rng = random.Random(1)
+    words = ["the", "quick", "brown", "fox", "over", "lazy", "dog", "cat", "Answer"]
+    questions = [
+        [(" ".join(rng.choices(words, k=rng.randint(1, 30))), " " + rng.choice(words)) for _ in range(3)]
+        for _ in range(8)
+    ]
+    scored = Scorer(HFBackbone(model), tokenizer, 0, rows=4).score(questions)
+    for pairs, results in zip(questions, scored):
+        for (context, continuation), result in zip(pairs, results):
+            ctx, cont = encode_pair(tokenizer, context, continuation, 0)
+            seq = (ctx + cont)[-49:]
+            with torch.no_grad():
+                logits = model(torch.tensor([seq[:-1]])).logits.float()
+            picked = F.log_softmax(logits, dim=-1)[0, -len(cont) :].gather(
+                1, torch.tensor(seq[-len(cont) :])[:, None]
+            )
+            assert result.logprob == pytest.approx(picked.sum().item(), abs=1e-4), arch
+
+
 def test_a_doc_mask_model_is_scored_as_it_trained_whatever_its_eot_id():
     """Under model.doc_mask no token saw across an end-of-text in training, so the one a prompt starts with is
     not seen by the rest: the packed and the plain rows agree with the model's own doc-masked forward, both
@@ -341,6 +388,33 @@ def test_lm_eval_core_without_partial_exits_78_naming_the_files(run, capsys):
     assert e.value.code == EXIT_CONFIG
     err = capsys.readouterr().err
     assert all(f in err for f in ABSENT)
+
+
+@needs_core
+def test_a_run_and_its_export_give_the_same_core(run, tmp_path, capsys):
+    """`lm eval HF_FOLDER --tasks core` on the run's `lm export` (a transformers Llama folder, loaded offline):
+    every item's log-likelihood within 1e-4 of the run's own, and so the same CORE."""
+    pytest.importorskip("transformers")
+    tasks = ["--tasks", ",".join(AGREEMENT), "--data-dir", str(CORE_DIR), "--limit", "12", "--samples"]
+    cli.main(["eval", str(run), *tasks])
+    cli.main(["export", str(run), "--out", str(tmp_path / "hf")])
+    cli.main(["eval", str(tmp_path / "hf"), *tasks, "--progress-every", "0.001"])
+    err = capsys.readouterr().err
+    assert "lm eval: " in err and " items/s, " in err and "ETA" in err  # progress on stderr
+    mine = json.loads((run / "eval.json").read_text())
+    theirs = json.loads((tmp_path / "hf.eval.json").read_text())
+    for label in mine["samples"]:
+        for a, b in zip(mine["samples"][label], theirs["samples"][label], strict=True):
+            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4) and a["greedy"] == b["greedy"]
+    assert theirs["core"]["value"] == pytest.approx(mine["core"]["value"], abs=1e-9)
+    assert theirs["model"] == str(tmp_path / "hf") and "checkpoint" not in theirs
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_lm_eval_limit_below_one_is_refused_with_the_fix(run, limit, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", str(run), "--tasks", "core:copa", "--data-dir", str(CORE_DIR), "--limit", limit])
+    assert e.value.code == EXIT_CONFIG and "--limit" in capsys.readouterr().err
 
 
 @needs_olmo

@@ -194,8 +194,8 @@ class EvalsConfig:
             or any(s < 1 for s in self.steps)
         ):
             raise Refused(
-                "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
-                "evals.steps positive optimizer steps"
+                "evals.limit (lm eval --limit) must be a positive count of examples, or null (omitted: all); "
+                "evals.batch_size >= 1 and evals.steps positive optimizer steps"
             )
         if self.fill_olmo and not self.partial:
             raise Refused("evals.fill_olmo=true fills missing CORE tasks: it needs evals.partial=true")
