@@ -417,6 +417,61 @@ def test_lm_eval_limit_below_one_is_refused_with_the_fix(run, limit, capsys):
     assert e.value.code == EXIT_CONFIG and "--limit" in capsys.readouterr().err
 
 
+def bundle(tmp_path: Path, change: str | None = None) -> str:
+    """A zip laid out as nanochat's eval_bundle.zip (eval_bundle/eval_data/<category>/<task>.jsonl and
+    eval_bundle/eval_meta_data.csv) from the shared folder's 18 files, as a file:// URL. The three files the
+    shared folder lacks are stand-ins of the right row count (the table pins only their rows); `change`
+    names a file whose last row is dropped."""
+    import zipfile
+
+    path = tmp_path / "eval_bundle.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        z.write(CORE_DIR / core.META, f"eval_bundle/{core.META}")
+        for task in core.CORE_TASKS:
+            name = f"eval_bundle/eval_data/{task.file}"
+            if (CORE_DIR / task.file).is_file():
+                text = (CORE_DIR / task.file).read_text()
+                if task.file == change:
+                    text = "".join(text.splitlines(keepends=True)[:-1])
+                z.writestr(name, text)
+            elif name not in z.namelist():  # hellaswag.jsonl serves two tasks
+                z.writestr(name, '{"context": "a", "continuation": "b"}\n' * task.rows)
+    return path.as_uri()
+
+
+@needs_core
+def test_fetch_evals_puts_checked_files_into_lms_cache_the_default(run, tmp_path, monkeypatch, capsys):
+    from lm.evals import fetch
+
+    monkeypatch.setenv("LM_CACHE", str(tmp_path / "cache"))
+    url = bundle(tmp_path)
+    cli.main(["fetch-evals", "--url", url])
+    dest = tmp_path / "cache" / "evals" / "core"
+    assert core.default_data_dir() == dest and (dest / core.META).is_file()
+    assert core.check_folder(dest, list(core.BY_LABEL), partial=False)[1] == []
+    assert fetch.fetch("file:///nonexistent/eval_bundle.zip") == dest  # already there: nothing downloaded
+    cli.main(["eval", str(run), "--tasks", "core:copa", "--limit", "4"])  # no --data-dir: the cache
+    assert json.loads((run / "eval.json").read_text())["core"]["label"] == "CORE-1"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(Refused, match="commonsense_reasoning/copa.jsonl: 99 rows") as e:
+        fetch.fetch(bundle(broken, change="commonsense_reasoning/copa.jsonl"), dest, force=True)
+    assert "/broken/eval_bundle.zip is not the one CORE is defined on" in str(e.value)
+    assert core.check_folder(dest, ["copa"], partial=False)[0] == ["copa"]  # the good copy is kept
+    with pytest.raises(SystemExit) as unreachable:
+        cli.main(
+            ["fetch-evals", "--url", "file:///nonexistent/eval_bundle.zip", "--dest", str(tmp_path / "x")]
+        )
+    assert unreachable.value.code == 69 and "--url" in capsys.readouterr().err
+
+
+def test_core_refusals_name_the_fetch_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("LM_CACHE", str(tmp_path))
+    with pytest.raises(Refused, match=r"run `lm fetch-evals`") as e:
+        own.resolve(["core"], None)
+    assert str(tmp_path / "evals" / "core") in str(e.value)
+
+
 @needs_olmo
 def test_lm_eval_runs_the_seeds_benchmarks_offline(run, capsys, monkeypatch):
     """HellaSwag and ARC-Easy, the seed's headline numbers, with no network at all."""
