@@ -471,6 +471,9 @@ def add_run_readers(verbs) -> None:
         help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
+
+
+def add_evals(verbs) -> None:
     evaluate = verbs.add_parser(
         "eval", help="benchmarks (CORE, @olmo, lm-evaluation-harness) -> eval.json + eval.md"
     )
@@ -591,8 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs_in_order = (
-        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_supervise, add_ablate, add_sky,
-        add_plan,
+        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_evals, add_supervise,
+        add_ablate, add_sky, add_plan,
     )  # fmt: skip
     for add in verbs_in_order:
         add(verbs)
