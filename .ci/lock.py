@@ -1,14 +1,16 @@
-"""requirements.lock against pyproject.toml: `stamp` after `pip-compile` (`just lock`), `check` in CI.
+"""requirements.lock against pyproject.toml: `stamp` after `uv pip compile --universal` (`just lock`), `check` in CI.
 
-The lock is pip-compile's, with sha256 hashes, for the CPU set-up and CI (Python 3.11, Linux x86_64). Its
-header carries a digest of what it was compiled from: pyproject.toml's `requires-python`, `dependencies`, the
-`dev` extra and the build requirements. `check` recomputes it and fails, naming the fix, when pyproject.toml
-changed and the lock did not. Standard library only: CI runs it before the venv exists.
+The lock is uv's universal lock as a requirements file: one resolution for every platform and Python 3.10+,
+with environment markers where they differ (torch's CUDA packages under `sys_platform == 'linux'`), and the
+sha256 of every file on the public index each pin may take. Its header carries a digest of what it was compiled
+from: pyproject.toml's `requires-python`, `dependencies`, the `dev` extra and the build requirements. `check`
+recomputes it and fails, naming the fix, when pyproject.toml changed and the lock did not. Standard library
+only: CI runs it before the venv exists. `.ci/lock_targets.py` checks, per platform, that it installs.
 
-`stamp` also writes torch's pin without the CPU wheel's local label (`torch==2.13.0`, its hash still the CPU
-wheel's): pip on lm's machines takes that wheel by its hash, and a GPU box whose CUDA torch 2.13.0 is already
-installed keeps it (pip checks no hash of an installed package that satisfies a pin). And it repeats each pin
-with extras without them (`plain_pins`), which the pip a Python 3.11 venv starts with needs.
+`stamp` also repeats each pin with extras without them (`plain_pins`), which the pip a Python 3.11 venv starts
+with needs, and writes requirements-build.lock: the lock's setuptools pin with its hashes, installed first so
+that the sdists the lock holds (lm-eval's pure-Python dependencies) and lm itself build with a hashed backend
+(`--no-build-isolation`) instead of one a build environment fetches unpinned.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 LOCK = ROOT / "requirements.lock"
+BUILD_LOCK = ROOT / "requirements-build.lock"
+BUILD_BACKEND = "setuptools"
 EXTRA = "dev"
 """The extra the lock installs (with the base dependencies): what the README's set-up and CI install."""
 STAMP = re.compile(r"^# inputs: sha256 ([0-9a-f]{64}).*\n?", re.M)
-LOCAL_LABEL = re.compile(r"^(torch==[0-9.]+)\+\w+", re.M)
 
 
 def inputs_digest(pyproject: Path = PYPROJECT) -> str:
@@ -50,9 +53,9 @@ def stamped_digest(lock: Path = LOCK) -> str | None:
 
 
 PIN_WITH_EXTRAS = re.compile(
-    r"^([A-Za-z0-9_.-]+)\[[^\]]+\](==\S+ \\\n(?:    --hash=sha256:\w+(?: \\)?\n)+)", re.M
+    r"^([A-Za-z0-9_.-]+)\[[^\]]+\](==[^\n]*\\\n(?:    --hash=sha256:\w+(?: \\)?\n)+)", re.M
 )
-"""A `name[extras]==version` pin and its hash lines."""
+"""A `name[extras]==version` pin (with its markers, if any) and its hash lines."""
 PLAIN_COPY = "    # the pin above without its extras, for pip's hash-checking mode (.ci/lock.py)\n"
 
 
@@ -69,13 +72,22 @@ def plain_pins(text: str) -> str:
     return PIN_WITH_EXTRAS.sub(copy, text)
 
 
-def stamp(lock: Path = LOCK, pyproject: Path = PYPROJECT) -> None:
-    """Record pyproject.toml's digest in the lock's header, drop torch's local label and add plain copies of
-    the pins with extras (`plain_pins`)."""
-    text = STAMP.sub("", lock.read_text()).lstrip("\n")
-    text = plain_pins(LOCAL_LABEL.sub(r"\1", text))
+def pin_block(text: str, name: str) -> str:
+    """One package's `name==version` line and its hash lines, as the lock holds them."""
+    m = re.search(rf"^{re.escape(name)}==[^\n]*\\\n(?:    --hash=sha256:\w+(?: \\)?\n)+", text, re.M)
+    if m is None:
+        raise SystemExit(f"{LOCK.name} pins no {name}: the build backend must be locked (`just lock`)")
+    return m.group(0)
+
+
+def stamp(lock: Path = LOCK, pyproject: Path = PYPROJECT, build_lock: Path = BUILD_LOCK) -> None:
+    """Record pyproject.toml's digest in the lock's header, add plain copies of the pins with extras
+    (`plain_pins`) and write the build backend's pin to requirements-build.lock."""
+    text = plain_pins(STAMP.sub("", lock.read_text()).lstrip("\n"))
     line = f"# inputs: sha256 {inputs_digest(pyproject)} (pyproject.toml; `just lock` writes it, .ci/lock.py checks it)\n"
     lock.write_text(line + text)
+    header = f"# {BUILD_BACKEND} from {lock.name} (written by .ci/lock.py stamp): installed before it, see its docstring\n"
+    build_lock.write_text(header + pin_block(text, BUILD_BACKEND))
 
 
 def problem(lock: Path = LOCK, pyproject: Path = PYPROJECT) -> str | None:
@@ -92,6 +104,9 @@ def problem(lock: Path = LOCK, pyproject: Path = PYPROJECT) -> str | None:
             f"{lock.name} was compiled from another pyproject.toml (its dependencies, the {EXTRA} extra or the "
             f"build requirements changed since): run `just lock` and commit both files"
         )
+    build_lock = lock.with_name(BUILD_LOCK.name)
+    if not build_lock.is_file() or pin_block(lock.read_text(), BUILD_BACKEND) not in build_lock.read_text():
+        return f"{build_lock.name} is not {lock.name}'s {BUILD_BACKEND} pin: run `just lock`"
     return None
 
 
