@@ -2,10 +2,10 @@
 
 The loss says how much a phase improved the model; benchmarks say what that bought in the units models are
 compared by (DCLM CORE, HellaSwag, ARC-Easy...). Milestones are each phase boundary, chosen steps and the
-last step of an invocation. CORE and the `@olmo` sets are scored by lm itself (lm.interop.offline): every
-rank scores its share of each task's items on its own copy of the model and the counts are summed across
-ranks, so every rank holds the same figure. lm-evaluation-harness tasks run on rank 0 on an in-memory
-`transformers` copy while the other ranks wait at the next collective. The time is charged to the `eval`
+last step of an invocation. The scoring is lm.evals' one entry, as `lm eval`'s: CORE and the `@olmo` sets on
+every rank's share of each task's items, the counts summed across ranks, so every rank holds the same
+figure; lm-evaluation-harness tasks on rank 0 on an in-memory `transformers` copy while the other ranks wait
+at the next collective. The time is charged to the `eval`
 bucket, so tokens/s and MFU stay training's.
 """
 
@@ -17,20 +17,20 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from tokenizers import Tokenizer
 
-from lm.base.tables import evals_markdown
+from lm.base.scores import core_metrics, is_core
 from lm.callbacks.cost_meter import CostMeter
 from lm.callbacks.milestones import MilestoneCallback
 from lm.config import EvalsConfig, PhaseConfig
 from lm.data.manifest import TOKENIZER
 from lm.engine.parallel import is_sharded
-from lm.interop import hf, offline
-from lm.interop.evaluation import generators_kept, score, task_manager
-from lm.interop.scorer import Scorer
+from lm.evals import evaluate, own
+from lm.evals.progress import Progress
 from lm.store import rundir
 
 log = logging.getLogger(__name__)
+PROGRESS_S = 30.0
+"""How often a milestone's scoring says how far it is (rank 0's log)."""
 
 
 class BenchmarkEvaluator(MilestoneCallback):
@@ -42,18 +42,12 @@ class BenchmarkEvaluator(MilestoneCallback):
 
     def __init__(self, cfg: EvalsConfig, phases: list[PhaseConfig], meter: CostMeter, run_dir: Path) -> None:
         super().__init__(cfg, phases, meter, run_dir)
-        self.own = [t for t in cfg.tasks if offline.is_offline(t)]
-        self.harness = [t for t in cfg.tasks if not offline.is_offline(t)]
-        self.plan: offline.Plan | None = None
+        self.plan: own.Plan | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # An unknown task, a missing or changed CORE file: refused before the first step, not at a milestone,
         # and on every rank alike (a refusal on rank 0 alone would leave the others in the first collective).
-        if self.own:
-            cfg = self.cfg
-            self.plan = offline.resolve(self.own, cfg.data_dir, partial=cfg.partial, fill_olmo=cfg.fill_olmo)
-        if self.harness:
-            task_manager(self.harness, self.cfg.include_path)
+        self.plan = evaluate.prepare(self.cfg)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -71,18 +65,8 @@ class BenchmarkEvaluator(MilestoneCallback):
         self.meter.switch("eval")  # paid for, but not training throughput
         started = time.monotonic()
         tokens, usd = self.meter.state.tokens, self.meter.usd()
-        scores: dict[str, dict[str, float]] = {}
-        errors: dict[str, str] = {}
-        core = None
-        with generators_kept(pl_module.device):
-            if self.plan is not None:  # every rank: each scores its share, the counts are summed
-                scores, core = self.score_own(trainer, pl_module)
-            if self.harness and trainer.is_global_zero:
-                try:
-                    more, errors = self.run_tasks(trainer, pl_module)
-                    scores |= more
-                except Exception as e:  # a benchmark's data out of reach must not end a paid-for run
-                    errors = {task: f"{type(e).__name__}: {e}" for task in self.harness}
+        result = self.score(trainer, pl_module)
+        scores, errors, core = result.scores, result.errors, result.core
         seconds = time.monotonic() - started
         self.meter.switch("train")
         if not trainer.is_global_zero:
@@ -106,58 +90,34 @@ class BenchmarkEvaluator(MilestoneCallback):
         metrics = {
             f"eval/{task}/{metric}": value
             for task, values in scores.items()
-            if task != "core" and not task.startswith("core:")
+            if not is_core(task)
             for metric, value in values.items()
             if not metric.endswith("_stderr")
         }
         if core is not None:
-            metrics["eval/core"] = core["value"]
-            metrics |= {f"eval/core/{label}": value for label, value in core["tasks"].items()}
+            metrics |= core_metrics(core)
         for logger in trainer.loggers:  # at the index of the step's last batch, as Lightning logs val/loss
             logger.log_metrics(metrics, step=step - 1)
         experiment = getattr(trainer.logger, "experiment", None)
         if hasattr(experiment, "add_text"):
-            text = (offline.core_markdown(core) + "\n\n" if core else "") + evals_markdown(
-                {t: m for t, m in scores.items() if t != "core" and not t.startswith("core:")}
-            )
-            experiment.add_text("benchmarks", text, global_step=step)
+            experiment.add_text("benchmarks", result.markdown(), global_step=step)
         log.info("step %d benchmarks (%.1f s): %s", step, seconds, metrics)
 
-    def score_own(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict, dict | None]:
-        """CORE and the @olmo tasks on this rank's share of the items, summed over every rank."""
+    def score(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> evaluate.Result:
+        """The model as it is at this step, through lm.evals' one entry: every rank its share of lm's own
+        tasks (the counts summed), rank 0 the lm-eval tasks."""
         datamodule = trainer.datamodule
-        tokenizer = Tokenizer.from_file(str(datamodule.data_dir / TOKENIZER))
-        scorer = Scorer(pl_module.model, tokenizer, datamodule.eot_id, rows=self.cfg.batch_size)
+        dtype = torch.bfloat16 if pl_module.device.type == "cuda" else torch.float32
+        subject = evaluate.of_lm(
+            pl_module.model, datamodule.data_dir / TOKENIZER, datamodule.cfg.eot_token, datamodule.eot_id,
+            hf_dtype=dtype,
+        )  # fmt: skip
 
         def reduce(tensor: torch.Tensor) -> torch.Tensor:
             return trainer.strategy.reduce(tensor.to(pl_module.device), reduce_op="sum").cpu()
 
-        counts, _ = offline.score_tasks(
-            scorer,
-            self.plan.tasks,
-            limit=self.cfg.limit,
-            rank=trainer.global_rank,
-            world=trainer.world_size,
-            reduce=reduce,
-        )
-        return offline.summary(self.plan, counts, self.cfg.limit)
-
-    def run_tasks(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-        """The lm-evaluation-harness tasks on an in-memory `transformers` copy of the model, on the model's
-        device: (task -> metric -> value, task -> why it failed)."""
-        datamodule = trainer.datamodule
-        dtype = torch.bfloat16 if pl_module.device.type == "cuda" else torch.float32
-        model = hf.to_hf_model(pl_module.model, eos_id=datamodule.eot_id, dtype=dtype).to(pl_module.device)
-        tokenizer = hf.hf_tokenizer(datamodule.data_dir / TOKENIZER, datamodule.cfg.eot_token)
-        cfg = self.cfg
-        out = score(
-            model,
-            tokenizer,
-            self.harness,
-            limit=cfg.limit,
-            include_path=cfg.include_path,
-            batch_size=cfg.batch_size,
-        )
-        return out["scores"], out["errors"]
+        return evaluate.evaluate(
+            subject, self.cfg, self.plan, harness_here=trainer.is_global_zero, rank=trainer.global_rank,
+            world=trainer.world_size, reduce=reduce,
+            progress=Progress(PROGRESS_S, log.info if trainer.is_global_zero else lambda _: None, "benchmarks"),
+        )  # fmt: skip
