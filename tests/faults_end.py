@@ -2,9 +2,9 @@
 `+callbacks.endfault._target_=tests.faults_end.EndFault ...` (`tests.test_faults_end.end_fault` writes them).
 
 Each fault is armed at set-up on one rank (`rank`; every rank when None) and fires at optimizer step `step`;
-it replaces one name the callback layer calls (the sampler's `complete`, the evaluator's `Scorer` and `score`,
-the run's `write_report`), so the failure rises from inside the real work, as an out-of-memory or a changed data
-file would. Nothing inside lm.interop is patched. The marker is written when the fault fires: its mtime is the
+it replaces one name the callback layer calls (the sampler's `complete`, the evaluator's `subject`: the model lm's
+scorer and lm-eval reach, the run's `write_report`), so the failure rises from inside the real work, as an
+out-of-memory or a changed data file would. Nothing inside lm.evals or lm.interop is patched. The marker is written when the fault fires: its mtime is the
 moment the test measures the exit from.
 """
 
@@ -27,8 +27,8 @@ def rank() -> int:
 class EndFault(pl.Callback):
     """action:
     sample_raises    the milestone sampler's generation raises (rank 0 samples)
-    core_raises      lm's CORE scorer raises while this rank scores its share of the items
-    harness_raises   the lm-eval harness raises inside its evaluation (rank 0 runs it)
+    core_raises      lm's CORE scorer raises on reaching the model, while this rank scores its share
+    harness_raises   the transformers copy lm-eval scores cannot be made (rank 0 runs lm-eval)
     report_raises    the report's writer raises (rank 0 writes it)
     raise_at_end     this callback raises in its own `on_train_end` (a user callback's bug at the end)
     fill_disk        the filesystem of `path` fills up at step `step` (a ballast file there), before the
@@ -73,22 +73,9 @@ class EndFault(pl.Callback):
                 fault.fire(trainer)
 
             self.replace(milestone_samples, "complete", complete)
-        if self.action == "core_raises":
-            from lm.callbacks import milestone_evals
-
-            class Scorer(milestone_evals.Scorer):
-                def score(self, *args, **kwargs):
-                    fault.fire(trainer)
-                    return super().score(*args, **kwargs)
-
-            self.replace(milestone_evals, "Scorer", Scorer)
-        if self.action == "harness_raises":
-            from lm.callbacks import milestone_evals
-
-            def score(*args, **kwargs):
-                fault.fire(trainer)
-
-            self.replace(milestone_evals, "score", score)
+        if self.action in ("core_raises", "harness_raises"):
+            evaluator = next(c for c in trainer.callbacks if type(c).__name__ == "BenchmarkEvaluator")
+            self.replace(evaluator, "subject", self.failing_subject(trainer, evaluator.subject))
         if self.action == "report_raises":
             from lm.run import train
 
@@ -96,6 +83,43 @@ class EndFault(pl.Callback):
                 fault.fire(trainer)
 
             train.write_report = write_report  # after teardown: left in place (a subprocess's run only)
+
+    def failing_subject(self, trainer: pl.Trainer, subject):
+        """The evaluator's `subject` (what lm.evals scores), failing at step `step`: `core_raises`, the model as
+        lm's scorer reaches it (before the counts' reduce, as an out-of-memory in a forward); `harness_raises`,
+        its transformers copy for lm-eval."""
+        fault = self
+
+        class Failing:
+            def __init__(self, backbone) -> None:
+                self.backbone = backbone
+                self.device = backbone.device  # read by lm.evals before the scoring starts
+
+            def __getattr__(self, name):
+                fault.fire(trainer)
+                return getattr(self.backbone, name)
+
+            def __call__(self, *args, **kwargs):
+                fault.fire(trainer)
+                return self.backbone(*args, **kwargs)
+
+        def made(*args, **kwargs):
+            made_subject = subject(*args, **kwargs)
+            if trainer.global_step != fault.step:
+                return made_subject  # the real one: its type is what lm.evals dispatches on
+            if fault.action == "core_raises":
+                made_subject.backbone = Failing(made_subject.backbone)
+            else:
+                transformers = made_subject.transformers
+
+                def failing_transformers():
+                    fault.fire(trainer)
+                    return transformers()
+
+                made_subject.transformers = failing_transformers
+            return made_subject
+
+        return made
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         at_step = self.action == "fill_disk" and self.mine() and trainer.global_step == self.step

@@ -12,6 +12,7 @@ The wings of `src/lm`, bottom to top (docs/architecture.md draws the tree, one l
   lm.checkpoint   checkpoint files: names and reading, local saves and resume, the bucket, the save callback
   lm.engine       the LightningModule, optimizers, kernels, parallelism, runtime, activation checkpointing
   lm.interop      the model's interfaces to other tools: Hugging Face (export, import), lm-eval, generation
+  lm.evals        benchmarks: CORE and the @olmo sets scored by lm, lm-eval driven, one entry, the bundle fetch
   lm.callbacks    the run's Lightning callbacks
   lm.run          one run: preflight (doctor), composition (train), a sweep's summary, the report
   lm.tools        the verbs around runs: bench, plan, calibrate, sky, supervise, export, ablate
@@ -29,7 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 WINGS = [
     "lm", "lm.base", "lm.model", "lm.store", "lm.config", "lm.numbers", "lm.data", "lm.checkpoint", "lm.engine",
-    "lm.interop", "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
+    "lm.interop", "lm.evals", "lm.callbacks", "lm.run", "lm.tools", "lm.cli",
 ]  # fmt: skip
 LAYERS = {i: [wing] for i, wing in enumerate(WINGS)}
 ROOT_FILES_AT_MOST = 6
@@ -178,7 +179,8 @@ OPTIONAL = (
     "lm.numbers.loss_prior",  # forecast models other than the schedule law, and shape priors
     "lm.numbers.reference",  # the reference-curve forecast
     "lm.run.references",
-    "lm.interop.evaluation",  # benchmarks at milestones (evals=)
+    "lm.interop.harness",  # lm-evaluation-harness (evals= with its tasks)
+    "lm.evals",  # benchmarks at milestones (evals=)
     "lm.callbacks.milestone_evals",
     "lm.interop.hf",  # model.init_from (and export, eval, sample)
     "lm.tools",  # the verbs around runs: planner, calibration, ablation, SkyPilot, bench, export
@@ -194,3 +196,32 @@ def test_the_training_core_loads_optional_features_only_when_asked():
     )
     found = [m for m in loaded.stdout.split() if m.startswith(OPTIONAL)]
     assert found == [], f"the training core imports optional features at module level: {found}"
+
+
+BENCHMARKS = ("lm.evals", "lm.interop.harness", "lm.interop.hf", "lm_eval")
+"""What a run without `evals=` never imports: the benchmark wing, lm's lm-eval and transformers adapters and
+lm-evaluation-harness (not transformers itself: Lightning's torchmetrics imports it wherever it is installed)."""
+
+
+def test_a_plain_smoke_run_imports_no_benchmark_module(tmp_path, data_cache):
+    """A whole tiny run (train, checkpoints, samples, phases, report) in a fresh process: none of the
+    benchmark code is loaded, since the report and the phase table read CORE records through lm.base.scores."""
+    from .conftest import CONF, TINY
+
+    overrides = [*TINY, f"run.root={tmp_path}", f"data.cache_dir={data_cache}", "trainer.max_steps=2"]
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from lm.config import register_configs\n"
+        "from lm.run.train import main\n"
+        "register_configs()\n"
+        f"with initialize_config_dir(config_dir={str(CONF)!r}, version_base='1.3'):\n"
+        f"    cfg = compose('train', overrides={overrides!r})\n"
+        "main(cfg)\n"
+        "print('MODULES', ' '.join(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "smoke" / "report.md").is_file()
+    modules = next(line for line in done.stdout.splitlines() if line.startswith("MODULES")).split()[1:]
+    assert [m for m in modules if m.startswith(BENCHMARKS)] == []

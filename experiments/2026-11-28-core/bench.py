@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lm.interop import core, offline
+from lm.base.scores import core_line
+from lm.evals import core
+from lm.evals import own as offline
+from lm.evals.scorer import Scorer
 from lm.interop.hf import hf_tokenizer, load_run, to_hf_model
-from lm.interop.scorer import Scorer
 from lm.model import Transformer
 
 TASKS = "core"
@@ -93,7 +95,7 @@ def main() -> None:
         "resolve_seconds": resolve_s,
     }
     print(
-        f"part 1: {offline.core_line(record)}: {out['core']['items']} items in {seconds:.1f} s "
+        f"part 1: {core_line(record)}: {out['core']['items']} items in {seconds:.1f} s "
         f"(+{resolve_s:.1f} s checking and reading the files)",
         flush=True,
     )

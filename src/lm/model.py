@@ -428,7 +428,7 @@ class Transformer(nn.Module):
 
     def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Logits (..., padded V) of final hidden states (..., D): the output head, softcap and padding mask.
-        Scoring applies it to the few positions it reads (lm.interop.scorer), not to every one."""
+        Scoring applies it to the few positions it reads (lm.evals.scorer), not to every one."""
         logits = self.lm_head(x_BTD)
         if self.cfg.logit_softcap is not None:
             logits = softcap(logits, self.cfg.logit_softcap)
@@ -447,7 +447,7 @@ class Transformer(nn.Module):
 
         `pos_BT` and `mask_B1TT` (together) run packed sequences: each token's RoPE position and a boolean
         mask of the keys each query sees (True: attend), so several sequences, or one context and its
-        several continuations, share a row (lm.interop.scorer). Not with `kv_cache` or `model.doc_mask`."""
+        several continuations, share a row (lm.evals.scorer). Not with `kv_cache` or `model.doc_mask`."""
         T = idx_BT.shape[1]
         start = kv_cache.pos if kv_cache is not None else 0
         if pos_BT is not None:

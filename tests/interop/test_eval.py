@@ -22,8 +22,8 @@ from lm.data.bytes import token_byte_lengths
 from lm.data.dataset import TokenWindows, val_batches
 from lm.data.tokenizer import EOT_ID, train_tokenizer
 from lm.engine.module import LMModule
-from lm.interop import evaluation
-from lm.interop.evaluation import evals_findings
+from lm.evals import evaluate
+from lm.evals.findings import evals_findings
 from lm.interop.hf import hf_tokenizer, load_run, to_hf_model
 from lm.run.report import write_report
 from lm.run.train import main
@@ -197,7 +197,7 @@ def test_a_failing_benchmark_costs_only_its_own_scores(tmp_path, data_cache, cap
 def test_lm_eval_refuses_an_unreachable_task_in_one_line_before_loading_the_model(run, monkeypatch):
     """`lm eval --tasks arc_easy` offline printed a 55-77-line traceback after loading the model."""
     loaded = []
-    monkeypatch.setattr(evaluation, "load", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(evaluate.hf, "load_run", lambda *a, **k: loaded.append(a))
     with pytest.raises(SystemExit) as refused:
         cli.main(["eval", str(run), "--tasks", "tiny_mc,arc_easy", "--include-path", str(TASKS)])
     message, code = str(refused.value), refused.value.code

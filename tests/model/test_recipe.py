@@ -319,3 +319,16 @@ def test_recipe_group_sets_the_levers_and_the_command_line_wins(compose):
     assert (modern.model.qk_norm, modern.optim.name, modern.model.n_layer) == (True, "muon", 18)
     assert to_objects(compose("recipe=modern", "optim=adamw")).optim.name == "adamw"
     assert to_objects(compose("recipe=modern", "model.qk_norm=false")).model.qk_norm is False
+
+
+def test_init_from_compares_config_floats_with_a_relative_tolerance():
+    """A config written from a GGUF holds float32 values (`rms_norm_eps=9.999999747378752e-06` for 1e-05): the
+    same model, not a different one; a real difference is still named."""
+    from lm.interop.hf import hf_config, mismatches
+
+    model_cfg = tiny_lm().cfg
+    c = hf_config(model_cfg, eos_id=0).to_dict()
+    assert model_cfg.norm_eps == 1e-5 and mismatches(c, model_cfg) == []
+    assert mismatches({**c, "rms_norm_eps": 9.999999747378752e-06}, model_cfg) == []
+    [wrong] = mismatches({**c, "rms_norm_eps": 1.1e-05}, model_cfg)
+    assert "1.1e-05" in wrong

@@ -51,8 +51,8 @@ def main() -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from lm.interop import offline
-    from lm.interop.scorer import Scorer
+    from lm.evals import own as offline
+    from lm.evals.scorer import Scorer
     from lm.model import ModelConfig, Transformer
 
     tokenizer = Tokenizer.from_file(tokenizer_json())

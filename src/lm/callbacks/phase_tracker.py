@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.scores import core_name, gain, usd_per_centi_core
 from lm.base.tables import phases_markdown
 from lm.callbacks.cost_meter import CostMeter
 from lm.config import PhaseConfig
@@ -145,11 +146,11 @@ def with_core(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[d
         end, start = scored.get(row["end_step"]), scored.get(row["start_step"])
         extra: dict[str, Any] = {}
         if end:
-            extra = {"core_label": end["label"], "core": end["value"]}
-            if start and start["label"] == end["label"]:
-                gain = end["value"] - start["value"]
-                price = row["usd"] / (gain / 0.01) if row.get("usd") and gain > 0 else None
-                extra |= {"core_gain": gain, "usd_per_0.01_core": price}
+            extra = {"core_label": core_name(end), "core": end["value"], "core_stderr": end.get("stderr")}
+            moved = gain(end, start)
+            if moved is not None:
+                delta, _ = moved
+                extra |= {"core_gain": delta, "usd_per_0.01_core": usd_per_centi_core(row.get("usd"), delta)}
         out.append({**row, **extra})
     return out
 

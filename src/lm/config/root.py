@@ -160,7 +160,7 @@ class SamplingConfig:
 @dataclass
 class EvalsConfig:
     """Benchmarks at milestones (`conf/evals/*.yaml`), charged to the `eval` cost bucket: CORE (`core`) and
-    the `@olmo` sets scored by lm on every rank's share of the items (`eval/core`, `eval/core/<task>`),
+    the `@olmo` sets scored by lm on every rank's share of the items (`eval/core_v1`, `eval/core_v1/<task>`),
     lm-evaluation-harness tasks run by rank 0 (`eval/<task>/<metric>`)."""
 
     tasks: list[str] = field(default_factory=list)
@@ -179,8 +179,8 @@ class EvalsConfig:
     batch_size: int = 16
     """Sequences per forward pass of the evaluation (lm-eval); rows of the context length (CORE, @olmo)."""
     data_dir: str | None = None
-    """CORE's task files (`tasks: [core]`): a folder laid out as llm-foundry's scripts/eval/local_data with
-    DCLM's eval_meta_data.csv. Read, never written; nothing is downloaded."""
+    """CORE's task files (`tasks: [core]`): a folder laid out as llm-foundry's scripts/eval/local_data or
+    nanochat's eval_bundle; None is lm's cache, which `lm fetch-evals` fills. Read, never written."""
     partial: bool = False
     """CORE over the task files present (reported as CORE-k, the rest named) instead of refusing the run."""
     fill_olmo: bool = False
@@ -194,8 +194,8 @@ class EvalsConfig:
             or any(s < 1 for s in self.steps)
         ):
             raise Refused(
-                "evals.limit must be a positive count of examples or null (all), evals.batch_size >= 1 and "
-                "evals.steps positive optimizer steps"
+                "evals.limit (lm eval --limit) must be a positive count of examples, or null (omitted: all); "
+                "evals.batch_size >= 1 and evals.steps positive optimizer steps"
             )
         if self.fill_olmo and not self.partial:
             raise Refused("evals.fill_olmo=true fills missing CORE tasks: it needs evals.partial=true")

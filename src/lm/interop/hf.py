@@ -14,6 +14,7 @@ build its objects, so `lm sample` and training never need it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +266,18 @@ def source_value(c: dict[str, Any], field: str, absent: Any = None) -> Any:
     return SOURCE[field](c) if field in SOURCE else c.get(field, absent)
 
 
+FLOAT_RTOL = 1e-6
+"""How far a config float may be from lm's, relatively: a config written from a GGUF holds float32 values
+(`rms_norm_eps=9.999999747378752e-06` for 1e-05), ~1e-8 apart; a real difference is orders larger."""
+
+
+def same(theirs: Any, ours: Any) -> bool:
+    """Equal, or both non-integer numbers within `FLOAT_RTOL` of each other."""
+    floats = isinstance(theirs, float) or isinstance(ours, float)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (theirs, ours))
+    return theirs == ours or (floats and numbers and math.isclose(theirs, ours, rel_tol=FLOAT_RTOL))
+
+
 def mismatches(c: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
     """Each field of `FIELDS` where the HF config `c` differs from what lm builds for `model_cfg`, named
     with both values (a field the config lacks is taken to be lm's)."""
@@ -272,7 +285,7 @@ def mismatches(c: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
     for f in FIELDS:
         ours = f.lm(model_cfg)
         theirs = source_value(c, f.hf, ours)
-        if theirs == ours:
+        if same(theirs, ours):
             continue
         if f.key is None:
             wrong.append(

@@ -168,7 +168,7 @@ def check_price(t: Target) -> list[Finding]:
 def check_evals(t: Target) -> list[Finding]:
     if not t.cfg.evals.tasks:
         return []
-    from lm.interop.evaluation import evals_findings  # an optional feature: loaded when configured
+    from lm.evals.findings import evals_findings  # an optional feature: loaded when configured
 
     return evals_findings(t.cfg.evals)
 

@@ -15,8 +15,8 @@ matplotlib.use("Agg")  # files only: no display on a training box
 import matplotlib.pyplot as plt
 import numpy as np
 
+from lm.base.scores import core_markdown, core_name, gain, gain_text, is_core, pm
 from lm.base.tables import cell, evals_markdown, fmt_money, main_metric, phases_markdown
-from lm.interop.offline import core_markdown
 from lm.numbers.cost import FLOPS_FORMULA
 from lm.store import rundir
 from lm.store.atomic import open_atomic, write_atomic
@@ -247,13 +247,8 @@ def mean_score(record: dict) -> float | None:
     metric (acc_norm, else acc)."""
     if record.get("core"):
         return record["core"]["value"]
-    values = [m[main_metric(m)] for t, m in record["scores"].items() if main_metric(m) and not is_core_key(t)]
+    values = [m[main_metric(m)] for t, m in record["scores"].items() if main_metric(m) and not is_core(t)]
     return float(np.mean(values)) if values else None
-
-
-def is_core_key(task: str) -> bool:
-    """CORE's entries in a scores table (`core`, `core:<task>`): shown as one CORE figure, not 23 columns."""
-    return task == "core" or task.startswith("core:")
 
 
 def phase_benchmarks(rows: list[dict], evals: list[dict]) -> list[str]:
@@ -270,12 +265,11 @@ def phase_benchmarks(rows: list[dict], evals: list[dict]) -> list[str]:
             out.append("")
             continue
         core = end_record.get("core")
-        cell = f"{core['label']} {end:.4f}" if core else f"{end:.1%}"
-        if start is not None and core:
-            gain = end - start
-            price = row["usd"] / (gain / 0.01) if row.get("usd") and gain > 0 else None  # 0: unpriced
-            cell += f" ({gain:+.4f}" + (f", {fmt_money(price)} per 0.01 CORE)" if price is not None else ")")
-        elif start is not None:
+        cell = f"{core_name(core)} {pm(core)}" if core else f"{end:.1%}"
+        moved = gain(core, start_record.get("core")) if core and start_record else None
+        if moved is not None:
+            cell += f" ({gain_text(*moved, row.get('usd'), fmt_money)})"
+        elif start is not None and not core:
             cell += f" ({(end - start) * 100:+.1f} pts)"
         out.append(cell)
     return out
@@ -395,15 +389,15 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
     if evals:
         columns = list(
             dict.fromkeys(
-                (t, main_metric(m)) for r in evals for t, m in r["scores"].items() if not is_core_key(t)
+                (t, main_metric(m)) for r in evals for t, m in r["scores"].items() if not is_core(t)
             )
         )
-        cores = list(dict.fromkeys(r["core"]["label"] for r in evals if r.get("core")))
+        cores = list(dict.fromkeys(core_name(r["core"]) for r in evals if r.get("core")))
         head = ["step", "phase", "$", *cores, *(f"{t} {m}" for t, m in columns), "mean", "seconds"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in evals:
             core = r.get("core") or {}
-            cells = [f"{core['value']:.4f}" if core.get("label") == label else "" for label in cores]
+            cells = [f"{core['value']:.4f}" if core and core_name(core) == name else "" for name in cores]
             cells += [f"{r['scores'].get(t, {}).get(m, float('nan')):.3f}" for t, m in columns]
             mean = mean_score(r)
             lines.append(
@@ -425,7 +419,7 @@ def benchmarks_section(evals: list[dict], last_eval: dict | None) -> str:
         lines += [f"`lm eval` of {where}:", ""]
         if last_eval.get("core"):
             lines += [core_markdown(last_eval["core"]), ""]
-        scores = {t: m for t, m in last_eval["scores"].items() if not is_core_key(t)}
+        scores = {t: m for t, m in last_eval["scores"].items() if not is_core(t)}
         lines += [evals_markdown(scores), ""] if scores else []
     return "\n".join(lines)
 

@@ -290,7 +290,8 @@ def read_tokenizer(run_dir: Path) -> dict[str, Any]:
 PHASE_COLUMNS = (
     "phase", "name", "status", "start_step", "end_step", "steps", "tokens", "wall_hours", "start_loss",
     "end_loss", "loss_drop", "usd", "usd_per_loss_point", "tokens_per_sec", "goal_loss", "goal_met",
-    "source_losses", "core_label", "core", "core_gain", "usd_per_0.01_core",
+    "source_losses", "core_label", "core", "core_stderr", "core_gain",
+    "usd_per_0.01_core",
 )  # fmt: skip
 INT_COLUMNS = ("phase", "start_step", "end_step", "steps", "tokens")
 

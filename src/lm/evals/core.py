@@ -1,21 +1,28 @@
-"""DCLM's CORE metric, from a local folder: the 22 tasks, their files' checks, prompts and the centred mean.
+"""DCLM's CORE metric, from a local folder: the 22 tasks, their files' checks, both baseline tables, prompts and
+the centred mean with its standard error.
 
 CORE (DataComp-LM, Li et al. 2024) is the mean over 22 in-context tasks of each task's accuracy centred on
 its random baseline, `(acc - b/100) / (1 - b/100)`: 0 is chance, 1 is perfect. The task files are those of
-llm-foundry's `scripts/eval/local_data/` (`<category>/<task>.jsonl`) with DCLM's `eval_meta_data.csv` for the
-baselines; the table below is DCLM's `eval/heavy.yaml` (shots, type, continuation delimiter) with each file's
-row count and sha256 prefix, so a changed or truncated file is refused by name instead of moving the number.
+llm-foundry's `scripts/eval/local_data/` (`<category>/<task>.jsonl`; nanochat's eval bundle holds the same
+under `eval_data/`); the table below is DCLM's `eval/heavy.yaml` (shots, type, continuation delimiter) with
+each file's row count and sha256 prefix, so a changed or truncated file is refused by name instead of moving
+the number.
 
-Three task types, each rendered to (context, continuation) pairs and scored by `lm.interop.scorer`:
+The baselines are pinned here, not read from the folder, because DCLM changed them: `v1` is the table of
+nanochat's eval bundle and leaderboard (GPT-2 = 0.2565 is a v1 figure), `v2` DCLM's table after its 2025-09-05
+correction (commonsense_qa 20 -> 40.3, agi_eval_lsat_ar 20 -> 25, bigbench_language_identification 9.1 -> 25;
+about -0.03 CORE at chance). A folder's `eval_meta_data.csv`, where there is one, must equal one of them.
+
+Three task types, each rendered to (context, continuation) pairs and scored by `lm.evals.scorer`:
 - multiple choice: one context, one continuation per choice; the choice of lowest mean loss per token wins;
 - schema: one context per option, one shared continuation; scored the same way;
 - language modelling: one pair; right when greedy decoding reproduces every continuation token.
 
-Few-shot examples are drawn per item from the rest of the task with `random.Random(1234 + index)` (nanochat's
-draw: the same examples as its `core_eval`), joined by a blank line. Where this differs from DCLM's
-llm-foundry rendering (docs/export-eval.md#core): the continuation is tokenized with its context (as
-lm-evaluation-harness does), not on its own; examples are separated by a blank line, not one newline; and
-the prompt starts with the end-of-text token, which is how every training document starts.
+The convention is lm's own (`CONVENTION`, docs/export-eval.md#core): few-shot examples drawn per item with
+`random.Random(1234 + index)` over the file's order (nanochat's draw, but not its Random(1337) shuffle of
+each task first, so not nanochat's examples), joined by a blank line; nanochat's templates; the continuation
+tokenized with its context and scored whole (lm-evaluation-harness's split, not nanochat's common
+prefix/suffix); the prompt starts with the end-of-text token, as every training document does.
 """
 
 from __future__ import annotations
@@ -23,16 +30,23 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lm.base.exits import Refused
+from lm.config.data import DataConfig
+from lm.data.manifest import resolve_cache_dir
 
 MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING = "multiple_choice", "schema", "language_modeling"
 ANSWER = "\nAnswer: "
 META = "eval_meta_data.csv"
-"""DCLM's table of tasks with the `Random baseline` column (eval_meta_data_v1.csv), in the data folder."""
+"""DCLM's table of tasks with the `Random baseline` column, in the data folder (optional: checked if there)."""
+BUNDLE_DATA = "eval_data"
+"""Where nanochat's eval bundle keeps the task files (its eval_meta_data.csv sits beside that folder)."""
+CONVENTION = "lm"
+"""How items become requests and are scored (module docstring): named in every CORE record."""
 FEWSHOT_SEED = 1234
 SUBSET_SEED = 1337
 
@@ -53,7 +67,7 @@ class CoreTask:
     """The first 16 hex digits of the file's sha256; None where no reference copy was at hand to read it."""
 
 
-def _task(label, file, shots, kind, rows, sha16, delimiter=" ") -> CoreTask:
+def _task(label, file, shots, kind, rows, sha16, delimiter=" ") -> CoreTask:  # the table's column order
     return CoreTask(label, file, shots, kind, delimiter, rows, sha16)
 
 
@@ -107,6 +121,21 @@ CORE_TASKS: tuple[CoreTask, ...] = (
 )
 BY_LABEL = {t.label: t for t in CORE_TASKS}
 
+V1 = {
+    **dict.fromkeys([t.label for t in CORE_TASKS if t.kind == LANGUAGE_MODELING], 0.0),
+    **dict.fromkeys(["hellaswag_zeroshot", "hellaswag", "arc_easy", "arc_challenge", "openbook_qa"], 25.0),
+    **dict.fromkeys(["copa", "piqa", "winograd", "winogrande"], 50.0),
+    "commonsense_qa": 20.0,
+    "agi_eval_lsat_ar": 20.0,
+    "boolq": 62.0,
+    "bigbench_language_identification": 9.1,
+}
+"""Random baselines in percent, DCLM's eval_meta_data.csv as nanochat's bundle ships it (its leaderboard's)."""
+V2 = V1 | {"commonsense_qa": 40.3, "agi_eval_lsat_ar": 25.0, "bigbench_language_identification": 25.0}
+"""DCLM's table after its 2025-09-05 correction of three baselines."""
+BASELINES = {"v1": V1, "v2": V2}
+"""Version -> task label -> random baseline in percent; every CORE record carries each version's figure."""
+
 
 @dataclass
 class Question:
@@ -149,19 +178,41 @@ def file_digest(path: Path) -> tuple[int, str]:
     return rows, digest.hexdigest()
 
 
-def check_folder(data_dir: str | Path, labels: list[str], *, partial: bool) -> tuple[list[str], list[str]]:
+FETCH = "lm fetch-evals"
+"""The command that downloads DCLM's eval bundle into lm's cache (lm.evals.fetch): what a refusal names."""
+
+
+def default_data_dir() -> Path:
+    """Where `lm fetch-evals` puts CORE's files and where CORE reads them unless told: lm's cache
+    (`data.cache_dir`: $LM_CACHE, else ~/.cache/lm) / evals/core."""
+    cache = next(f.default for f in fields(DataConfig) if f.name == "cache_dir")
+    return resolve_cache_dir(cache) / "evals" / "core"
+
+
+def locate(data_dir: str | Path | None) -> tuple[Path, Path]:
+    """(the folder holding `<category>/<task>.jsonl`, where its eval_meta_data.csv would be): llm-foundry's
+    layout (both in one folder) or nanochat's bundle (`eval_data/` beside the CSV); None is lm's cache."""
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    if (root / BUNDLE_DATA).is_dir():
+        return root / BUNDLE_DATA, root / META
+    return root, root / META
+
+
+def check_folder(
+    data_dir: str | Path | None, labels: list[str], *, partial: bool
+) -> tuple[list[str], list[str]]:
     """(the tasks whose files are here and as expected, the tasks whose files are missing).
 
-    Refused (78): a folder that is not one, no `eval_meta_data.csv`, a file whose rows or sha256 differ from
-    the table, and, unless `partial`, any missing file (all of them named, so one fix covers every one)."""
-    root = Path(data_dir).expanduser()
+    Refused (78): a folder that is not one, a file whose rows or sha256 differ from the table, an
+    eval_meta_data.csv that matches neither baseline table, and, unless `partial`, any missing file (all of
+    them named, so one fix covers every one)."""
+    root, meta = locate(data_dir)
     if not root.is_dir():
         raise Refused(
-            f"CORE data folder {root} does not exist: pass --data-dir (evals.data_dir) pointing at a folder "
-            "laid out as llm-foundry's scripts/eval/local_data (<category>/<task>.jsonl + eval_meta_data.csv)"
+            f"CORE data folder {root} does not exist: run `{FETCH}` (downloads DCLM's eval bundle into lm's "
+            "cache, the default), or pass --data-dir (evals.data_dir) pointing at a folder laid out as "
+            "llm-foundry's scripts/eval/local_data or nanochat's eval_bundle"
         )
-    if not (root / META).is_file():
-        raise Refused(f"{root} has no {META} (DCLM's random baselines): copy DCLM's eval_meta_data.csv there")
     present, missing, wrong = [], [], []
     for label in labels:
         task = BY_LABEL[label]
@@ -181,22 +232,37 @@ def check_folder(data_dir: str | Path, labels: list[str], *, partial: bool) -> t
         raise Refused(
             "CORE task file(s) differ from the ones CORE is defined on: "
             + "; ".join(wrong)
-            + ". Restore them from llm-foundry's scripts/eval/local_data"
+            + f". Restore them: `{FETCH}` downloads DCLM's files"
         )
     if missing and not partial:
         files = sorted({BY_LABEL[label].file for label in missing})
         raise Refused(
             f"{root} lacks {len(files)} CORE task file(s): {', '.join(files)} (tasks {', '.join(missing)}). "
-            "Add them from llm-foundry's scripts/eval/local_data, or pass --partial (evals.partial=true) for "
+            f"Run `{FETCH}` for all 22, or pass --partial (evals.partial=true) for "
             f"CORE-{len(labels) - len(missing)} over the tasks that are here"
         )
+    table_of(meta, present)
     return present, missing
 
 
-def baselines(data_dir: str | Path) -> dict[str, float]:
-    """Task label -> random baseline in percent, from the folder's eval_meta_data.csv."""
-    with open(Path(data_dir).expanduser() / META, newline="", encoding="utf-8") as f:
-        return {row["Eval Task"].strip(): float(row["Random baseline"]) for row in csv.DictReader(f)}
+def table_of(meta: Path, labels: list[str]) -> str | None:
+    """Which pinned baseline table (`v1`, `v2`) the folder's eval_meta_data.csv equals on `labels`; None
+    when the folder has none. A CSV that matches neither is refused, never used: CORE's baselines are the
+    pinned ones, and a silently different file would move the figure."""
+    if not meta.is_file():
+        return None
+    with open(meta, newline="", encoding="utf-8") as f:
+        rows = {row["Eval Task"].strip(): float(row["Random baseline"]) for row in csv.DictReader(f)}
+    for version, table in BASELINES.items():
+        if all(label in rows and math.isclose(rows[label], table[label]) for label in labels):
+            return version
+    differ = [f"{label}={rows.get(label)} (v1 {V1[label]}, v2 {V2[label]})" for label in labels]
+    differ = [d for d, label in zip(differ, labels) if rows.get(label) not in (V1[label], V2[label])]
+    raise Refused(
+        f"{meta} holds random baselines that match neither CORE table lm pins (v1: nanochat's bundle, v2: "
+        f"DCLM's after 2025-09-05): {', '.join(differ)}. lm scores with the pinned tables; restore DCLM's file "
+        f"(`{FETCH}`) or delete it"
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -204,13 +270,12 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_task(data_dir: str | Path, label: str, base: dict[str, float]) -> TaskData:
-    """A CORE task's items from its file in the folder (checked by `check_folder` first)."""
+def load_task(data_dir: str | Path | None, label: str) -> TaskData:
+    """A CORE task's items from its file in the folder (checked by `check_folder` first), with its v1
+    baseline (the other tables are applied to the counts in lm.evals.own)."""
     task = BY_LABEL[label]
-    if label not in base:
-        raise Refused(f"{META} has no row for {label}: use DCLM's eval_meta_data.csv")
-    items = read_jsonl(Path(data_dir).expanduser() / task.file)
-    return TaskData(label, task.kind, task.shots, task.delimiter, items, base[label])
+    items = read_jsonl(locate(data_dir)[0] / task.file)
+    return TaskData(label, task.kind, task.shots, task.delimiter, items, V1[label])
 
 
 # --- prompts ---------------------------------------------------------------------------------------------
@@ -270,6 +335,25 @@ def centred(accuracy: float, baseline_pct: float) -> float:
     return (accuracy - b) / (1.0 - b)
 
 
+def figure(counts: dict[str, tuple[int, int]], version: str) -> dict:
+    """CORE under baseline table `version` from each task's (right, items): `value`, `stderr`, `tasks`
+    (label -> centred accuracy) and `task_stderr`. A task's error is the binomial one of its accuracy,
+    sqrt(acc (1 - acc) / n), scaled as centring scales it, 1 / (1 - b); the mean's is sqrt(sum se^2) / k."""
+    table = BASELINES[version]
+    tasks, errors = {}, {}
+    for label, (right, n) in counts.items():
+        acc, b = right / n, table[label] / 100.0
+        tasks[label] = centred(acc, table[label])
+        errors[label] = math.sqrt(acc * (1 - acc) / n) / (1.0 - b)
+    k = len(tasks)
+    return {
+        "value": sum(tasks.values()) / k,
+        "stderr": math.sqrt(sum(e * e for e in errors.values())) / k,
+        "tasks": tasks,
+        "task_stderr": errors,
+    }
+
+
 def core_label(scored: list[str], proxies: list[str]) -> str:
     """`CORE` over all 22 tasks from their own files; `CORE-k` over the k scored otherwise."""
     return "CORE" if len(scored) == len(CORE_TASKS) and not proxies else f"CORE-{len(scored)}"
@@ -287,8 +371,3 @@ def expand(tasks: list[str]) -> list[str]:
                 raise Refused(f"unknown CORE task {label!r}: one of {', '.join(BY_LABEL)}")
             out.append(label)
     return list(dict.fromkeys(out))
-
-
-def is_core(name: str) -> bool:
-    """Whether a task name is scored by lm's own CORE scorer (`core`, `core:<label>`)."""
-    return name == "core" or name.startswith("core:")

@@ -1,5 +1,6 @@
-"""Log-likelihoods of continuations on lm's own model, many per forward pass: what CORE and the offline
-benchmarks are scored with (lm.interop.core, lm.interop.olmo).
+"""Log-likelihoods of continuations, many per forward pass: what CORE and the @olmo sets are scored with
+(lm.evals.core, lm.evals.olmo), on lm's own model or any transformers causal LM (`Backbone`, `HFBackbone`),
+so a run and the public models it is compared with are on one yardstick.
 
 A request is a (context, continuation) pair. Its tokens are split as lm-evaluation-harness splits them
 (`encode_pair`), so the two score the same tokens: trailing whitespace of the context moves to the
@@ -23,8 +24,63 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from lm.base.exits import Refused
 from lm.model import Transformer
+
+BUDGET_ROW = 2048
+"""A batch holds at most `rows` x min(context length, this) tokens: a model with a 32K context must not ask
+for 32K-token rows of memory when CORE's prompts are a few hundred tokens."""
+
+
+class Backbone:
+    """What the scorer needs of a model, lm's `Transformer` here: its context length, whether it was trained
+    with documents masked apart, its final hidden states under packed positions and mask, and its output head."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.module: nn.Module = model
+        self.context = model.cfg.max_seq_len
+        self.doc_mask = model.cfg.doc_mask
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def hidden(self, idx_BT, pos_BT=None, mask_B1TT=None) -> torch.Tensor:
+        return self.module.hidden(idx_BT, pos_BT=pos_BT, mask_B1TT=mask_B1TT)
+
+    def head(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.module.head(x_ND)
+
+
+class HFBackbone(Backbone):
+    """A transformers causal LM (Llama, Qwen, GPT-2...): its base model takes position ids and a custom 4D
+    mask (transformers returns a 4D mask as given), its output embeddings are the head. A model whose logits
+    are more than the head of the last hidden state (a final softcap) is refused rather than mis-scored."""
+
+    def __init__(self, model) -> None:  # a transformers PreTrainedModel
+        config = model.config
+        if getattr(config, "final_logit_softcapping", None):
+            raise Refused(
+                f"{config.model_type}'s logits are softcapped after the head: lm's scorer cannot score it"
+            )
+        self.module, self.doc_mask = model, False
+        self.context = getattr(config, "max_position_embeddings", None) or config.n_positions
+
+    def hidden(self, idx_BT, pos_BT=None, mask_B1TT=None) -> torch.Tensor:
+        mask = None
+        if mask_B1TT is not None:  # additive, so eager attention (which adds it) and SDPA read it alike
+            dtype = next(self.module.parameters()).dtype
+            mask = torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device)
+            mask.masked_fill_(~mask_B1TT, torch.finfo(dtype).min)
+        out = self.module.base_model(
+            input_ids=idx_BT, position_ids=pos_BT, attention_mask=mask, use_cache=False
+        )
+        return out.last_hidden_state
+
+    def head(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.module.get_output_embeddings()(x_ND)
 
 
 @dataclass
@@ -100,15 +156,19 @@ class _Unit:
 
 
 class Scorer:
-    """Scores (context, continuation) requests on a `Transformer`, packed (see the module's docstring).
+    """Scores (context, continuation) requests on a `Transformer` (or a `Backbone`), packed (see the module's
+    docstring). `tokenizer` is a `tokenizers.Tokenizer`; `prefix_id` starts every prompt.
 
-    Each forward pass holds at most `rows` times the model's context length in tokens. On CUDA the forward runs under
-    bf16 autocast unless the model is already in a low precision; elsewhere in the model's dtype.
+    Each forward pass holds at most `rows` times the model's context length (at most `BUDGET_ROW`) in tokens.
+    On CUDA the forward runs under bf16 autocast unless the model is already in a low precision; elsewhere in
+    the model's dtype.
     """
 
-    def __init__(self, model: Transformer, tokenizer, prefix_id: int, *, rows: int = 16) -> None:
-        self.model, self.tokenizer, self.prefix_id = model, tokenizer, prefix_id
-        self.row_len = model.cfg.max_seq_len
+    def __init__(self, model: Transformer | Backbone, tokenizer, prefix_id: int, *, rows: int = 16) -> None:
+        self.backbone = model if isinstance(model, Backbone) else Backbone(model)
+        self.model = self.backbone.module
+        self.tokenizer, self.prefix_id = tokenizer, prefix_id
+        self.row_len = self.backbone.context
         self.rows = rows
 
     # --- tokens --------------------------------------------------------------------------------------------
@@ -162,7 +222,7 @@ class Scorer:
         Rows as long as the batch's largest unit, not the model's context: attention costs T^2 a row, so
         short units share a short row instead of a long one (and never more rows than the token budget).
         A plain unit (one sequence) gets a row of its own in a batch of plain rows."""
-        budget = self.rows * self.row_len
+        budget = self.rows * min(self.row_len, BUDGET_ROW)
         # A plain unit is one sequence: one a row, plain causal attention (no mask: SDPA may take its flash
         # kernel), so never packed with another.
         plain = sorted((u for u in units if u.plain), key=lambda u: -u.size)
@@ -197,17 +257,21 @@ class Scorer:
     # --- scoring -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, questions: list[list[tuple[str, str]]]) -> list[list[Scored]]:
-        """Each question's requests scored, in order: a list of `Scored` per question."""
+    def score(self, questions: list[list[tuple[str, str]]], on_batch=None) -> list[list[Scored]]:
+        """Each question's requests scored, in order: a list of `Scored` per question. `on_batch(items)`
+        after each forward pass: the questions it finished, a request counting 1/len(its question)."""
         requests, units = self.units(questions)
         results: list[Scored | None] = [None] * len(requests)
         batches = self.batches_of(units)
+        share = [1.0 / len(pairs) for pairs in questions for _ in pairs]
         model = self.model
         was_training = model.training
         model.eval()
         try:
             for rows in batches:
                 self.forward(rows, requests, results)
+                if on_batch is not None:
+                    on_batch(sum(share[r] for row in rows for u in row for r, _, _ in u.branches))
         finally:
             model.train(was_training)
         out, k = [], 0
@@ -218,7 +282,7 @@ class Scorer:
 
     def forward(self, rows: list[list[_Unit]], requests: list[_Request], results: list) -> None:
         """One packed batch: fill `results` for every request with a branch in these rows."""
-        device = self.model.rope_cos.device
+        device = self.backbone.device
         T = max(sum(u.size for u in row) for row in rows)
         B = len(rows)
         idx = torch.zeros(B, T, dtype=torch.long)
@@ -255,7 +319,7 @@ class Scorer:
         packed = {}
         # A model trained with model.doc_mask never saw across an end-of-text token: the one each prompt starts
         # with is its own document, and the mask says so (whatever Transformer.eot_id holds), so it always has one.
-        doc_mask = self.model.cfg.doc_mask
+        doc_mask = self.backbone.doc_mask
         if doc_mask or any(len(row) > 1 or not row[0].plain for row in rows):  # else one sequence a row
             unit_id, branch_id = unit_id.to(device), branch_id.to(device)  # the (B, T, T) mask built there
             same_unit = unit_id[:, :, None] == unit_id[:, None, :]
@@ -268,8 +332,8 @@ class Scorer:
                 mask &= ~(lead[:, None, :] & ~lead[:, :, None])
             packed = {"pos_BT": pos.to(device), "mask_B1TT": mask.unsqueeze(1)}
         with self.autocast(device):
-            hidden = self.model.hidden(idx.to(device), **packed)
-            logits = self.model.head(hidden.reshape(B * T, -1)[flat])
+            hidden = self.backbone.hidden(idx.to(device), **packed)
+            logits = self.backbone.head(hidden.reshape(B * T, -1)[flat])
         logprobs = F.log_softmax(logits.float(), dim=-1)
         picked = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
         hits = (logprobs.argmax(dim=-1) == targets).cpu()

