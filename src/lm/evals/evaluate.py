@@ -188,13 +188,14 @@ def evaluate_path(
     path = Path(path)
     plan = prepare(cfg, reach=True)  # refused before a model is loaded
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if is_hf_folder(path):
-        subject, folder = of_folder(path, device), path.resolve()
-    else:
-        run = hf.load_run(path, device)
-        about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
-        subject = of_lm(run.model, run.tokenizer_path, run.eot_token, run.eot_id, about)
-        folder = run.run_dir
+    with harness.generators_kept(torch.device(device)):  # building a model draws its initial weights
+        if is_hf_folder(path):
+            subject, folder = of_folder(path, device), path.resolve()
+        else:
+            run = hf.load_run(path, device)
+            about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
+            subject = of_lm(run.model, run.tokenizer_path, run.eot_token, run.eot_id, about)
+            folder = run.run_dir
     result = evaluate(subject, cfg, plan, with_samples=with_samples, progress=progress)
     record = {
         **subject.about,
