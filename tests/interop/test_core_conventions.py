@@ -1,0 +1,214 @@
+"""CORE's two conventions (lm.evals.conventions): nanochat's shuffle, draw and common-prefix/suffix scoring,
+DCLM's (llm-foundry's) stripping, set-drawn examples, jeopardy by category and separate encodings. The
+expected values are computed here by re-implementing each project's documented algorithm independently (nanochat
+`scripts/base_eval.py` + `nanochat/core_eval.py`; llm-foundry `eval/datasets/utils.py`), on the real task
+files in ../shared/evals/core (never copied into the repository).
+"""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm import cli
+from lm.base.exits import EXIT_CONFIG, Refused
+from lm.config import EvalsConfig
+from lm.evals import conventions, core, own
+from lm.evals.conventions import DCLM, NANOCHAT
+from lm.evals.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
+from lm.evals.scorer import Scorer
+from lm.model import ModelConfig, Transformer
+
+from .test_core import CORE_DIR, bigram_model, needs_core, run  # noqa: F401  (run: the module's trained run)
+
+
+def nanochat_reference(items: list[dict], limit: int | None, index: int, shots: int) -> list[dict]:
+    """nanochat base_eval's few-shot examples of item `index`, written out as it is: shuffle the task with
+    Random(1337), cut to the limit, then Random(1234 + index).sample of the other indices."""
+    data = list(items)
+    random.Random(1337).shuffle(data)
+    if limit:
+        data = data[:limit]
+    available = [i for i in range(len(data)) if i != index]
+    return [data[i] for i in random.Random(1234 + index).sample(available, shots)], data[index]
+
+
+@needs_core
+@pytest.mark.parametrize(("label", "limit"), [("arc_easy", None), ("arc_easy", 100), ("jeopardy", 40)])
+def test_the_nanochat_draw_is_nanochats_own(label, limit):
+    """The same shuffled order and the same few-shot examples, in order, for the first items."""
+    data = core.load_task(CORE_DIR, label)
+    (part,) = conventions.prepare(data, NANOCHAT, limit, core.subset)
+    assert len(part.chosen) == (limit or len(data.items))
+    questions = conventions.questions(conventions.Part(part.data, part.chosen[:5]), NANOCHAT)
+    for q in questions:
+        examples, item = nanochat_reference(data.items, limit, q.index, data.shots)
+        assert part.data.items[q.index] == item
+        context = q.pairs[0][0]
+        key = "query" if data.kind == MULTIPLE_CHOICE else "context"
+        at = [context.index(ex[key].strip()) for ex in examples]  # every example, in nanochat's order
+        assert at == sorted(at) and context.rstrip().endswith(item[key].strip() + data.delimiter.rstrip())
+
+
+def foundry_draw(n: int, shots: int, index: int, rng: random.Random) -> list[int]:
+    """llm-foundry's `get_fewshot_sample_idxs`, written out: a set of `shots` sampled from all n; the item
+    itself replaced by fresh `choice`s; iterated as a set."""
+    shots = min(n - 1, shots)
+    picked = set(rng.sample(range(0, n), shots))
+    if index in picked:
+        picked.remove(index)
+        if len(picked) >= n - 1:
+            return list(picked)
+        extra = rng.choice(range(0, n))
+        while extra in picked or extra == index:
+            extra = rng.choice(range(0, n))
+        picked.add(extra)
+    return list(picked)
+
+
+@pytest.mark.parametrize(("n", "shots"), [(12, 10), (11, 10), (3, 10), (500, 10), (230, 3)])
+def test_the_dclm_draw_is_llm_foundrys(n, shots):
+    rng = random.Random(1234)  # one per dataset, consumed item by item in order
+    expected = [foundry_draw(n, shots, i, rng) for i in range(n)]
+    drawn = conventions.dclm_draws(n, shots)
+    assert drawn == expected
+    assert all(i not in d and len(d) == min(shots, n - 1) for i, d in enumerate(drawn))
+
+
+def test_dclm_strips_every_string_field_and_renders_as_llm_foundry():
+    items = [{"query": f" q{i} ", "choices": [" a", "b "], "gold": i % 2, "category": "c"} for i in range(3)]
+    data = TaskData("arc_easy", MULTIPLE_CHOICE, 2, "\nAnswer: ", items, 25.0)
+    (part,) = conventions.prepare(data, DCLM, None, core.subset)
+    assert part.data.items[0]["query"] == "q0" and part.data.items[0]["choices"] == [" a", "b "]  # lists kept
+    draws = conventions.dclm_draws(3, 2)
+    q = conventions.render_dclm(part.data, 0, draws[0])
+    shots = [part.data.items[j] for j in draws[0]]
+    before = "\n".join(f"{s['query']}\nAnswer: {s['choices'][s['gold']]}" for s in shots)
+    assert q.pairs == [(before + "\nq0\nAnswer:", " a"), (before + "\nq0\nAnswer:", "b ")]
+    assert q.cut == len(before)
+    schema = TaskData("winograd", SCHEMA, 0, " ", [{"context_options": ["x", "q"], "continuation": " y ", "gold": 1}], 50.0)  # fmt: skip
+    (part,) = conventions.prepare(schema, DCLM, None, core.subset)
+    q = conventions.render_dclm(part.data, 0, [])
+    assert q.pairs == [("x", "y"), ("q", "y")]  # zero-shot: the bare option, the continuation stripped
+
+
+@needs_core
+def test_dclm_scores_jeopardy_by_category_drawing_within_each():
+    data = core.load_task(CORE_DIR, "jeopardy")
+    parts = conventions.prepare(data, DCLM, 100, core.subset)
+    names = sorted({item["category"] for item in data.items})
+    assert [p.data.label for p in parts] == [f"jeopardy/{c}" for c in names] and len(names) == 5
+    assert sum(len(p.chosen) for p in parts) == 100  # the limit counts items of the task, not per category
+    for p in parts:
+        assert {item["category"] for item in p.data.items} == {p.data.label.split("/")[1]}
+    merged = own.merge_categories(
+        {"jeopardy/a": own.Counts(n=10, right=5), "jeopardy/b": own.Counts(n=30, right=3)}
+    )
+    assert merged["jeopardy"].n == 40 and merged["jeopardy"].right / 40 == pytest.approx((0.5 + 0.1) / 2)
+
+
+def test_common_prefix_scoring_equals_whole_continuation_scoring_without_a_shared_prefix():
+    """Choices that share no first token: nanochat's common prefix is the context, so it scores exactly
+    the tokens lm-evaluation-harness's split scores (and DCLM's, encoding the continuation alone)."""
+    model, tokenizer = bigram_model()
+    questions = [
+        core.Question("copa", 0, MULTIPLE_CHOICE, [("q x ", "a b"), ("q x ", "d c"), ("q x ", "y")], 0),
+        core.Question("winograd", 0, SCHEMA, [("x", " a b"), ("q", " a b")], 1),
+    ]
+    scorer = Scorer(model, tokenizer, 0)
+    whole = scorer.score([q.pairs for q in questions])
+    for convention in (NANOCHAT, DCLM):
+        requests = conventions.tokens(questions, convention, tokenizer, 0)
+        for mine, theirs in zip(scorer.score_tokens(requests), whole):
+            assert [s.tokens for s in mine] == [s.tokens for s in theirs]
+            assert [s.logprob for s in mine] == pytest.approx([s.logprob for s in theirs], abs=1e-5)
+
+
+def test_common_prefix_leaves_shared_leading_tokens_of_the_choices_unscored():
+    model, tokenizer = bigram_model()
+    q = core.Question("copa", 0, MULTIPLE_CHOICE, [("q", " a b"), ("q", " a c"), ("q", " a")], 0)
+    (requests,) = conventions.tokens([q], NANOCHAT, tokenizer, 0)
+    assert [start for _, start in requests] == [3, 3, 3]  # after [eot, q, a]: "a" is shared
+    scored = Scorer(model, tokenizer, 0).score_tokens([requests])[0]
+    assert [s.tokens for s in scored] == [1, 1, 0]
+    assert scored[2].mean_loss != scored[2].mean_loss  # NaN: nothing scored, as nanochat's mean of nothing
+    (dclm,) = conventions.tokens([q], DCLM, tokenizer, 0)
+    assert [len(seq) - start for seq, start in dclm] == [2, 2, 1]  # DCLM scores each whole continuation
+
+
+def test_packed_convention_requests_equal_one_forward_each():
+    """nanochat's spans (a choice's scored tokens may start inside the shared text) through the packer."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=16, n_layer=2, d_model=32, n_head=4, max_seq_len=24)).eval()
+    rng = random.Random(0)
+    questions = []
+    for _ in range(20):
+        ctx = [0, *rng.choices(range(1, 16), k=rng.randint(1, 30))]
+        questions.append(
+            [
+                (ctx + rng.choices(range(1, 16), k=rng.randint(1, 4)), len(ctx) - rng.randint(0, 1))
+                for _ in range(3)
+            ]
+        )
+    scored = Scorer(model, None, 0, rows=3).score_tokens(questions)
+    for requests, results in zip(questions, scored):
+        for (seq, start), result in zip(requests, results):
+            cut = max(0, len(seq) - 24)
+            seq, start = seq[cut:], max(1, start - cut)
+            logprobs = F.log_softmax(model(torch.tensor([seq[:-1]])).float(), dim=-1)[0, start - 1 :]
+            want = logprobs.gather(1, torch.tensor(seq[start:])[:, None]).sum().item()
+            assert result.logprob == pytest.approx(want, abs=1e-4) and result.tokens == len(seq) - start
+
+
+@pytest.mark.parametrize("convention", [NANOCHAT, DCLM])
+@pytest.mark.parametrize(
+    ("label", "kind", "items", "right"),
+    [
+        ("copa", MULTIPLE_CHOICE, [{"query": "q", "choices": ["a", "d"], "gold": 0}], 1),
+        ("copa", MULTIPLE_CHOICE, [{"query": "q", "choices": ["d", "a b c"], "gold": 1}], 1),
+        ("winograd", SCHEMA, [{"context_options": ["x", "q"], "continuation": "a b", "gold": 1}], 1),
+        ("winograd", SCHEMA, [{"context_options": ["x", "q"], "continuation": "y", "gold": 1}], 0),
+        (
+            "lambada_openai",
+            LANGUAGE_MODELING,
+            [{"context": "q", "continuation": "a b c"}, {"context": "q ", "continuation": "a c"}],
+            1,
+        ),
+    ],
+)
+def test_each_task_type_gets_the_known_answer_under_each_convention(convention, label, kind, items, right):
+    model, tokenizer = bigram_model()
+    data = TaskData(label, kind, 0, " ", items, 25.0)
+    counts, _ = own.score_tasks(Scorer(model, tokenizer, 0), [data], convention=convention)
+    assert (counts[label].n, counts[label].right) == (len(items), right)
+
+
+def test_an_unknown_convention_is_refused_naming_both():
+    with pytest.raises(Refused, match="nanochat, dclm"):
+        EvalsConfig(tasks=["core"], convention="lm")
+    assert EvalsConfig().convention == NANOCHAT
+
+
+@needs_core
+def test_lm_eval_convention_flag_names_the_figure(run, capsys):  # noqa: F811
+    args = [
+        "eval",
+        str(run),
+        "--tasks",
+        "core:copa,core:jeopardy",
+        "--data-dir",
+        str(CORE_DIR),
+        "--limit",
+        "10",
+    ]
+    cli.main([*args, "--convention", "dclm"])
+    assert "CORE-2 v1 dclm" in capsys.readouterr().out
+    record = json.loads((run / "eval.json").read_text())["core"]
+    assert record["convention"] == "dclm" and record["items"]["jeopardy"] == 10
+    cli.main(args)
+    assert json.loads((run / "eval.json").read_text())["core"]["convention"] == "nanochat"
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--convention", "lm"])
+    assert e.value.code == EXIT_CONFIG and "--convention" in capsys.readouterr().err
