@@ -667,12 +667,12 @@ def test_model_card_and_report_show_core_with_its_task_list():
     first = {"step": 10, "usd": 1.0, "seconds": 1.0, "scores": scores, "core": {**exact, "value": 0.10}}
     second = {"step": 20, "usd": 2.0, "seconds": 1.0, "scores": scores, "core": {**exact, "value": 0.15}}
     section = benchmarks_section([first, second], None)
-    assert "| step | phase | $ | CORE-2 v1 |" in section and "core:copa" not in section
+    assert "| step | phase | $ | CORE-2 v1 nanochat |" in section and "core:copa" not in section
     rows = [{"start_step": 10, "end_step": 20, "usd": 0.5}]
     assert phase_benchmarks(rows, [first, second]) == [
-        "CORE-2 v1 0.1500 +- 0.0100 (+0.0500 +- 0.0141, $0.1000 per 0.01 CORE)"
+        "CORE-2 v1 nanochat 0.1500 +- 0.0100 (+0.0500 +- 0.0141, $0.1000 per 0.01 CORE)"
     ]
     noisy = {**second, "core": {**exact, "value": 0.12}}  # +0.02 against an error of 0.014: not a gain
     assert phase_benchmarks(rows, [first, noisy]) == [
-        "CORE-2 v1 0.1200 +- 0.0100 (+0.0200 +- 0.0141, within noise)"
+        "CORE-2 v1 nanochat 0.1200 +- 0.0100 (+0.0200 +- 0.0141, within noise)"
     ]

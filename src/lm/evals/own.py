@@ -119,7 +119,7 @@ def score_part(scorer: Scorer, part: conventions.Part, convention: str, rank: in
     """(questions, their scores) of this rank's share of a part's items."""
     data = part.data
     mine = conventions.Part(data, part.chosen[rank::world])
-    if data.label.split(conventions.CATEGORY_SEP)[0] not in core.BY_LABEL:  # @olmo: lm-eval's split
+    if part.task not in core.BY_LABEL:  # an @olmo set: lm-eval's split, as lm-eval would score it
         questions = [core.render(data, i) for i in mine.chosen]
         return questions, scorer.score([q.pairs for q in questions], on_batch=progress.advance)
     questions = conventions.questions(mine, convention)
