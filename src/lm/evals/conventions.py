@@ -11,8 +11,8 @@ tokens found from the token sequences themselves: the choices' common prefix (mu
 common suffix (schema), the prompt without its continuation (language modelling); a prompt past the context
 keeps its last `context` tokens.
 
-dclm (llm-foundry `in_context_learning_evaluation.py`, `utils.py`): every string field stripped; jeopardy
-scored per category (its five, each drawn within itself) and the categories' accuracies averaged; one
+dclm (llm-foundry's in-context-learning datasets, `llmfoundry/eval/datasets/`): every string field stripped;
+jeopardy scored per category (its five, each drawn within itself) and the categories' accuracies averaged; one
 `random.Random(1234)` per task (per category) drawing every item's examples in file order, as a set (an item
 drawn for itself is replaced); examples joined by one newline, the item's context right-stripped; the few-shot
 text, the item's context and its continuation each encoded alone, the continuation with a leading space where
