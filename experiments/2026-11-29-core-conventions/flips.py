@@ -48,7 +48,12 @@ def main(run_dir: str, core_dir: str, n: int) -> None:
             back = {k: f for f, k in local.items()}
             theirs |= {back[k]: r for k, r in zip(sub.chosen, correct(scorer, sub, DCLM))}
         flips = sum(mine[f] != theirs[f] for f in files)
-        rows[label] = {"n": len(files), "nanochat": sum(mine.values()), "dclm": sum(theirs.values()), "flips": flips}
+        rows[label] = {
+            "n": len(files),
+            "nanochat": sum(mine.values()),
+            "dclm": sum(theirs.values()),
+            "flips": flips,
+        }
         print(label, rows[label], flush=True)
     Path(__file__).with_name("flips.json").write_text(json.dumps(rows, indent=1) + "\n")
 
