@@ -212,3 +212,31 @@ def test_lm_eval_convention_flag_names_the_figure(run, capsys):  # noqa: F811
     with pytest.raises(SystemExit) as e:
         cli.main([*args, "--convention", "lm"])
     assert e.value.code == EXIT_CONFIG and "--convention" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("convention", [NANOCHAT, DCLM])
+def test_two_ranks_sum_to_one_process_jeopardy_categories_included(convention):
+    """Each rank scores every other item of each part (DCLM: of each jeopardy category); the counts summed
+    across ranks, then the categories merged, equal one process scoring everything."""
+    model, tokenizer = bigram_model()
+    rows = [("q", "a b", "x"), ("q", "a c", "x"), ("a", "b", "y"), ("x", "y", "y"), ("x", "b", "z")] * 3
+    items = [{"context": c, "continuation": k, "category": cat} for c, k, cat in rows]
+    data = TaskData("jeopardy", LANGUAGE_MODELING, 2, " ", items, 0.0)
+    scorer = Scorer(model, tokenizer, 0)
+    alone, _ = own.score_tasks(scorer, [data], convention=convention)
+    seen = {}
+
+    def keep(local):
+        seen["rank1"] = local
+        return local
+
+    own.score_tasks(scorer, [data], convention=convention, rank=1, world=2, reduce=keep)
+    both, _ = own.score_tasks(
+        scorer, [data], convention=convention, rank=0, world=2, reduce=lambda t: t + seen["rank1"]
+    )
+    assert both["jeopardy"].n == alone["jeopardy"].n == 15
+    assert both["jeopardy"].right == pytest.approx(alone["jeopardy"].right)
+    if convention == DCLM:  # the mean of the three categories' accuracies, not of the items
+        # a bigram model: q->a b right, q->a c wrong (x); a->b, x->y right (y); x->b wrong (z)
+        per = {"x": 3 / 6, "y": 6 / 6, "z": 0 / 3}
+        assert alone["jeopardy"].right / 15 == pytest.approx(sum(per.values()) / 3)  # 0.5; by items 9/15
