@@ -34,10 +34,10 @@ def main(run_dir: str, core_dir: str, n: int) -> None:
         order = list(range(len(data.items)))
         random.Random(conventions.SHUFFLE_SEED).shuffle(order)  # the file index of each shuffled item
         files = order[:n]
-        (part,) = conventions.prepare(data, NANOCHAT, n, core.subset)
+        (part,) = conventions.prepare(data, NANOCHAT, n)
         mine = dict(zip(files, correct(scorer, part, NANOCHAT)))
         theirs = {}
-        for p in conventions.prepare(data, DCLM, None, core.subset):
+        for p in conventions.prepare(data, DCLM, None):
             if label == "jeopardy":  # file index -> index within its category
                 cat = p.data.label.split("/")[1]
                 where = [i for i, x in enumerate(data.items) if x["category"] == cat]

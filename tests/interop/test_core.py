@@ -519,7 +519,7 @@ def test_scores_agree_with_lm_eval_loglikelihood_per_example(run):
     for data in plan.tasks:
         # the default convention's prompts (nanochat's items and examples), each pair split as lm-eval splits
         # it: what is checked is the scorer's log-likelihoods, whichever tokens a convention scores
-        (part,) = conventions.prepare(data, NANOCHAT, 12, core.subset)
+        (part,) = conventions.prepare(data, NANOCHAT, 12)
         questions = conventions.questions(part, NANOCHAT)
         scored = scorer.score([q.pairs for q in questions])
         assert len(questions) == 12

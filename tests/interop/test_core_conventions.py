@@ -40,7 +40,7 @@ def nanochat_reference(items: list[dict], limit: int | None, index: int, shots: 
 def test_the_nanochat_draw_is_nanochats_own(label, limit):
     """The same shuffled order and the same few-shot examples, in order, for the first items."""
     data = core.load_task(CORE_DIR, label)
-    (part,) = conventions.prepare(data, NANOCHAT, limit, core.subset)
+    (part,) = conventions.prepare(data, NANOCHAT, limit)
     assert len(part.chosen) == (limit or len(data.items))
     questions = conventions.questions(conventions.Part(part.data, part.chosen[:5]), NANOCHAT)
     for q in questions:
@@ -80,7 +80,7 @@ def test_the_dclm_draw_is_llm_foundrys(n, shots):
 def test_dclm_strips_every_string_field_and_renders_as_llm_foundry():
     items = [{"query": f" q{i} ", "choices": [" a", "b "], "gold": i % 2, "category": "c"} for i in range(3)]
     data = TaskData("arc_easy", MULTIPLE_CHOICE, 2, "\nAnswer: ", items, 25.0)
-    (part,) = conventions.prepare(data, DCLM, None, core.subset)
+    (part,) = conventions.prepare(data, DCLM, None)
     assert part.data.items[0]["query"] == "q0" and part.data.items[0]["choices"] == [" a", "b "]  # lists kept
     draws = conventions.dclm_draws(3, 2)
     q = conventions.render_dclm(part.data, 0, draws[0])
@@ -89,7 +89,7 @@ def test_dclm_strips_every_string_field_and_renders_as_llm_foundry():
     assert q.pairs == [(before + "\nq0\nAnswer:", " a"), (before + "\nq0\nAnswer:", "b ")]
     assert q.cut == len(before)
     schema = TaskData("winograd", SCHEMA, 0, " ", [{"context_options": ["x", "q"], "continuation": " y ", "gold": 1}], 50.0)  # fmt: skip
-    (part,) = conventions.prepare(schema, DCLM, None, core.subset)
+    (part,) = conventions.prepare(schema, DCLM, None)
     q = conventions.render_dclm(part.data, 0, [])
     assert q.pairs == [("x", "y"), ("q", "y")]  # zero-shot: the bare option, the continuation stripped
 
@@ -97,7 +97,7 @@ def test_dclm_strips_every_string_field_and_renders_as_llm_foundry():
 @needs_core
 def test_dclm_scores_jeopardy_by_category_drawing_within_each():
     data = core.load_task(CORE_DIR, "jeopardy")
-    parts = conventions.prepare(data, DCLM, 100, core.subset)
+    parts = conventions.prepare(data, DCLM, 100)
     names = sorted({item["category"] for item in data.items})
     assert [p.data.label for p in parts] == [f"jeopardy/{c}" for c in names] and len(names) == 5
     assert sum(len(p.chosen) for p in parts) == 100  # the limit counts items of the task, not per category

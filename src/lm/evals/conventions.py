@@ -38,6 +38,7 @@ from lm.evals.core import (
     TaskData,
     fewshot_indices,
     render,
+    subset,
 )
 
 SHUFFLE_SEED = 1337
@@ -48,8 +49,8 @@ CATEGORY_SEP = "/"
 
 @dataclass
 class Part:
-    """A task as a convention scores it: its items in the convention's order, the ones scored, and how each
-    item's few-shot examples are drawn."""
+    """A task as a convention scores it: its items in the convention's order (the few-shot pool) and the
+    ones scored."""
 
     data: TaskData
     chosen: list[int]
@@ -61,10 +62,10 @@ class Part:
         return self.data.label.split(CATEGORY_SEP)[0]
 
 
-def prepare(data: TaskData, convention: str, limit: int | None, subset) -> list[Part]:
+def prepare(data: TaskData, convention: str, limit: int | None) -> list[Part]:
     """A CORE task's parts under `convention`: nanochat's shuffled (and cut to `limit`) pool, or DCLM's
-    stripped items (jeopardy one part per category). `subset(n, limit, label)` picks a limit's items where
-    the convention has no rule of its own (DCLM: lm's seeded sample; llm-foundry scores everything)."""
+    stripped items (jeopardy one part per category) with lm's seeded sample of `limit` (`core.subset`:
+    llm-foundry has no limit, it scores everything)."""
     if convention == NANOCHAT:
         items = list(data.items)
         random.Random(SHUFFLE_SEED).shuffle(items)

@@ -109,7 +109,7 @@ def parts_of(tasks: list[TaskData], limit: int | None, convention: str) -> list[
     out = []
     for data in tasks:
         if data.label in core.BY_LABEL:
-            out += conventions.prepare(data, convention, limit, core.subset)
+            out += conventions.prepare(data, convention, limit)
         else:
             out.append(conventions.Part(data, core.subset(len(data.items), limit, data.label)))
     return out
