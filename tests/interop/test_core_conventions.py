@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from lm import cli
 from lm.base.exits import EXIT_CONFIG, Refused
 from lm.config import EvalsConfig
+from lm.data.tokenizer import train_tokenizer
 from lm.evals import conventions, core, own
 from lm.evals.conventions import DCLM, NANOCHAT
 from lm.evals.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
@@ -240,3 +241,67 @@ def test_two_ranks_sum_to_one_process_jeopardy_categories_included(convention):
         # a bigram model: q->a b right, q->a c wrong (x); a->b, x->y right (y); x->b wrong (z)
         per = {"x": 3 / 6, "y": 6 / 6, "z": 0 / 3}
         assert alone["jeopardy"].right / 15 == pytest.approx(sum(per.values()) / 3)  # 0.5; by items 9/15
+
+
+def nanochat_scores(model: Transformer, tokenizer, item: dict, shots: list[dict], kind: str, delim: str):
+    """nanochat's `evaluate_example`, written out: its templates, each prompt encoded whole after the start
+    token, the span from the common prefix (suffix; the stripped prompt without its continuation), a prompt
+    past the window cropped to its last `max_seq_len` tokens, one unpadded forward each; (mean losses, or
+    the greedy flag for language modelling)."""
+    if kind == MULTIPLE_CHOICE:
+        before = "".join(f"{e['query']}{delim}{e['choices'][e['gold']]}\n\n" for e in shots)
+        prompts = [f"{before}{item['query']}{delim}{c}" for c in item["choices"]]
+    elif kind == SCHEMA:
+        before = "".join(f"{e['context_options'][e['gold']]}{delim}{e['continuation']}\n\n" for e in shots)
+        prompts = [f"{before}{o}{delim}{item['continuation']}" for o in item["context_options"]]
+    else:
+        before = "".join(f"{e['context'].strip()}{delim}{e['continuation']}\n\n" for e in shots)
+        without = f"{before}{item['context'].strip()}{delim}"
+        prompts = [without.strip(), without + item["continuation"]]
+    seqs = [[0, *tokenizer.encode(p, add_special_tokens=False).ids] for p in prompts]
+    if kind == LANGUAGE_MODELING:
+        spans = [(len(seqs[0]), len(seqs[1]))]
+        seqs = seqs[1:]
+    else:
+        common = 0
+        pairs = seqs if kind == MULTIPLE_CHOICE else [s[::-1] for s in seqs]
+        while all(len(s) > common for s in pairs) and len({s[common] for s in pairs}) == 1:
+            common += 1
+        spans = [(common, len(s)) if kind == MULTIPLE_CHOICE else (len(s) - common, len(s)) for s in seqs]
+    out, window = [], model.cfg.max_seq_len
+    for seq, (start, end) in zip(seqs, spans):
+        crop = max(0, len(seq) - window)
+        seq, start, end = seq[crop:], start - crop, end - crop
+        logits = model(torch.tensor([seq])).float()[0]
+        losses = F.cross_entropy(logits[:-1], torch.tensor(seq[1:]), reduction="none")
+        if kind == LANGUAGE_MODELING:
+            return [bool((logits[start - 1 : end - 1].argmax(-1) == torch.tensor(seq[start:end])).all())]
+        out.append(losses[start - 1 : end - 1].mean().item())
+    return out
+
+
+@needs_core
+@pytest.mark.parametrize("label", ["copa", "arc_easy", "winograd", "lambada_openai"])
+def test_nanochat_scoring_is_nanochats_item_by_item(label):
+    """lm's packed scorer on nanochat's requests against nanochat's per-item forward written out: the same
+    mean losses (1e-4) and greedy flags on the first 12 items of its shuffled task, contexts past the window
+    included (10-shot arc_easy in a 128-token model)."""
+    data = core.load_task(CORE_DIR, label)
+    (part,) = conventions.prepare(data, NANOCHAT, 12)
+    texts = [json.dumps(item) for item in part.data.items] * 4
+    tokenizer = train_tokenizer(texts, 400)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=400, n_layer=2, d_model=32, n_head=4, max_seq_len=128)).eval()
+    questions = conventions.questions(part, NANOCHAT)
+    scored = Scorer(model, tokenizer, 0, rows=4).score_tokens(
+        conventions.tokens(questions, NANOCHAT, tokenizer, 0)
+    )
+    items = part.data.items
+    assert label != "arc_easy" or any(s.truncated for q in scored for s in q)  # the window's edge exercised
+    for q, mine in zip(questions, scored):
+        shots = [items[j] for j in core.fewshot_indices(len(items), q.index, data.shots)]
+        theirs = nanochat_scores(model, tokenizer, items[q.index], shots, data.kind, data.delimiter)
+        if data.kind == LANGUAGE_MODELING:
+            assert [s.greedy for s in mine] == theirs
+        else:
+            assert [s.mean_loss for s in mine] == pytest.approx(theirs, abs=1e-4)
