@@ -305,3 +305,77 @@ def test_nanochat_scoring_is_nanochats_item_by_item(label):
             assert [s.greedy for s in mine] == theirs
         else:
             assert [s.mean_loss for s in mine] == pytest.approx(theirs, abs=1e-4)
+
+
+def foundry_example(e: dict, kind: str, delim: str) -> str:
+    """One few-shot example as llm-foundry's `construct_context(..., add_answer=True)` builds it."""
+    if kind == MULTIPLE_CHOICE:
+        return f"{e['query']}{delim}{e['choices'][e['gold']]}"
+    if kind == SCHEMA:
+        return f"{e['context_options'][e['gold']]}{delim}{e['continuation']}"
+    return f"{e['context']}{delim}{e['continuation']}"
+
+
+def foundry_scores(
+    model: Transformer, tokenizer, items: list[dict], index: int, shots, kind: str, delim: str
+):
+    """llm-foundry's dataset and metric for one item, written out: stripped string fields, examples joined by
+    one newline, the preamble, the item's context and the continuation (with its prefix space) encoded apart,
+    the context trimmed on the left to fit `max_seq_len`, the whole continuation scored (after lm's start
+    token, lm's one departure)."""
+    items = [{k: v.strip() if isinstance(v, str) else v for k, v in x.items()} for x in items]
+    item, text = items[index], ""
+    for j in shots:
+        text += ("\n" if text else "") + foundry_example(items[j], kind, delim)
+    lead = "\n" if text else ""
+    if kind == SCHEMA:
+        contexts = [f"{lead}{o}{delim.rstrip()}" if text else o for o in item["context_options"]]
+        continuations = [item["continuation"]] * len(contexts)
+    elif kind == MULTIPLE_CHOICE:
+        contexts = [f"{lead}{item['query']}{delim}".rstrip()] * len(item["choices"])
+        continuations = item["choices"]
+    else:
+        contexts, continuations = [f"{lead}{item['context']}{delim}".rstrip()], [item["continuation"]]
+    out, window = [], model.cfg.max_seq_len
+    for ctx, cont in zip(contexts, continuations):
+        ids = [0, *tokenizer.encode(text, add_special_tokens=False).ids]
+        ids += tokenizer.encode(ctx, add_special_tokens=False).ids
+        cont_ids = tokenizer.encode(
+            cont if cont.startswith(" ") else " " + cont, add_special_tokens=False
+        ).ids
+        if len(ids) + len(cont_ids) > window:
+            ids = ids[-(window - len(cont_ids)) :]
+        seq = ids + cont_ids
+        logits = model(torch.tensor([seq])).float()[0]
+        at = slice(len(ids) - 1, len(seq) - 1)
+        if kind == LANGUAGE_MODELING:
+            return [bool((logits[at].argmax(-1) == torch.tensor(cont_ids)).all())]
+        out.append(F.cross_entropy(logits[at], torch.tensor(cont_ids)).item())
+    return out
+
+
+@needs_core
+@pytest.mark.parametrize("label", ["copa", "arc_easy", "winograd", "lambada_openai"])
+def test_dclm_scoring_is_llm_foundrys_item_by_item(label):
+    """lm's packed scorer on DCLM's requests against llm-foundry's dataset and metric written out: the same
+    mean losses (1e-4) and greedy flags on 12 items, contexts trimmed to the window included."""
+    data = core.load_task(CORE_DIR, label)
+    (part,) = conventions.prepare(data, DCLM, 12)
+    tokenizer = train_tokenizer([json.dumps(item) for item in data.items[:300]] * 2, 400)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=400, n_layer=2, d_model=32, n_head=4, max_seq_len=128)).eval()
+    questions = conventions.questions(part, DCLM)
+    requests = conventions.tokens(questions, DCLM, tokenizer, 0)
+    scored = Scorer(model, tokenizer, 0, rows=4).score_tokens(requests)
+    assert label != "arc_easy" or any(s.truncated for q in scored for s in q)  # the window's edge exercised
+    rng, draws = random.Random(1234), []
+    for i in range(len(data.items)):
+        draws.append(foundry_draw(len(data.items), data.shots, i, rng) if data.shots else [])
+    for q, mine in zip(questions, scored):
+        theirs = foundry_scores(
+            model, tokenizer, data.items, q.index, draws[q.index], data.kind, data.delimiter
+        )
+        if data.kind == LANGUAGE_MODELING:
+            assert [s.greedy for s in mine] == theirs
+        else:
+            assert [s.mean_loss for s in mine] == pytest.approx(theirs, abs=1e-4)
