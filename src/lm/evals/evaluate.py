@@ -136,10 +136,10 @@ def evaluate(
         if plan is not None:
             scorer = Scorer(subject.backbone, subject.tokenizer, subject.prefix_id, rows=cfg.batch_size)
             counts, kept = own.score_tasks(
-                scorer, plan.tasks, limit=cfg.limit, rank=rank, world=world, reduce=reduce,
-                examples=with_samples, progress=progress,
+                scorer, plan.tasks, limit=cfg.limit, convention=cfg.convention, rank=rank, world=world,
+                reduce=reduce, examples=with_samples, progress=progress,
             )  # fmt: skip
-            result.scores, result.core = own.summary(plan, counts, cfg.limit)
+            result.scores, result.core = own.summary(plan, counts, cfg.limit, cfg.convention)
             result.samples |= kept
         theirs = own.split(cfg.tasks)[1]
         if theirs and harness_here:
