@@ -63,6 +63,8 @@ def test_pyproject_cannot_resolve_a_release_with_a_known_advisory():
         assert "2.6.6" in spec and "2.7.0" not in spec
     torch = deps["torch"].specifier
     assert "2.9.1" not in torch and "2.10.0" in torch  # the weights_only unpickler fix (GHSA-63cw-57p8-fm3p)
+    # 2.11 and 2.12: their async sharded save fails (docs/development.md).
+    assert "2.11.0" not in torch and "2.12.1" not in torch
 
 
 def test_the_tested_ranges_are_what_pyproject_admits():

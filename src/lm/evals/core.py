@@ -18,11 +18,8 @@ Three task types, each rendered to (context, continuation) pairs and scored by `
 - schema: one context per option, one shared continuation; scored the same way;
 - language modelling: one pair; right when greedy decoding reproduces every continuation token.
 
-The convention is lm's own (`CONVENTION`, docs/export-eval.md#core): few-shot examples drawn per item with
-`random.Random(1234 + index)` over the file's order (nanochat's draw, but not its Random(1337) shuffle of
-each task first, so not nanochat's examples), joined by a blank line; nanochat's templates; the continuation
-tokenized with its context and scored whole (lm-evaluation-harness's split, not nanochat's common
-prefix/suffix); the prompt starts with the end-of-text token, as every training document does.
+How items become scored tokens is a convention, nanochat's (the default) or DCLM's (lm.evals.conventions);
+nanochat's templates and draw are here (`render`, `fewshot_indices`), since the @olmo sets use them too.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ META = "eval_meta_data.csv"
 """DCLM's table of tasks with the `Random baseline` column, in the data folder (optional: checked if there)."""
 BUNDLE_DATA = "eval_data"
 """Where nanochat's eval bundle keeps the task files (its eval_meta_data.csv sits beside that folder)."""
-CONVENTION = "lm"
-"""How items become requests and are scored (module docstring): named in every CORE record."""
 FEWSHOT_SEED = 1234
+"""nanochat's `random.Random(1234 + index)` per item; llm-foundry's `fewshot_random_seed` default too."""
 SUBSET_SEED = 1337
 
 
@@ -147,6 +143,8 @@ class Question:
     pairs: list[tuple[str, str]]
     gold: int
     """Index of the right pair (0 for language modelling)."""
+    cut: int = 0
+    """Where each context's few-shot text ends (DCLM encodes it apart from the item; 0 elsewhere)."""
 
 
 @dataclass
@@ -290,11 +288,15 @@ def fewshot_indices(n: int, index: int, shots: int) -> list[int]:
     return [j + (j >= index) for j in drawn]
 
 
-def render(data: TaskData, index: int) -> Question:
-    """Item `index` of a task as (context, continuation) pairs with its few-shot examples before it."""
+def render(data: TaskData, index: int, drawn: list[int] | None = None) -> Question:
+    """Item `index` of a task as (context, continuation) pairs with its few-shot examples (`drawn`, else
+    `fewshot_indices`) before it, in nanochat's templates: fields unstripped but language modelling
+    contexts, examples joined by a blank line."""
     items, delim = data.items, data.delimiter
     item = items[index]
-    shots = [items[j] for j in fewshot_indices(len(items), index, data.shots)]
+    if drawn is None:
+        drawn = fewshot_indices(len(items), index, data.shots)
+    shots = [items[j] for j in drawn]
     if data.kind == MULTIPLE_CHOICE:
         before = "".join(f"{ex['query']}{delim}{ex['choices'][ex['gold']]}\n\n" for ex in shots)
         context = f"{before}{item['query']}{delim}"
@@ -319,8 +321,8 @@ def render(data: TaskData, index: int) -> Question:
 
 
 def subset(n: int, limit: int | None, label: str) -> list[int]:
-    """The items scored: all, or a seeded sample of `limit` (the same for a task at every milestone and on
-    every machine), in file order."""
+    """The items scored where a convention has no rule of its own (DCLM's, the @olmo sets): all, or a seeded
+    sample of `limit` (the same for a task at every milestone and on every machine), in file order."""
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(random.Random(f"{label}:{SUBSET_SEED}").sample(range(n), limit))

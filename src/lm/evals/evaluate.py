@@ -136,10 +136,10 @@ def evaluate(
         if plan is not None:
             scorer = Scorer(subject.backbone, subject.tokenizer, subject.prefix_id, rows=cfg.batch_size)
             counts, kept = own.score_tasks(
-                scorer, plan.tasks, limit=cfg.limit, rank=rank, world=world, reduce=reduce,
-                examples=with_samples, progress=progress,
+                scorer, plan.tasks, limit=cfg.limit, convention=cfg.convention, rank=rank, world=world,
+                reduce=reduce, examples=with_samples, progress=progress,
             )  # fmt: skip
-            result.scores, result.core = own.summary(plan, counts, cfg.limit)
+            result.scores, result.core = own.summary(plan, counts, cfg.limit, cfg.convention)
             result.samples |= kept
         theirs = own.split(cfg.tasks)[1]
         if theirs and harness_here:
@@ -188,13 +188,14 @@ def evaluate_path(
     path = Path(path)
     plan = prepare(cfg, reach=True)  # refused before a model is loaded
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if is_hf_folder(path):
-        subject, folder = of_folder(path, device), path.resolve()
-    else:
-        run = hf.load_run(path, device)
-        about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
-        subject = of_lm(run.model, run.tokenizer_path, run.eot_token, run.eot_id, about)
-        folder = run.run_dir
+    with harness.generators_kept(torch.device(device)):  # building a model draws its initial weights
+        if is_hf_folder(path):
+            subject, folder = of_folder(path, device), path.resolve()
+        else:
+            run = hf.load_run(path, device)
+            about = {"model": str(run.run_dir), "checkpoint": str(run.ckpt), "step": run.step}
+            subject = of_lm(run.model, run.tokenizer_path, run.eot_token, run.eot_id, about)
+            folder = run.run_dir
     result = evaluate(subject, cfg, plan, with_samples=with_samples, progress=progress)
     record = {
         **subject.about,

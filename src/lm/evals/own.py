@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from lm.base.scores import DEFAULT_VERSION, is_core
-from lm.evals import core, olmo
+from lm.config.root import NANOCHAT
+from lm.evals import conventions, core, olmo
 from lm.evals.core import MULTIPLE_CHOICE, SCHEMA, TaskData
 from lm.evals.progress import Progress
 from lm.evals.scorer import Scored, Scorer
@@ -102,41 +103,86 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over every rank (identity on one process)."""
 
 
+def parts_of(tasks: list[TaskData], limit: int | None, convention: str) -> list[conventions.Part]:
+    """What is scored: a CORE task as its convention prepares it (one part, or DCLM's jeopardy categories);
+    an @olmo set as it is, on lm's seeded sample."""
+    out = []
+    for data in tasks:
+        if data.label in core.BY_LABEL:
+            out += conventions.prepare(data, convention, limit)
+        else:
+            out.append(conventions.Part(data, core.subset(len(data.items), limit, data.label)))
+    return out
+
+
+def score_part(scorer: Scorer, part: conventions.Part, convention: str, rank: int, world: int, progress):
+    """(questions, their scores) of this rank's share of a part's items."""
+    data = part.data
+    mine = conventions.Part(data, part.chosen[rank::world])
+    if part.task not in core.BY_LABEL:  # an @olmo set: lm-eval's split, as lm-eval would score it
+        questions = [core.render(data, i) for i in mine.chosen]
+        return questions, scorer.score([q.pairs for q in questions], on_batch=progress.advance)
+    questions = conventions.questions(mine, convention)
+    requests = conventions.tokens(questions, convention, scorer.tokenizer, scorer.prefix_id)
+    return questions, scorer.score_tokens(requests, on_batch=progress.advance)
+
+
 def score_tasks(
     scorer: Scorer,
     tasks: list[TaskData],
     *,
     limit: int | None = None,
+    convention: str = NANOCHAT,
     rank: int = 0,
     world: int = 1,
     reduce: Reduce | None = None,
     examples: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict[str, Counts], dict[str, list[dict]]]:
-    """Every task's counts over its items (all, or the seeded `limit`), this rank scoring every `world`-th
-    one and `reduce` summing the counts; and, with `examples`, each of this rank's items' per-pair scores.
-    `progress` hears of every batch of this rank's items."""
+    """Every task's counts over its items (all, or `limit`: nanochat's first N after its shuffle, else lm's
+    seeded sample) under CORE's `convention`, this rank scoring every `world`-th one and `reduce` summing the
+    counts; and, with `examples`, each of this rank's items' per-pair scores. `progress` hears of every
+    batch of this rank's items."""
     counts: dict[str, Counts] = {}
     kept: dict[str, list[dict]] = {}
-    chosen = {d.label: core.subset(len(d.items), limit, d.label)[rank::world] for d in tasks}
+    parts = parts_of(tasks, limit, convention)
     progress = progress or Progress(0)
-    progress.start(sum(map(len, chosen.values())))
-    for data in tasks:
-        questions = [core.render(data, i) for i in chosen[data.label]]
-        scored = scorer.score([q.pairs for q in questions], on_batch=progress.advance)
+    progress.start(sum(len(p.chosen[rank::world]) for p in parts))
+    for part in parts:
+        questions, scored = score_part(scorer, part, convention, rank, world, progress)
         total = Counts()
         for q, s in zip(questions, scored):
-            total += tally(data, q, s)
-        counts[data.label] = total
+            total += tally(part.data, q, s)
+        counts[part.data.label] = total
         if examples:
-            kept[data.label] = [example(q, s) for q, s in zip(questions, scored)]
+            kept.setdefault(part.task, []).extend(example(q, s) for q, s in zip(questions, scored))
     progress.finish()
     if reduce is not None and world > 1:
-        local = torch.tensor([astuple(counts[d.label]) for d in tasks], dtype=torch.float64)
+        local = torch.tensor([astuple(c) for c in counts.values()], dtype=torch.float64)
         summed = reduce(local)
-        for d, row in zip(tasks, summed.tolist()):
-            counts[d.label] = Counts(*(round(x) for x in row))
-    return counts, kept
+        counts = {label: Counts(*(round(x) for x in row)) for label, row in zip(counts, summed.tolist())}
+    return merge_categories(counts), kept
+
+
+def merge_categories(counts: dict[str, Counts]) -> dict[str, Counts]:
+    """DCLM's jeopardy: the mean of its categories' accuracies, as `right` over all its items (so `right`
+    may be fractional); every other task as it is."""
+    out: dict[str, Counts] = {}
+    groups: dict[str, list[Counts]] = {}
+    for label, c in counts.items():
+        task = label.split(conventions.CATEGORY_SEP)[0]
+        if task == label:
+            out[label] = c
+        else:
+            groups.setdefault(task, []).append(c)
+    for task, cs in groups.items():
+        scored = [c for c in cs if c.n]
+        n = sum(c.n for c in cs)
+        mean = sum(c.right / c.n for c in scored) / len(scored) if scored else 0.0
+        merged = sum(cs, Counts())
+        merged.right = merged.right_raw = merged.right_char = mean * n
+        out[task] = merged
+    return out
 
 
 def example(question, scored: list[Scored]) -> dict:
@@ -151,7 +197,9 @@ def example(question, scored: list[Scored]) -> dict:
     }
 
 
-def summary(plan: Plan, counts: dict[str, Counts], limit: int | None) -> tuple[dict, dict | None]:
+def summary(
+    plan: Plan, counts: dict[str, Counts], limit: int | None, convention: str = NANOCHAT
+) -> tuple[dict, dict | None]:
     """(scores: task -> metric -> value, the CORE record or None). CORE tasks are keyed `core:<label>` with
     `acc`, `acc_stderr` and `centered` (v1); @olmo tasks by their name with `acc`, `acc_raw`, `acc_char`
     (multiple choice)."""
@@ -172,20 +220,19 @@ def summary(plan: Plan, counts: dict[str, Counts], limit: int | None) -> tuple[d
     scored = {label: (counts[label].right, counts[label].n) for label in plan.core if counts[label].n}
     if not scored:
         return scores, None
-    record = core_record(plan, scored, counts, limit)
+    record = core_record(plan, scored, counts, limit) | {"convention": convention}
     scores["core"] = {f"{record['label']} {record['version']}": record["value"]}
     return scores, record
 
 
 def core_record(plan: Plan, scored: dict[str, tuple[int, int]], counts: dict[str, Counts], limit) -> dict:
-    """The CORE record (base.scores reads it): the v1 figure with its table and error, v2's beside it,
-    the convention, what was scored, left out or filled."""
+    """The CORE record (base.scores reads it): the v1 figure with its table and error, v2's beside it, what
+    was scored, left out or filled (`summary` adds the convention)."""
     figures = {version: core.figure(scored, version) for version in core.BASELINES}
     headline = figures[DEFAULT_VERSION]
     return {
         "label": core.core_label(list(scored), plan.proxies),
         "version": DEFAULT_VERSION,
-        "convention": core.CONVENTION,
         **headline,
         "versions": {
             v: {"value": f["value"], "stderr": f["stderr"], "tasks": f["tasks"]}

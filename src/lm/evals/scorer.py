@@ -2,10 +2,11 @@
 (lm.evals.core, lm.evals.olmo), on lm's own model or any transformers causal LM (`Backbone`, `HFBackbone`),
 so a run and the public models it is compared with are on one yardstick.
 
-A request is a (context, continuation) pair. Its tokens are split as lm-evaluation-harness splits them
-(`encode_pair`), so the two score the same tokens: trailing whitespace of the context moves to the
-continuation, the pair is tokenized whole and the context's own tokens are cut off the front; every prompt
-starts with the end-of-text token, as every training document does.
+A request is a token sequence and the index of its first scored token (`score_tokens`): CORE's conventions
+tokenize their own way (lm.evals.conventions). `score` takes (context, continuation) pairs and splits them as
+lm-evaluation-harness does (`encode_pair`), so the two score the same tokens: trailing whitespace of the
+context moves to the continuation, the pair is tokenized whole and the context's own tokens are cut off the
+front. Every prompt starts with the model's start token (lm's end of text, as every training document does).
 
 Speed comes from packing. The requests of one question that share a prefix (a multiple-choice context and
 its choices, a schema task's few-shot examples) become one unit: the prefix once, then each continuation as
@@ -98,7 +99,8 @@ class Scored:
 
     @property
     def mean_loss(self) -> float:
-        return -self.logprob / self.tokens
+        """NaN when nothing was scored (a choice that is a token prefix of another, under nanochat)."""
+        return -self.logprob / self.tokens if self.tokens else float("nan")
 
 
 def split_space(context: str, continuation: str) -> tuple[str, str]:
@@ -173,28 +175,34 @@ class Scorer:
 
     # --- tokens --------------------------------------------------------------------------------------------
 
-    def requests(self, pairs: list[tuple[str, str]]) -> list[_Request]:
-        """The pairs tokenized as `encode_pair` does, each distinct text once, in parallel batches (the
-        tokenizer's own threads: a multiple-choice context is shared by its choices)."""
+    def requests(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+        """The pairs tokenized as `encode_pair` does, as (sequence, first continuation index), each distinct
+        text once, in parallel batches (the tokenizer's own threads: a multiple-choice context is shared by
+        its choices)."""
         split = [split_space(c, k) for c, k in pairs]
         texts = list(dict.fromkeys(t for c, k in split for t in (c, c + k)))
         ids = dict(zip(texts, (e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False))))
         out = []
         for context, continuation in split:
             ctx, cont = split_ids(ids[context], ids[context + continuation], self.prefix_id)
-            cont = cont[: self.row_len]  # a continuation longer than the context length: its head only
-            seq, truncated = ctx + cont, False
-            # The last token is only a target, so a row of row_len inputs scores row_len + 1 tokens; beyond
-            # that the context loses tokens on the left (as lm-evaluation-harness truncates).
-            if len(seq) > self.row_len + 1:
-                seq, truncated = seq[-(self.row_len + 1) :], True
-            out.append(_Request(seq, len(seq) - len(cont), truncated))
+            out.append((ctx + cont, len(ctx)))
         return out
 
-    def units(self, questions: list[list[tuple[str, str]]]) -> tuple[list[_Request], list[_Unit]]:
+    def fit(self, seq: list[int], start: int, keep: int) -> _Request:
+        """A tokenized request cut to the model: a continuation longer than the context keeps its head; a
+        sequence longer than `keep` tokens loses tokens of its context on the left."""
+        seq = seq[: start + min(self.row_len, keep - 1)]  # at least one context token survives the cut
+        if len(seq) > keep:
+            cut = len(seq) - keep
+            return _Request(seq[cut:], max(0, start - cut), True)
+        return _Request(seq, start, False)
+
+    def units(
+        self, questions: list[list[tuple[list[int], int]]], keep: int
+    ) -> tuple[list[_Request], list[_Unit]]:
         """Every request, and the units they are packed as: per question, the prefix all its requests share
         (up to the shortest context), then one branch each; split where the unit would not fit a row."""
-        requests = self.requests([pair for pairs in questions for pair in pairs])
+        requests = [self.fit(seq, start, keep) for q in questions for seq, start in q]
         units, first = [], 0
         for pairs in questions:
             reqs = requests[first : first + len(pairs)]
@@ -256,11 +264,25 @@ class Scorer:
 
     # --- scoring -------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def score(self, questions: list[list[tuple[str, str]]], on_batch=None) -> list[list[Scored]]:
-        """Each question's requests scored, in order: a list of `Scored` per question. `on_batch(items)`
-        after each forward pass: the questions it finished, a request counting 1/len(its question)."""
-        requests, units = self.units(questions)
+        """Each question's (context, continuation) pairs scored, in order, split as lm-evaluation-harness
+        splits them (its truncation too: row_len + 1 tokens, the last only a target)."""
+        flat = self.requests([pair for pairs in questions for pair in pairs])
+        tokenized, k = [], 0
+        for pairs in questions:
+            tokenized.append(flat[k : k + len(pairs)])
+            k += len(pairs)
+        return self.score_tokens(tokenized, on_batch, keep=self.row_len + 1)
+
+    @torch.no_grad()
+    def score_tokens(
+        self, questions: list[list[tuple[list[int], int]]], on_batch=None, *, keep: int | None = None
+    ) -> list[list[Scored]]:
+        """Each question's requests, tokenized as (sequence, index of its first scored token), scored in
+        order: a list of `Scored` per question. A sequence longer than `keep` tokens (default: the context
+        length, as nanochat and llm-foundry cut) loses tokens on the left. `on_batch(items)` after each
+        forward pass: the questions it finished, a request counting 1/len(its question)."""
+        requests, units = self.units(questions, self.row_len if keep is None else keep)
         results: list[Scored | None] = [None] * len(requests)
         batches = self.batches_of(units)
         share = [1.0 / len(pairs) for pairs in questions for _ in pairs]
