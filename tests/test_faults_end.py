@@ -21,9 +21,12 @@ import pytest
 
 from lm.base.exits import EXIT_SAVE_FAILED
 
+from . import test_faults
 from .conftest import TINY, train_in_process
 from .harness import Outcome, Record, run
 from .test_faults import small_disk  # noqa: F401  (a fixture: a tmpfs to fill)
+
+row = test_faults.row  # the matrix table's row fixture, one definition for both fault files
 
 CORE_DIR = Path(__file__).resolve().parents[2] / "shared" / "evals" / "core"
 needs_core = pytest.mark.skipif(not CORE_DIR.is_dir(), reason=f"no CORE task files at {CORE_DIR}")
@@ -120,14 +123,6 @@ def saved_step(run_dir: Path) -> int | None:
 
     link = run_dir / "checkpoints" / files.LAST
     return files.read_meta(link)["global_step"] if link.exists() else None
-
-
-@pytest.fixture
-def row(request):
-    node = request.node
-    record = Record(node.callspec.id if hasattr(node, "callspec") else node.name, test=node.nodeid)
-    yield record
-    record.write()
 
 
 def check(outcome: Outcome, record: Record, fired: Path, launcher: str, code: int, saved: int, run_dir: Path):
