@@ -176,6 +176,7 @@ def test_end_fault_rows(root, data_cache, row, launcher, case):
     assert_recorded(root / name, case)
 
 
+@pytest.mark.faults_slow  # 2 DDP ranks end to end: ~23 s on 2 cores
 @needs_core
 def test_sampling_on_rank0_and_core_on_rank1_raising_at_the_end_lose_nothing(root, data_cache, row):
     """Issue 61's done-when: rank 0's sampling and rank 1's CORE scorer raise at the last step of a 5-step run

@@ -564,6 +564,7 @@ def train(root: Path, data_cache: Path, *overrides: str) -> Path:
     return root / "smoke"
 
 
+@pytest.mark.slow  # a run with CORE at every phase end: ~23 s on 2 cores
 @needs_core
 def test_core_at_milestones_priced_per_phase_and_never_twice(tmp_path, data_cache):
     """CORE-18 at the phase boundary and the last step: in evals.jsonl, TensorBoard (`eval/core` against
