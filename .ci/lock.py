@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -97,12 +98,34 @@ PIN_BLOCK = re.compile(r"^[A-Za-z0-9_.\[\], -]+==[^\n]*\n(?:(?:    |#)[^\n]*\n)*
 """A pin, its hash lines and the comments after it, up to the next pin."""
 
 
+def locked_torch(text: str) -> str:
+    """The torch version the lock pins."""
+    return re.search(r"^torch==([^\s;\\]+)", text, re.M).group(1)
+
+
+def local_cpu_wheel(text: str, folders: str) -> Path | None:
+    """PyTorch's CPU wheel of the lock's torch for this Python (Linux x86_64) in pip's find-links `folders`
+    (space-separated, as PIP_FIND_LINKS holds them), or None: lm's CI machines keep one, users' do not."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    pattern = f"torch-{locked_torch(text)}+cpu-{tag}-{tag}-*manylinux*_x86_64.whl"
+    found = [w for folder in folders.split() for w in sorted(Path(folder).glob(pattern))]
+    return found[0] if found else None
+
+
+def ci_lock(text: str, folders: str) -> str:
+    """What CI installs: `cpu_lock` with the machine's CPU wheel where it keeps one, else the lock itself."""
+    wheel = local_cpu_wheel(text, folders)
+    said = f"{wheel} (this machine's CPU wheel; CUDA packages left out)" if wheel else "the lock's (PyPI)"
+    print(f"torch: {said}", file=sys.stderr)
+    return text if wheel is None else cpu_lock(text, wheel)
+
+
 def cpu_lock(text: str, wheel: Path) -> str:
     """The lock for a CPU-only CI machine that keeps PyTorch's CPU wheel of the locked version on disk: torch's
     hash is that file's, and the CUDA packages only PyPI's torch needs are left out. For CI's speed alone (no
     5 GB of CUDA libraries per run); what users install is the lock itself, which `.ci/lock_targets.py` and the
     index-only install in docs/development.md check."""
-    version = re.search(r"^torch==([^\s;\\]+)", text, re.M).group(1)
+    version = locked_torch(text)
     if not wheel.name.startswith(f"torch-{version}+cpu-"):
         raise SystemExit(f"{wheel} is not torch {version}'s CPU wheel (the lock's torch)")
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
@@ -142,8 +165,8 @@ def main(argv: list[str]) -> int:
     if argv == ["stamp"]:
         stamp()
         return 0
-    if len(argv) == 2 and argv[0] == "cpu":
-        sys.stdout.write(cpu_lock(LOCK.read_text(), Path(argv[1])))
+    if argv == ["ci"]:
+        sys.stdout.write(ci_lock(LOCK.read_text(), os.environ.get("PIP_FIND_LINKS", "")))
         return 0
     if argv == ["check"]:
         if (why := problem()) is not None:
@@ -151,7 +174,7 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"lock check: {LOCK.name} matches pyproject.toml")
         return 0
-    print("usage: python3 .ci/lock.py check|stamp|cpu TORCH_CPU_WHEEL", file=sys.stderr)
+    print("usage: python3 .ci/lock.py check|stamp|ci", file=sys.stderr)
     return 2
 
 

@@ -205,3 +205,17 @@ def test_ci_s_cpu_lock_swaps_torch_for_the_cpu_wheel_and_drops_only_cuda_package
     )
     with pytest.raises(SystemExit, match="not torch 2.13.0's CPU wheel"):
         lock_tool.cpu_lock(text, tmp_path / "torch-2.12.0+cpu-cp311-cp311-linux_x86_64.whl")
+
+
+def test_ci_takes_the_cpu_wheel_only_where_the_machine_keeps_the_locked_ones(tmp_path):
+    """`.ci/lock.py ci`: the lock with this Python's CPU wheel of the locked torch swapped in, else the lock."""
+    text = LOCK.read_text()
+    assert lock_tool.ci_lock(text, "") == text and lock_tool.ci_lock(text, str(tmp_path)) == text
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    (tmp_path / f"torch-2.12.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl").write_bytes(b"another torch")
+    (tmp_path / "torch-2.13.0+cpu-cp39-cp39-manylinux_2_28_x86_64.whl").write_bytes(b"another Python")
+    assert lock_tool.local_cpu_wheel(text, f"/nonexistent {tmp_path}") is None
+    wheel = tmp_path / f"torch-2.13.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"the locked one")
+    assert lock_tool.local_cpu_wheel(text, f"/nonexistent {tmp_path}") == wheel
+    assert lock_tool.ci_lock(text, str(tmp_path)) == lock_tool.cpu_lock(text, wheel)
