@@ -81,7 +81,7 @@ def test_calibration_recovers_a_known_shift_from_points_above_the_signal():
 
 def test_calibration_below_the_signal_is_a_refusal_that_names_the_fix():
     prior = public_prior("v1")
-    with pytest.raises(Refused, match="no run reached CORE 0.1.*larger or longer runs"):
+    with pytest.raises(Refused, match="no run reached CORE 0.1 clear of chance.*larger or longer runs"):
         calibrate(prior, [Point(5.0, 0.01), Point(4.5, 0.04)], "tiny runs")
 
 

@@ -66,6 +66,15 @@ def gain(end: dict[str, Any], start: dict[str, Any] | None) -> tuple[float, floa
     return end["value"] - start["value"], se
 
 
+def version_value(record: dict[str, Any], version: str) -> tuple[float, float | None] | None:
+    """(value, stderr) of a CORE record under baseline table `version`: its own figure or one of its
+    `versions`; None when the record carries no figure of that table."""
+    if record.get("version", DEFAULT_VERSION) == version:
+        return record["value"], record.get("stderr")
+    other = (record.get("versions") or {}).get(version)
+    return (other["value"], other.get("stderr")) if other else None
+
+
 def within_noise(delta: float, se: float | None) -> bool:
     """A CORE gain smaller than twice its standard error: not told apart from none at ~95%."""
     return se is not None and abs(delta) < 2 * se

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lm.base.exits import Refused
+from lm.base.scores import DEFAULT_VERSION
 from lm.base.tables import fmt_money
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
+from lm.numbers import core_map
 from lm.numbers.loss_law import ScheduleForecast, fit_schedule_law, schedule_forecast, usd_per_loss_point_fit
 from lm.numbers.lr_schedule import multipliers
 from lm.store import rundir
@@ -85,6 +88,7 @@ class EarlyStopper(Callback):
         """The run's agreement across ranks: rank 0's decision at a validation, on every rank (None: one
         process)."""
         self.meter = meter
+        self.run_dir = run_dir
         self.stop_path = run_dir / rundir.STOP
         self.forecast_path = run_dir / rundir.FORECAST
         self.flat_lr = flat_lr
@@ -102,6 +106,9 @@ class EarlyStopper(Callback):
 
             self.priors = read_priors(cfg.forecast_prior)
         """Shape priors for the forecast (early_stopping.forecast_prior): read once, so a bad file fails at start."""
+        self.core_base = core_map.read_map(cfg.core_map) if cfg.core_map else None
+        """The CORE forecast's starting map (early_stopping.core_map), read once so a bad file fails at start;
+        None: the public prior, loaded when the run first has a CORE milestone."""
         self.references = references or []
         """Reference curves (early_stopping.forecast_reference), read and checked against the run at build."""
         self.last_reference: ReferenceForecast | None = None
@@ -442,11 +449,47 @@ class EarlyStopper(Callback):
                 100 * ref.fraction,
                 ref.interval_from,
             )
+        core = self.core_forecast() if sf is not None and trainer.is_global_zero else None
+        if core is not None:
+            end = core["plan_end"]
+            metrics |= {"forecast/core_at_plan_end": end["core"], "forecast/core_at_plan_end_low": end["low"]}
+            metrics["forecast/core_at_plan_end_high"] = end["high"]
+            log.info("CORE forecast at the plan's end: %s; %s", core_map.Forecast(**end_fields(end)).text(),
+                     core["label"])  # fmt: skip
         if (c is not None or ref is not None) and trainer.is_global_zero:
             record = {"schedule": c} | ({"reference": ref.record()} if ref is not None else {})
+            record |= {"core": core} if core is not None else {}
             rundir.write_record(self.forecast_path, record)
         for name, value in metrics.items():
-            pl_module.log(name, float(value), on_step=False, on_epoch=True)
+            # the CORE forecast is rank 0's (it reads evals.jsonl, which rank 0 writes)
+            pl_module.log(
+                name,
+                float(value),
+                on_step=False,
+                on_epoch=True,
+                rank_zero_only=name.startswith("forecast/core"),
+            )
+
+    def core_forecast(self) -> dict[str, Any] | None:
+        """The run's final CORE from its loss forecast and the loss-to-CORE map (forecast.json's `core`), once
+        evals.jsonl holds a CORE milestone; the map's shift is recalibrated on the milestones that reach CORE
+        0.1 (lm.numbers.core_map.run_forecast). None before the first CORE milestone."""
+        evals = [r for r in rundir.read_evals(self.run_dir) if r.get("core")]
+        if not evals:
+            return None
+        version = (
+            self.core_base.version if self.core_base else evals[-1]["core"].get("version", DEFAULT_VERSION)
+        )
+        base = self.core_base or core_map.public_prior(version)
+        try:
+            points, name = core_map.run_points(evals, [(p.step, p.loss) for p in self.points], version)
+        except Refused as refusal:  # e.g. milestones scored two ways: no forecast, and the run goes on
+            log.warning("no CORE forecast: %s", refusal)
+            return None
+        sf = self.last_schedule
+        endings = {"plan_end": sf.plan_end, "cooldown_now": sf.cooldown_now}
+        endings = {k: (v.loss, v.low, v.high) for k, v in endings.items()}
+        return core_map.run_forecast(base, points, name, endings)
 
     def schedule_choices(self) -> dict[str, Any] | None:
         """The forecast as a decision in dollars (forecast.json's `schedule`; stop.json's `forecast` when a
@@ -478,3 +521,8 @@ class EarlyStopper(Callback):
             else "",
         )
         return {"step": sf.step, "law": sf.law.record(), **choices}
+
+
+def end_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A CORE ending's record without its `loss`: the fields of a `core_map.Forecast`."""
+    return {k: v for k, v in record.items() if k != "loss"}

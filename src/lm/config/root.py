@@ -269,6 +269,10 @@ class EarlyStoppingConfig:
     """Shape prior for the forecast: a `calibration.json` of `lm plan --calibrate` or a law file with a
     `forecast_prior` mapping. null with forecast_model=schedule: the law as before (alpha free, the anneal
     gain's default prior)."""
+    core_map: str | None = None
+    """The loss-to-CORE map the run's CORE forecast starts from: a `core_map.json` of `lm core-map` (calibrated
+    on the user's runs). null: the public prior (uncalibrated). Either way the run's own CORE milestones at
+    CORE 0.1 or more recalibrate its shift (lm.numbers.core_map)."""
 
     def __post_init__(self) -> None:
         if self.forecast_model not in ("schedule", "multi_power", "auto", "reference"):

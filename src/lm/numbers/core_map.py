@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from scipy.stats import norm
 from scipy.stats import t as student_t
 
 from lm.base.exits import Refused
+from lm.base.scores import core_name, version_value
 
 TESTBED = Path(__file__).with_name("core_testbed.csv")
 """The public testbed's per-model losses and CORE accuracies (experiments/2026-11-29-core-map/testbed.py)."""
@@ -177,6 +179,12 @@ class CoreMap:
             )
         return cls(**{k: record[k] for k in keys})
 
+    def __post_init__(self) -> None:
+        if self.version not in VERSIONS or not (self.noise_sd > 0 and self.shift_sd >= 0 and self.gamma > 0):
+            raise Refused(
+                f"a CORE map needs version in {VERSIONS}, noise_sd > 0, shift_sd >= 0 and gamma > 0"
+            )
+
 
 @dataclass(frozen=True)
 class Forecast:
@@ -299,16 +307,24 @@ def public_prior(version: str = "v1") -> CoreMap:
 # --- calibration on the user's runs --------------------------------------------------------------------
 
 
+def carries_signal(p: Point) -> bool:
+    """A point that can place the map: CORE at least `SIGNAL` and at least twice its standard error (8 items
+    a task put a chance-level model at 0.25 +- 0.35)."""
+    return p.core >= SIGNAL and p.core >= 2.0 * p.stderr
+
+
 def calibrate(prior: CoreMap, points: list[Point], source: str) -> CoreMap:
     """The prior's shape with the shift fitted to `points` (the user's runs, own data and tokenizer), by
     weighted least squares (weights 1 / (noise^2 + stderr^2)); the shift's sd is the fit's (Fisher information
-    at the fit). Points below `SIGNAL` are left out; none left is a refusal."""
-    usable = [p for p in points if p.core >= SIGNAL]
+    at the fit). Points that do not `carries_signal` are left out; none left is a refusal."""
+    usable = [p for p in points if carries_signal(p)]
     if not usable:
-        best = max((p.core for p in points), default=float("nan"))
+        best = max(points, key=lambda p: p.core, default=None)
+        said = f"the best: {best.core:.3f} +- {best.stderr:.3f}" if best else "no points"
         raise Refused(
-            f"no run reached CORE {SIGNAL:g} (the best: {best:.3f}): below it CORE is near chance and cannot "
-            "place the map. Calibrate on larger or longer runs, or plan with the public prior (uncalibrated)"
+            f"no run reached CORE {SIGNAL:g} clear of chance ({said}): below it CORE cannot place the map. "
+            "Calibrate on larger or longer runs (more items per task: evals.limit), or plan with the public "
+            "prior (uncalibrated)"
         )
     L = np.array([p.loss for p in usable])
     C = np.array([p.core for p in usable])
@@ -322,3 +338,70 @@ def calibrate(prior: CoreMap, points: list[Point], source: str) -> CoreMap:
     slope = gamma * k * np.exp(-gamma * (L - shift))
     shift_sd = float(1.0 / math.sqrt(np.sum(w * slope**2)))
     return CoreMap(k, gamma, c, shift, shift_sd, prior.noise_sd, prior.version, True, source, len(usable))
+
+
+# --- a run's own points --------------------------------------------------------------------------------
+
+PAIR_TOLERANCE = 0.02
+"""How far (a fraction of the step) the validation a CORE milestone is paired with may be from it."""
+
+
+def run_points(
+    evals: list[dict], validations: list[tuple[int, float]], version: str, group: str = ""
+) -> tuple[list[Point], str | None]:
+    """A run's (loss, CORE) points: each evals.jsonl record with a CORE figure under `version`, at the
+    validation loss of its step (the nearest validation within `PAIR_TOLERANCE` of it). Also the records'
+    CORE name (`CORE v1 nanochat`, `CORE-18 v1 dclm`), so that points of different coverage never mix."""
+    points, names = [], set()
+    for record in evals:
+        core = record.get("core")
+        figure = version_value(core, version) if core else None
+        if figure is None or not validations:
+            continue
+        step = record["step"]
+        at, loss = min(validations, key=lambda v: abs(v[0] - step))
+        if abs(at - step) > PAIR_TOLERANCE * max(step, 1) or not math.isfinite(loss):
+            continue
+        names.add(core_name(core | {"version": version}))
+        points.append(Point(loss, figure[0], figure[1] or 0.0, group))
+    if len(names) > 1:
+        raise Refused(
+            f"the runs' CORE figures differ in coverage or convention ({', '.join(sorted(names))}): "
+            "score them all the same way (evals=core, one convention) before calibrating"
+        )
+    return points, names.pop() if names else None
+
+
+def read_map(path: str | Path) -> CoreMap:
+    """A `core_map.json` written by `lm core-map` (its `map`), refused with the fix when absent or malformed."""
+    file = Path(path)
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise Refused(
+            f"cannot read the CORE map {file}: {e}; write it with `lm core-map RUN_DIR ...`"
+        ) from None
+    if not isinstance(record, dict) or not isinstance(record.get("map"), dict):
+        raise Refused(f"{file} is not a CORE map (no `map` record); write it with `lm core-map RUN_DIR ...`")
+    return CoreMap.from_record(record["map"])
+
+
+def loss_sd(low: float, high: float, level: float = LEVEL) -> float:
+    """A loss prediction's standard deviation from its central `level` interval (normal)."""
+    return max(0.0, (high - low) / (2.0 * norm.ppf(0.5 + level / 2)))
+
+
+def run_forecast(base: CoreMap, points: list[Point], name: str | None, endings: dict) -> dict:
+    """forecast.json's `core`: the map (`base` with its shift recalibrated on the run's own `points` when one
+    reaches SIGNAL) and the CORE at each loss ending {name: (loss, low, high)}, with 90% intervals."""
+    usable = [p for p in points if carries_signal(p)]
+    cmap = calibrate(base, usable, f"this run's {len(usable)} CORE milestones") if usable else base
+    why = (
+        None
+        if usable
+        else f"no CORE milestone reached {SIGNAL:g} clear of chance, so the shift is not the run's"
+    )
+    out = {"name": name, "map": cmap.record(), "label": cmap.label(), "milestones": len(points), "why": why}
+    for key, (loss, low, high) in endings.items():
+        out[key] = cmap.predict(loss, loss_sd(low, high)).record() | {"loss": loss}
+    return out

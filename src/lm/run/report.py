@@ -53,6 +53,7 @@ def write_report(run_dir: str | Path) -> Path:
     schedule = decided or (forecast or {}).get("schedule")
     text += stopping_section(stop, schedule) + forecast_section(schedule, measured, bool(decided))
     text += reference_section((forecast or {}).get("reference"))
+    text += core_forecast_section((forecast or {}).get("core"))
     text += benchmarks_section(evals, rundir.read_record(run_dir / rundir.EVAL))
     text += samples_section(rundir.read_samples(run_dir))
     text += failures_section(evals, rundir.read_failures(run_dir))
@@ -504,6 +505,22 @@ def reference_section(ref: dict | None) -> str:
         )
         + "\n"
     )
+
+
+def core_forecast_section(core: dict | None) -> str:
+    """The CORE forecast (forecast.json's `core`, lm.numbers.core_map): the final CORE at the loss forecast's
+    endings, through the loss-to-CORE map, and whether that map is calibrated."""
+    if not core:
+        return ""
+    lines = ["", f"CORE forecast ({core['label']}; {core['milestones']} CORE milestones):", ""]
+    lines += ["| ending | loss | CORE (90% interval) |", "|---|---|---|"]
+    for key, name in ENDINGS:
+        o = core.get(key)
+        if o:
+            lines.append(f"| {name} | {o['loss']:.3f} | {o['core']:.3f} ({o['low']:.3f}-{o['high']:.3f}) |")
+    if core.get("why"):
+        lines += ["", f"Uncalibrated: {core['why']}."]
+    return "\n".join(lines) + "\n"
 
 
 def samples_section(records: list[dict]) -> str:
