@@ -84,7 +84,8 @@ def test_mfu_of_an_fp8_run_is_against_the_fp8_peak_and_plans_see_its_speed(tmp_p
     assert cost.peak_flops(H100, "bf16-mixed", True, fp8=True) == pytest.approx(1978.9e12)
     assert cost.peak_flops(A100, "bf16-mixed", True, fp8=True) is None
     catalog = cost.load_catalog(CONF)
-    for name in ("h100_sxm", "h100_pcie", "h200", "l40s"):  # FP8 tensor cores: twice the dense bf16 peak
+    # FP8 tensor cores: twice the dense bf16 peak
+    for name in ("h100_sxm", "h100_pcie", "h200", "l40s", "b200"):
         assert catalog[name].peak_fp8_tflops == pytest.approx(2 * catalog[name].peak_bf16_tflops, rel=0.03)
     assert catalog["a100_80gb"].peak_fp8_tflops is None
     # A bench whose FP8 row ran at 1.3x bf16's tokens/s: its MFU (against the FP8 peak) is 0.65x bf16's, and

@@ -1,8 +1,10 @@
 """The GPU catalog, the cost meter, phases and the run report, checked against independent arithmetic."""
 
+import datetime
 import itertools
 import json
 import math
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -62,13 +64,30 @@ def test_flops_per_token_follows_the_documented_formula():
 def test_the_catalog_has_every_gpu_with_dated_sourced_prices():
     catalog = cost.load_catalog(CONF)
     expected = {"cpu", "a100_80gb", "a100_40gb", "a40", "rtx_a6000", "l40s", "rtx_pro_6000", "h100_sxm",
-                "h100_pcie", "h200"}  # fmt: skip
+                "h100_pcie", "h200", "b200"}  # fmt: skip
     assert set(catalog) == expected
     for name, gpu in catalog.items():
         assert gpu.name == name
         if name != "cpu":
             assert gpu.peak_bf16_tflops > gpu.peak_tf32_tflops > 0 and gpu.memory_gb and gpu.bandwidth_gbps
-            assert gpu.price_on_demand > 0 and gpu.price_date and gpu.price_source
+            assert gpu.price_on_demand > 0
+        if gpu.price_on_demand or gpu.price_spot is not None:  # every priced entry: a date and a source
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", gpu.price_date), f"{name}: price_date not an ISO date"
+            assert datetime.date.fromisoformat(gpu.price_date) <= datetime.date.today(), name
+            # The source names a page to check, or says plainly that the figure is unverified.
+            assert "https://" in gpu.price_source or "unverified" in gpu.price_source, name
+        if gpu.price_spot is not None:
+            assert 0 < gpu.price_spot < gpu.price_on_demand, f"{name}: spot must undercut on-demand"
+
+
+def test_b200_is_catalogued_above_h100():
+    catalog = cost.load_catalog(CONF)
+    b200, h100 = catalog["b200"], catalog["h100_sxm"]
+    for field in ("peak_bf16_tflops", "peak_tf32_tflops", "peak_fp8_tflops", "memory_gb", "bandwidth_gbps"):
+        assert getattr(b200, field) > getattr(h100, field), field
+    assert cost.fp8_peak_ratio(b200) == pytest.approx(2.0)  # FP8 tensor cores: twice the dense bf16 peak
+    assert cost.detect("NVIDIA B200", catalog) is b200
+    assert cost.detect("NVIDIA GB200", catalog) is None  # the Grace superchip's B200 runs at other clocks
 
 
 @pytest.mark.parametrize(
