@@ -743,3 +743,53 @@ def test_measured_dollars_are_tokens_times_the_interleaved_step_time_ratio():
     assert row.measured_usd_to_target_ratio.mean == pytest.approx(row.tokens_ratio.mean * 1.5)
     assert row.measured_usd_to_target_ratio.high == pytest.approx(row.tokens_ratio.high * 1.5)
     assert summarize(spec, results, {BASELINE: shape, "v": heavier})[1].measured_usd_to_target_ratio is None
+
+
+def own_runs(seeds: list[int], ratio: float, offset: dict[int, float] | None = None) -> list[RunResult]:
+    """Baseline and `fast` at 0.5, 0.6, 0.8 and 1.0 of the tokens, `fast` as the baseline at `ratio`x the
+    tokens, each seed's losses shifted by its offset: every seed's speed-up is exactly 1 / `ratio`."""
+    offset = offset or {s: 0.01 * s for s in seeds}
+    out = []
+    for s in seeds:
+        for f in (0.5, 0.6, 0.8, 1.0):
+            steps = int(100 * f)
+            out.append(result(BASELINE, s, 4.0 + offset[s] - 0.2 * math.log(1000.0 * f), f, steps))
+            out.append(result("fast", s, 4.0 + offset[s] - 0.2 * math.log(ratio * 1000.0 * f), f, steps))
+    return out
+
+
+def test_a_speedup_with_no_seed_spread_is_flagged_not_printed_as_an_interval():
+    """Issue 63: every seed's speed-up equal (a seed's shift common to both arms, or a seed never applied) gave
+    the zero-width interval "0.611 [0.611, 0.611]" in the report, read as a very precise measurement."""
+    from lm.tools.ablate.report import ShapeReport, arm_table
+
+    spec = Spec(name="t", variants={"fast": []}, seeds=[0, 1, 2], fractions={"fast": [0.5, 0.6, 0.8]})
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    shapes = {BASELINE: shape, "fast": shape}
+    results = own_runs(spec.seeds, 1.4)
+    rows = summarize(spec, results, shapes, times={BASELINE: 1.0, "fast": 1.5})
+    fast = next(r for r in rows if r.arm == "fast")
+    assert fast.tokens.interval.mean == pytest.approx(1 / 1.4) and fast.tokens.interval.no_spread
+    assert fast.tokens.text == "0.714 (no seed spread: no interval)"
+    table = "\n".join(arm_table(spec, ShapeReport("", shapes, results, rows)))
+    line = next(line for line in table.splitlines() if line.startswith("| fast "))
+    assert "[0.714, 0.714]" not in line and "[1.071, 1.071]" not in line
+    assert "0.714 (no seed spread: no interval)" in line and "1.071 (no seed spread)" in line
+    # The baseline's own row is 1 by construction, not a missing spread.
+    base = next(line for line in table.splitlines() if line.startswith("| baseline "))
+    assert "no seed spread" not in base and "1.000 (reference)" in base
+
+
+def test_a_seed_whose_shorter_run_diverged_is_named_not_dropped_from_the_count():
+    """Issue 63: a seed whose shorter run diverged left the speed-up's seeds silently, and the row read "2/2
+    measured" for three seeds."""
+    spec = Spec(name="t", variants={"fast": []}, seeds=[0, 1, 2], fractions={"fast": [0.5, 0.6, 0.8]})
+    shape = Shape(steps=100, val_every=25, tokens_per_step=10, flops_per_token=1e6, vocab_size=512)
+    results = own_runs(spec.seeds, 1.4, offset={0: 0.0, 1: 0.05, 2: -0.03})
+    results = [r for r in results if not (r.arm == "fast" and r.seed == 2 and r.fraction == 0.6)]
+    results.append(RunResult("fast-f0.6-s2", "fast", 2, 0.6, "diverged", final=math.inf))
+    rows = {r.arm: r for r in summarize(spec, results, {BASELINE: shape, "fast": shape})}
+    tokens = rows["fast"].tokens
+    assert tokens.reached == "2/3 measured; left out: s2 (fast at 0.6 of the tokens diverged)"
+    assert tokens.interval.n == 2 and sorted(tokens.per_seed) == [0, 1]
+    assert tokens.left_out == {2: "fast at 0.6 of the tokens diverged"}

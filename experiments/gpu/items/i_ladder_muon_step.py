@@ -1,8 +1,9 @@
 """Ledger item i: QK-norm + Muon's step time against the baseline's at the GPU ladder's shapes (issue 55).
 
 The CPU ladder (experiments/2026-11-25-ladder) measured that QK-norm + Muon needs 0.61x the baseline's tokens at
-1.1M parameters, but its measured dollars are 1.007x: Muon's step on that CPU costs 1.65x (bf16 Newton-Schulz
-emulated). Whether the saving appears on a GPU depends on this ratio at the sizes the GPU ladder
+1.1M parameters; its measured dollars are 1.007x on the Intel Xeon that timed the steps interleaved (Muon's step
+1.65x there; that Xeon has native bf16, so emulation does not explain it) and 0.72x on the AMD EPYC that ran the
+shorter runs (1.19x; issue 63). Two CPUs disagree; whether the saving appears on a GPU depends on this ratio at the sizes the GPU ladder
 (experiments/2026-11-25-ladder/ladder_gpu.yaml) trains: its base (32K vocabulary, 2,048-token windows, 16 x 4
 micro-batches a step, bf16, compile) at n23m, n50m, n110m, n340m, smallest first while the box has room; per
 shape one `lm bench` row for the baseline and one for QK-norm + Muon, in the same call of the item. Result: each

@@ -173,6 +173,11 @@ class TokenRatio:
     rescaled by the decay's drop, not a count of tokens."""
     open_ends: str = ""
     """`low` / `high` / `both`: the interval's end that falls outside the lengths the runs span is only a bound."""
+    left_out: dict[int, str] = field(default_factory=dict)
+    """Seeds with a finished run that the ratio could not use, and why (a shorter run diverged or not finished):
+    counted in `reached`, never dropped from it."""
+    reference: bool = False
+    """The baseline against its own seeds: 1 by construction, not a measurement without spread."""
 
     @property
     def above(self) -> dict[int, float]:
@@ -184,9 +189,11 @@ class TokenRatio:
 
     @property
     def reached(self) -> str:
-        n = len(self.per_seed)
+        n = len(self.per_seed) + len(self.left_out)
         measured = sum(st == MEASURED for st in self.status.values())
         text = f"{measured}/{n} measured"
+        if self.left_out:
+            text += "; left out: " + ", ".join(f"s{s} ({why})" for s, why in sorted(self.left_out.items()))
         if self.below:
             text += ", at most: " + ", ".join(f"s{s} <= {b:.3f}" for s, b in sorted(self.below.items()))
         if self.above:
@@ -198,6 +205,10 @@ class TokenRatio:
     @property
     def text(self) -> str:
         """The ratio as the report writes it: an interval, a bound, or why there is neither."""
+        if self.interval is not None and self.reference:
+            return f"{self.interval.mean:.3f} (reference)"
+        if self.interval is not None and self.interval.no_spread:
+            return f"{self.interval.mean:.3f} ({NO_SPREAD}: no interval)"
         if self.interval is not None:
             iv, lo, hi = self.interval, self.interval.low, self.interval.high
             low = f"<={lo:.3f}" if self.open_ends in ("low", "both") else f"{lo:.3f}"
@@ -265,7 +276,11 @@ def curve_ratio(
     """The tokens at which the arm's validation curve reaches the same seed's baseline final loss, over the
     baseline's tokens: an upper bound per seed (the curve's points are not decayed), exact for the baseline."""
     target = {s: v for s, v in finals(results, BASELINE).items() if math.isfinite(v)}
-    ratio = TokenRatio(None, method="full run's curve" + (" (upper bounds)" if arm != BASELINE else ""))
+    ratio = TokenRatio(
+        None,
+        method="full run's curve" + (" (upper bounds)" if arm != BASELINE else ""),
+        reference=arm == BASELINE,
+    )
     decay_tokens = None
     if shape is not None and shape.decay_start is not None:
         decay_tokens = shape.tokens_through(shape.decay_start)
@@ -344,6 +359,20 @@ def complete_runs(results: list[RunResult], spec: Spec, arm: str, side: str, see
         s for s in target
         if math.isfinite(target[s]) and all(math.isfinite(ladder[f].get(s, math.inf)) for f in lengths)
     )  # fmt: skip
+
+    def why(s: int) -> str:
+        runs = [
+            (other, target),
+            *((side if f == 1.0 else f"{side} at {f:g} of the tokens", ladder[f]) for f in lengths),
+        ]
+        return "; ".join(
+            f"{name} {'not finished' if s not in got else 'diverged'}"
+            for name, got in runs
+            if not math.isfinite(got.get(s, math.inf))
+        )
+
+    started = set(target).union(*(ladder[f] for f in lengths))  # seeds with a run that ended
+    ratio.left_out = {s: why(s) for s in sorted(started - set(seeds))}
     if not seeds:
         return ratio
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.numbers.stats import Interval
+from lm.numbers.stats import NO_SPREAD, Interval
 from lm.store.atomic import write_atomic
 from lm.tools.ablate.analysis import ArmRow, RunResult
 from lm.tools.ablate.ladder import NEAR_TARGET, Trend
@@ -41,6 +41,8 @@ def fmt_interval(x: Interval | None, digits: int = 4) -> str:
         return "-"
     if x.n == 1:
         return f"{x.mean:.{digits}f} (1 seed)"
+    if x.no_spread:  # a zero-width "[a, a]" would read as a precise measurement
+        return f"{x.mean:.{digits}f} ({NO_SPREAD})"
     return f"{x.mean:.{digits}f} [{x.low:.{digits}f}, {x.high:.{digits}f}]"
 
 
@@ -101,6 +103,9 @@ def arm_table(spec: Spec, report: ShapeReport) -> list[str]:
         if r.measured_usd_to_target_ratio is None and r.tokens.bound is not None and r.step_time_ratio:
             side, value = r.tokens.bound
             measured = f"{'<=' if side == 'at most' else '>='} {value * r.step_time_ratio:.3f} (bound)"
+        if r.tokens.reference:  # the baseline against itself: 1 by construction
+            usd = "1.000 (reference)"
+            measured = "-" if r.measured_usd_to_target_ratio is None else usd
         lines.append(
             f"| {r.arm} | `{r.overrides}` | {lr} | {r.seeds} | {fmt_interval(r.final)} | {delta} | {fmt_p(r.p)} | "
             f"{fmt_p(r.p_holm)} | **{r.verdict}** | {', '.join(r.left_out) or '-'} | {cost} | {r.tokens.text} | "
