@@ -185,6 +185,7 @@ def cmd_sky(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from lm.config import compose, conf_dir, to_objects
+    from lm.numbers.core_map import public_prior, read_map
     from lm.numbers.cost import load_catalog
     from lm.store.atomic import write_atomic
     from lm.tools import budget, sibling
@@ -200,7 +201,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
         )
         print(table)
         return
-    goal = budget.Goal(usd=args.usd, target_loss=args.target_loss, hours=args.hours, pricing=args.pricing)
+    goal = budget.Goal(
+        usd=args.usd,
+        target_loss=args.target_loss,
+        hours=args.hours,
+        pricing=args.pricing,
+        target_core=args.target_core,
+        confidence=args.confidence,
+    )
+    core = read_map(args.core_map) if args.core_map else public_prior(args.core_version)
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
     corpus = (
@@ -224,9 +233,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         interval=interval,
         ramp_steps=cfg.data.batch_ramp_steps,
         ramp_start=cfg.data.batch_ramp_start,
+        core=core,
     )
-    budget.check_goal(goal, plans, gpus, law)
-    print(budget.render(plans, args.top, corpus))
+    budget.check_goal(goal, plans, gpus, law, core)
+    print(budget.render(plans, args.top, corpus, core))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     files = sibling.plan_files(plans[0], args.name, command, corpus, law, cfg.data.seq_len, args.sibling)
     for path in files:  # every file refused before any is written
@@ -234,6 +244,28 @@ def cmd_plan(args: argparse.Namespace) -> None:
     for path, (text, said) in files.items():
         write_atomic(Path(args.out_dir) / path, text)
         print(f"wrote {Path(args.out_dir) / path}{said}")
+
+
+def cmd_core_map(args: argparse.Namespace) -> None:
+    from lm.store.atomic import write_atomic
+    from lm.tools import calibrate
+
+    record = calibrate.core_map_record([Path(d) for d in args.runs], args.version)
+    print(calibrate.describe_core_map(record))
+    write_atomic(Path(args.out), json.dumps(record, indent=2) + "\n")
+    print(
+        f"wrote {args.out}: plan with it: lm plan --core-map {args.out} ...; in a run: early_stopping.core_map"
+    )
+
+
+def add_core_map(verbs) -> None:
+    verb = verbs.add_parser(
+        "core-map", help="calibrate the loss-to-CORE map on your runs (evals=core at their ends)"
+    )
+    verb.add_argument("runs", nargs="+", help="finished run directories with CORE in evals.jsonl")
+    verb.add_argument("--version", choices=["v1", "v2"], default="v1", help="CORE's baseline table (v1)")
+    verb.add_argument("--out", default="runs/calibration/core_map.json", help="where the map goes")
+    verb.set_defaults(fn=cmd_core_map)
 
 
 def plan_law(args: argparse.Namespace, cfg: LMConfig) -> tuple[ChinchillaLaw, float | None]:
@@ -557,6 +589,9 @@ def add_plan(verbs) -> None:
     goal.add_argument("--target-loss", type=float, help="the loss to reach, as cheaply as possible")
     goal.add_argument("--hours", type=float, help="wall-clock hours to train")
     goal.add_argument(
+        "--target-core", type=float, help="the CORE to reach (e.g. 0.2565, GPT-2), as cheaply as possible"
+    )
+    goal.add_argument(
         "--scale-out",
         action="store_true",
         help="past one GPU: GPUs needed per catalog GPU, host memory and save stall per checkpoint format",
@@ -583,6 +618,13 @@ def add_plan(verbs) -> None:
         help="also write <name>_sibling.yaml, the plan at half the width and the same tokens per parameter "
         "(~6%% of its cost), and name its run as the plan's forecast reference",
     )
+    p.add_argument(
+        "--confidence", type=float, default=0.9, help="P(CORE >= --target-core) a plan must reach (0.9)"
+    )
+    p.add_argument(
+        "--core-map", help="a core_map.json of `lm core-map` (default: the public prior, uncalibrated)"
+    )
+    p.add_argument("--core-version", choices=["v1", "v2"], default="v1", help="CORE's baseline table (v1)")
     p.add_argument("--calibrate", action="store_true", help="fit the loss law to short runs on this corpus")
     p.add_argument("--calibrate-shapes", default="2x64,2x128,4x128", help="n_layer x d_model of those runs")
     p.add_argument("--calibrate-steps", default="100,300", help="training steps of each shape")
@@ -602,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs_in_order = (
         add_config_verbs, add_selftest, add_doctor_and_bench, add_run_readers, add_evals, add_supervise,
-        add_ablate, add_sky, add_plan,
+        add_ablate, add_sky, add_plan, add_core_map,
     )  # fmt: skip
     for add in verbs_in_order:
         add(verbs)

@@ -138,8 +138,8 @@ class CoreMap:
         return lo
 
     def label(self) -> str:
-        """`calibrated on N runs` or `UNCALIBRATED (public prior)`, with the CORE version."""
-        state = f"calibrated on {self.points} runs" if self.calibrated else "UNCALIBRATED: the public prior"
+        """`calibrated on N points` or `UNCALIBRATED: the public prior`, with the CORE version."""
+        state = f"calibrated on {self.points} points" if self.calibrated else "UNCALIBRATED: the public prior"
         return f"CORE {self.version}, {state} ({self.source})"
 
     def record(self) -> dict:

@@ -29,6 +29,7 @@ from lm.data.tokenizer import load_tokenizer, load_tokenizer_spec
 from lm.model import ModelConfig
 from lm.numbers import cost, memory
 from lm.numbers.batch_ramp import BatchRamp
+from lm.numbers.core_map import CoreMap, Forecast, loss_sd
 from lm.numbers.cost import ASSUMED_MFU
 from lm.numbers.loss_law import (
     BESIROGLU,
@@ -50,13 +51,21 @@ CHECKPOINT_HOURS = 0.5
 
 @dataclass(frozen=True)
 class Goal:
-    """Exactly one of: spend this many dollars, reach this loss, train this many hours."""
+    """Exactly one of: spend this many dollars, reach this loss, reach this CORE, train this many hours."""
 
     usd: float | None = None
     target_loss: float | None = None
     hours: float | None = None
     pricing: str = "on_demand"
     """Which price a dollar budget is spent at: `on_demand` or `spot` (with its interruption overhead)."""
+    target_core: float | None = None
+    """A CORE to reach with probability `confidence` at least, through the loss-to-CORE map."""
+    confidence: float = 0.9
+
+    @property
+    def is_target(self) -> bool:
+        """A target (the cheapest plan reaching it) rather than a budget (the best plan it buys)."""
+        return self.target_loss is not None or self.target_core is not None
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,10 @@ class BudgetPlan:
     law's repeated tokens and parameters past what the unique tokens support)."""
     ramp: BatchRamp | None = None
     """The batch-size ramp the steps train with (`data.batch_ramp_steps`); None: the full batch throughout."""
+    core: Forecast | None = None
+    """The CORE the plan's loss buys, through the loss-to-CORE map, its loss interval counted."""
+    p_target: float | None = None
+    """P(CORE >= the goal's target_core), for a CORE target."""
 
     @property
     def tokens(self) -> int:
@@ -292,6 +305,8 @@ def steps_for(
     tokens_per_step: int,
     law: ChinchillaLaw = BESIROGLU,
     corpus: int | None = None,
+    interval: float | None = None,
+    core: CoreMap | None = None,
 ) -> int:
     """Optimizer steps the goal asks for on this hardware (0 when it buys none); a target loss is reached on
     the corpus's `corpus` tokens repeated as needed (`ChinchillaLaw.tokens_for`)."""
@@ -305,8 +320,38 @@ def steps_for(
             return 0
         slow = 1.0 + overhead if goal.pricing == "spot" else 1.0
         return min(int(goal.usd / (step_seconds * slow * price / 3600.0)), worthwhile)
-    tokens = law.tokens_for(n, goal.target_loss, corpus)
+    if goal.target_core is not None:
+        tokens = tokens_for_core(goal, n, law, interval, corpus, core)
+    else:
+        tokens = law.tokens_for(n, goal.target_loss, corpus)
     return math.ceil(tokens / tokens_per_step) if math.isfinite(tokens) else 0
+
+
+def loss_interval(n: int, d: float, law: ChinchillaLaw, interval: float | None, corpus: int | None) -> tuple:
+    """(loss, low, high) of `n` parameters trained on `d` tokens: +-`interval` around `law` (a calibrated
+    law's fit error) or, when None, the span of the two published fits."""
+    loss = law.loss(n, d, corpus)  # repeated tokens are worth less (Muennighoff et al. 2023)
+    ends = [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d, corpus)]
+    return loss, min(ends), max(ends)
+
+
+def tokens_for_core(
+    goal: Goal, n: int, law: ChinchillaLaw, interval: float | None, corpus: int | None, core: CoreMap
+) -> float:
+    """The fewest tokens at which `n` parameters reach P(CORE >= goal.target_core) >= goal.confidence, the
+    loss's interval and the map's counted (bisection in log tokens, 1e6-1e15); inf when none does."""
+
+    def reaches(log_d: float) -> bool:
+        loss, low, high = loss_interval(n, math.exp(log_d), law, interval, corpus)
+        return core.probability_at_least(goal.target_core, loss, loss_sd(low, high)) >= goal.confidence
+
+    lo, hi = math.log(1e6), math.log(1e15)
+    if not reaches(hi):
+        return math.inf
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return math.exp(hi)
 
 
 def ramped_steps(goal: Goal, steps: int, ramp: BatchRamp) -> int:
@@ -315,7 +360,7 @@ def ramped_steps(goal: Goal, steps: int, ramp: BatchRamp) -> int:
     Without a ramp, `steps`."""
     tokens = steps * ramp.tokens_per_step
     n = ramp.steps_for_tokens(tokens)
-    return n - 1 if goal.target_loss is None and ramp.tokens_through(n) > tokens else n
+    return n - 1 if not goal.is_target and ramp.tokens_through(n) > tokens else n
 
 
 def make_plans(
@@ -334,11 +379,13 @@ def make_plans(
     interval: float | None = None,
     ramp_steps: int = 0,
     ramp_start: float = 0.25,
+    core: CoreMap | None = None,
 ) -> list[BudgetPlan]:
     """Every (preset, GPU) the goal can be met with, best first: lowest expected loss for a dollar or hour
     budget, cheapest for a target loss. The loss is `law`'s; its interval is +-`interval` (a calibrated law's
     fit error) or, when None, the span of the two published fits. `ramp_steps`/`ramp_start`: the batch-size
-    ramp (data.batch_ramp_*), whose steps are counted by their tokens."""
+    ramp (data.batch_ramp_*), whose steps are counted by their tokens. `core`: the loss-to-CORE map each plan's
+    CORE is read off (needed for a CORE target)."""
     windows = max(1, tokens_per_step // seq_len)
     plans = []
     for preset, model in presets.items():
@@ -353,12 +400,12 @@ def make_plans(
             plan = cost_candidate(
                 goal, preset, model, hw, n=n, seq_len=seq_len, windows=windows, corpus=corpus,
                 interruptions_per_hour=interruptions_per_hour, law=law, interval=interval,
-                ramp_steps=ramp_steps, ramp_start=ramp_start,
+                ramp_steps=ramp_steps, ramp_start=ramp_start, core=core,
             )  # fmt: skip
             if plan is not None:
                 plans.append(plan)
     usd = lambda p: p.usd_on_demand if p.usd_on_demand is not None else math.inf  # noqa: E731
-    if goal.target_loss is not None:
+    if goal.is_target:
         return sorted(plans, key=usd)
     # Losses within 0.01 tie (a repeated corpus puts every large model at one loss): the cheaper plan first.
     return sorted(plans, key=lambda p: (round(p.loss, 2), usd(p)))
@@ -379,6 +426,7 @@ def cost_candidate(
     interval: float | None,
     ramp_steps: int,
     ramp_start: float,
+    core: CoreMap | None = None,
 ) -> BudgetPlan | None:
     """One (preset, GPU) of `make_plans`'s search, costed: the steps the goal needs, the micro-batch and
     activation checkpointing that fit, hours, dollars (spot with its restart overhead) and the expected loss;
@@ -386,7 +434,7 @@ def cost_candidate(
     step_seconds = windows * seq_len / hw.tokens_per_sec
     every = max(1, int(CHECKPOINT_HOURS * 3600 / step_seconds))
     overhead = spot_overhead(step_seconds, every, interruptions_per_hour)
-    steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law, corpus)
+    steps = steps_for(goal, hw, step_seconds, overhead, n, windows * seq_len, law, corpus, interval, core)
     fit = fit_micro_batch(model, hw.gpu, seq_len, windows) if steps >= 1 else None  # the slow part
     if fit is None:
         return None
@@ -395,10 +443,8 @@ def cost_candidate(
     d = ramp.tokens_through(steps)
     hours, usd_on_demand = run_cost(d, hw.tokens_per_sec, hw.price_on_demand)
     _, usd_spot = run_cost(d, hw.tokens_per_sec, hw.price_spot)
-    loss = law.loss(n, d, corpus)  # repeated tokens are worth less (Muennighoff et al. 2023)
-    losses = (
-        [loss - interval, loss + interval] if interval is not None else [loss, HOFFMANN.loss(n, d, corpus)]
-    )
+    loss, low, high = loss_interval(n, d, law, interval, corpus)
+    sd = loss_sd(low, high)
     return BudgetPlan(
         preset=preset,
         model=model,
@@ -418,15 +464,25 @@ def cost_candidate(
         epochs=d / corpus,
         loss=loss,
         repeat_cost=loss - law.loss(n, d),
-        loss_low=min(losses),
-        loss_high=max(losses),
+        loss_low=low,
+        loss_high=high,
         law=law.source,
         ramp=ramp if ramp_steps else None,
+        core=core.predict(loss, sd) if core is not None else None,
+        p_target=(
+            core.probability_at_least(goal.target_core, loss, sd)
+            if core and goal.target_core is not None
+            else None
+        ),
     )
 
 
 def check_goal(
-    goal: Goal, plans: list[BudgetPlan], gpus: list[GpuConfig], law: ChinchillaLaw = BESIROGLU
+    goal: Goal,
+    plans: list[BudgetPlan],
+    gpus: list[GpuConfig],
+    law: ChinchillaLaw = BESIROGLU,
+    core: CoreMap | None = None,
 ) -> None:
     """A clear error when the goal buys nothing on any GPU."""
     if plans:
@@ -439,6 +495,17 @@ def check_goal(
         )
     if goal.hours is not None:
         raise Refused(f"--hours {goal.hours:g} is shorter than one optimizer step of every preset on {names}")
+    if goal.target_core is not None:
+        raise Refused(
+            f"no preset reaches P(CORE >= {goal.target_core:g}) >= {goal.confidence:g} on {names} within 1e15 "
+            f"tokens by the {core.label() if core else 'CORE map'}"
+            + (
+                "; its interval is wide until calibrated: calibrate it on your own runs (`lm core-map`, "
+                "docs/planning.md#core) or lower --confidence"
+                if core is not None and not core.calibrated
+                else "; lower the target or --confidence"
+            )
+        )
     raise Refused(
         f"--target-loss {goal.target_loss:g} is below what any preset reaches by the law "
         f"({law.source}: at least E = {law.E:.4g}); raise the target"
@@ -455,7 +522,9 @@ def pick_gpus(catalog: dict[str, GpuConfig], names: list[str] | None) -> list[Gp
     return [catalog[n] for n in names]
 
 
-def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = None) -> str:
+def render(
+    plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = None, core: CoreMap | None = None
+) -> str:
     """The ranking as a text table; epochs of an estimated corpus read `~0.53` and the table says so."""
     approx = "~" if corpus is not None and corpus.estimated else ""
     head = (
@@ -463,6 +532,9 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
         f"{'steps':>8} {'tokens':>9} {'epochs':>6} {'hours':>7} {'on demand':>10} {'spot':>10} "
         f"{'loss (interval)':>20} {'repeats':>8}  throughput"
     )
+    with_core = any(p.core is not None for p in plans[:top])
+    if with_core:
+        head = head.replace("  throughput", f" {core_header(plans):>24}  throughput")
     lines = [head]
     for i, p in enumerate(plans[:top], 1):
         lines.append(
@@ -470,7 +542,9 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
             f"{f'{p.micro_batch}x{p.accumulate}':>11} {'on' if p.ac_every else 'off':>3} {p.steps:>8,} "
             f"{p.tokens / 1e9:>8.3f}B {f'{approx}{p.epochs:.2f}':>6} {p.hours:>7.2f} {fmt_money(p.usd_on_demand):>10} "
             f"{fmt_money(p.usd_spot):>10} {f'{p.loss:.2f} ({p.loss_low:.2f}-{p.loss_high:.2f})':>20} "
-            f"{repeats_cell(p):>8}  {p.hw.throughput_source}"
+            f"{repeats_cell(p):>8}"
+            + (f" {core_cell(p):>24}" if with_core else "")
+            + f"  {p.hw.throughput_source}"
         )
     if plans:
         lines.append(
@@ -483,6 +557,9 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
             + ". Spot adds "
             f"{plans[0].spot_overhead:.1%} expected overhead (lost work + restarts)."
         )
+    if with_core and core is not None:
+        lines.append(core_footer(core))
+    lines += price_lines(plans[:top])
     if corpus is not None:
         lines.append(f"epochs: of the corpus's {corpus}")
     if any(p.epochs > 1 for p in plans[:top]):
@@ -495,6 +572,50 @@ def render(plans: list[BudgetPlan], top: int = 10, corpus: CorpusSize | None = N
             f"{WORTHWHILE_EPOCHS:.0f} epochs (a further one is worth under 5% of a fresh one) and may spend less"
         )
     return "\n".join(lines)
+
+
+def core_header(plans: list[BudgetPlan]) -> str:
+    version = next(p.core.version for p in plans if p.core is not None)
+    level = next(p.core.level for p in plans if p.core is not None)
+    target = " P(>=target)" if any(p.p_target is not None for p in plans) else ""
+    return f"CORE {version} ({level:.0%}){target}"
+
+
+def core_cell(p: BudgetPlan) -> str:
+    """`0.231 (0.18-0.28)`, and the target's probability when the goal is a CORE."""
+    if p.core is None:
+        return ""
+    cell = f"{p.core.core:.3f} ({p.core.low:.2f}-{p.core.high:.2f})"
+    return cell + (f" {p.p_target:.2f}" if p.p_target is not None else "")
+
+
+def core_footer(core: CoreMap) -> str:
+    """What the CORE column is: the map (calibrated or not, and on what), and what to do when it is not."""
+    text = f"CORE: the loss interval through the loss-to-CORE map (lm.numbers.core_map): {core.label()}."
+    if not core.calibrated:
+        text += (
+            " Its interval spans most of what the loss could mean on other data and another tokenizer; calibrate "
+            "it on your own runs with `lm core-map` (docs/planning.md#core)."
+        )
+    return text
+
+
+def price_lines(plans: list[BudgetPlan]) -> list[str]:
+    """The date and source of each price the shown plans used (conf/gpu/*.yaml), or that it was given."""
+    lines, seen = [], set()
+    for p in plans:
+        gpu = p.hw.gpu
+        if gpu.name in seen:
+            continue
+        seen.add(gpu.name)
+        if p.hw.price_on_demand != gpu.price_on_demand or p.hw.price_spot != gpu.price_spot:
+            lines.append(f"price of {gpu.name}: given with --price-per-hour")
+        else:
+            dated = f"as of {gpu.price_date}" if gpu.price_date else "UNDATED"
+            url = next((w.strip("(),;'") for w in gpu.price_source.split() if w.startswith("http")), None)
+            source = url or ("unverified" if "unverified" in gpu.price_source else "no source recorded")
+            lines.append(f"price of {gpu.name}: {dated}, {source} (conf/gpu/{gpu.name}.yaml says more)")
+    return lines
 
 
 def repeats_cell(p: BudgetPlan) -> str:

@@ -25,6 +25,8 @@ from lm.base.exits import Refused
 from lm.config import DataConfig, compose, to_objects
 from lm.data.manifest import prepared_folder
 from lm.numbers import memory, run_plan
+from lm.numbers.core_map import SIGNAL, Point, carries_signal, public_prior, run_points
+from lm.numbers.core_map import calibrate as calibrate_core
 from lm.numbers.fit import robust_nnls
 from lm.numbers.loss_law import BESIROGLU, ChinchillaLaw, block_means
 from lm.numbers.loss_prior import priors_from_curves, priors_record
@@ -238,3 +240,51 @@ def corpus_label(data: DataConfig) -> str:
     """How the law file names the corpus: its prepared folder, else its source."""
     folder = prepared_folder(data)
     return folder.name if folder is not None else data.source
+
+
+# --- the loss-to-CORE map, calibrated on the user's runs (`lm core-map`) --------------------------------
+
+
+def core_points_of(run_dir: Path, version: str) -> tuple[list[Point], str | None]:
+    """A finished run's (validation loss, CORE) points: its evals.jsonl CORE milestones, each at the
+    validation of its step (TensorBoard's `val/loss`, logged at the index of the step's last batch)."""
+    if not (run_dir / rundir.EVALS).is_file():
+        raise Refused(f"{run_dir} has no {rundir.EVALS}: train it with evals=core (CORE at its end at least)")
+    series = rundir.read_scalars(run_dir).get("val/loss")
+    if series is None:
+        raise Refused(f"{run_dir} logged no val/loss (TensorBoard under {run_dir / rundir.TB})")
+    validations = [(int(s) + 1, float(v)) for s, v in zip(series.steps, series.values)]
+    return run_points(rundir.read_evals(run_dir), validations, version, group=run_dir.name)
+
+
+def core_map_record(run_dirs: list[Path], version: str) -> dict:
+    """The public prior's shape with its shift calibrated on the runs' CORE points (`core_map.json`): the map,
+    every point with whether it carried signal, and the CORE figure's name. Points of different CORE names
+    (coverage, convention) are refused, as are runs without any point."""
+    points, names = [], {}
+    for run_dir in run_dirs:
+        mine, name = core_points_of(run_dir, version)
+        if not mine:
+            raise Refused(f"{run_dir}: no CORE milestone under {version} at a validation step; score it: "
+                          f"lm eval {run_dir} --tasks core, or train with evals=core")  # fmt: skip
+        points += mine
+        names[name] = run_dir
+    if len(names) > 1:
+        raise Refused(f"the runs' CORE figures differ ({', '.join(names)}): score them the same way")
+    source = f"{len(run_dirs)} runs: {', '.join(d.name for d in run_dirs)}"
+    cmap = calibrate_core(public_prior(version), points, source)
+    return {
+        "map": cmap.record(),
+        "name": next(iter(names)),
+        "points": [asdict(p) | {"signal": carries_signal(p)} for p in points],
+    }
+
+
+def describe_core_map(record: dict) -> str:
+    m = record["map"]
+    used = sum(p["signal"] for p in record["points"])
+    return (
+        f"{record['name']}: shift {m['shift']:+.3f} +- {m['shift_sd']:.3f} nats from {used} of "
+        f"{len(record['points'])} points (those at CORE >= {SIGNAL:g}, clear of chance); shape from "
+        f"{public_prior(m['version']).source}"
+    )
