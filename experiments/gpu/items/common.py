@@ -137,6 +137,17 @@ def last_checkpoint(run_dir: Path) -> dict:
     return files.read(run_dir / "checkpoints" / "last.ckpt")
 
 
+def core_dir() -> Path:
+    """LM_CORE_DATA (a copy the device call carries), else the checkout's neighbour or its own shared/."""
+    env = [Path(os.environ["LM_CORE_DATA"])] if os.environ.get("LM_CORE_DATA") else []
+    for candidate in (*env, REPO.parent / "shared/evals/core", REPO / "shared/evals/core"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        "no CORE task files beside the checkout (../shared/evals/core or shared/evals/core)"
+    )
+
+
 def gpu() -> dict:
     """What the measurement ran on, from torch itself."""
     import torch

@@ -17,23 +17,11 @@ import glob
 import os
 import sys
 import time
-from pathlib import Path
 
 import common
 
 LIMIT = None if (sys.argv[1] if len(sys.argv) > 1 else "500") == "all" else int(sys.argv[1])
 ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-
-
-def core_dir() -> Path:
-    """LM_CORE_DATA (a copy the device call carries), else the checkout's neighbour or its own shared/."""
-    env = [Path(os.environ["LM_CORE_DATA"])] if os.environ.get("LM_CORE_DATA") else []
-    for candidate in (*env, common.REPO.parent / "shared/evals/core", common.REPO / "shared/evals/core"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(
-        "no CORE task files beside the checkout (../shared/evals/core or shared/evals/core)"
-    )
 
 
 def tokenizer_json() -> str:
@@ -64,7 +52,7 @@ def main() -> None:
         cfg = ModelConfig(vocab_size=vocab, n_layer=18, d_model=2048, n_head=16, max_seq_len=2048)
         device, dtype = "cuda", torch.bfloat16
     model = Transformer(cfg).to(device=device, dtype=dtype).eval()
-    plan = offline.resolve(["core"], core_dir(), partial=True)
+    plan = offline.resolve(["core"], common.core_dir(), partial=True)
     scorer = Scorer(model, tokenizer, 0, rows=ROWS)
     tokens = 0
     forward = scorer.forward
