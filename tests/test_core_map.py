@@ -2,7 +2,6 @@
 out-of-sample evidence in experiments/2026-11-29-core-map rerun."""
 
 import csv
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,12 +58,10 @@ def test_probability_and_quantiles_agree_and_fall_with_the_loss():
     assert wider.high - wider.low > f.high - f.low
 
 
-def test_loss_for_inverts_the_probability():
+def test_core_is_capped_at_its_ceiling():
     m = CoreMap(6.0, 1.2, 0.02, 0.1, 0.05, 0.012, "v1", True, "test", 3)
-    loss = m.loss_for(0.2565, 0.9, loss_sd=0.02)
-    assert m.probability_at_least(0.2565, loss, 0.02) == pytest.approx(0.9, abs=1e-3)
-    assert m.loss_for(0.2565, 0.5) > loss  # a surer plan needs a lower loss
-    assert m.loss_for(1.5, 0.9) == -math.inf  # above CORE's ceiling
+    assert m.probability_at_least(1.01, -5.0) == 0.0  # no loss buys more than every task right
+    assert m.predict(-5.0).high <= core_map.CEILING
 
 
 def test_calibration_recovers_a_known_shift_from_points_above_the_signal():

@@ -10,6 +10,7 @@ import json
 import logging
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -185,7 +186,6 @@ def cmd_sky(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from lm.config import compose, conf_dir, to_objects
-    from lm.numbers.core_map import public_prior, read_map
     from lm.numbers.cost import load_catalog
     from lm.store.atomic import write_atomic
     from lm.tools import budget, sibling
@@ -209,7 +209,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         target_core=args.target_core,
         confidence=args.confidence,
     )
-    core = read_map(args.core_map) if args.core_map else public_prior(args.core_version)
+    core = plan_core_map(args)
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
     corpus = (
@@ -218,10 +218,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         else budget.corpus_size(cfg.data)
     )
     print(f"corpus: {corpus}")
-    plans = budget.make_plans(
-        goal,
-        budget.load_presets(conf_dir(), cfg.data),
-        gpus,
+    plan_with = functools.partial(
+        budget.make_plans,
+        presets=budget.load_presets(conf_dir(), cfg.data),
+        gpus=gpus,
         seq_len=cfg.data.seq_len,
         tokens_per_step=args.tokens_per_step,
         corpus=corpus.tokens,
@@ -235,6 +235,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         ramp_start=cfg.data.batch_ramp_start,
         core=core,
     )
+    plans = plan_with(goal)
+    if not plans and goal.target_core is not None and goal.confidence > 0.5:  # what the map can promise
+        budget.check_goal(goal, plans, gpus, law, core, even_odds=plan_with(replace(goal, confidence=0.5)))
     budget.check_goal(goal, plans, gpus, law, core)
     print(budget.render(plans, args.top, corpus, core))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
@@ -244,6 +247,22 @@ def cmd_plan(args: argparse.Namespace) -> None:
     for path, (text, said) in files.items():
         write_atomic(Path(args.out_dir) / path, text)
         print(f"wrote {Path(args.out_dir) / path}{said}")
+
+
+def plan_core_map(args: argparse.Namespace):
+    """The loss-to-CORE map `lm plan` reads: --core-map's (its version, which --core-version may only repeat)
+    or the public prior of --core-version (v1 by default)."""
+    from lm.numbers.core_map import public_prior, read_map
+
+    if not args.core_map:
+        return public_prior(args.core_version or "v1")
+    core = read_map(args.core_map)
+    if args.core_version and args.core_version != core.version:
+        raise Refused(
+            f"--core-version {args.core_version} but {args.core_map} maps CORE {core.version}: drop "
+            f"--core-version, or calibrate a {args.core_version} map (lm core-map ... --version {args.core_version})"
+        )
+    return core
 
 
 def cmd_core_map(args: argparse.Namespace) -> None:
@@ -624,7 +643,9 @@ def add_plan(verbs) -> None:
     p.add_argument(
         "--core-map", help="a core_map.json of `lm core-map` (default: the public prior, uncalibrated)"
     )
-    p.add_argument("--core-version", choices=["v1", "v2"], default="v1", help="CORE's baseline table (v1)")
+    p.add_argument(
+        "--core-version", choices=["v1", "v2"], help="CORE's baseline table (default v1, or --core-map's)"
+    )
     p.add_argument("--calibrate", action="store_true", help="fit the loss law to short runs on this corpus")
     p.add_argument("--calibrate-shapes", default="2x64,2x128,4x128", help="n_layer x d_model of those runs")
     p.add_argument("--calibrate-steps", default="100,300", help="training steps of each shape")

@@ -68,6 +68,7 @@ def test_the_uncalibrated_prior_refuses_a_promise_it_cannot_keep(tmp_path):
         lm(["plan", "--target-core", "0.2565", "--gpu", "h100_sxm", "--corpus-tokens", "100000000000",
             "--out-dir", str(tmp_path)])  # fmt: skip
     assert "UNCALIBRATED" in str(e.value) and "lm core-map" in str(e.value) and "--confidence" in str(e.value)
+    assert "at even odds (--confidence 0.5) the cheapest is" in str(e.value)
     assert not list(tmp_path.glob("*.yaml"))
 
 

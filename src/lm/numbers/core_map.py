@@ -97,6 +97,8 @@ class CoreMap:
 
     def probability_at_least(self, target: float, loss: float, loss_sd: float = 0.0) -> float:
         """P(CORE >= target) for a model whose predicted loss is `loss` +- `loss_sd` (one standard deviation)."""
+        if target > CEILING:
+            return 0.0
         s = self._spread(loss_sd)
         curve = np.minimum(self.mean(loss + math.sqrt(2.0) * s * NODES), CEILING)
         return float(np.sum(WEIGHTS * norm.sf((target - curve) / self.noise_sd)) / math.sqrt(math.pi))
@@ -123,19 +125,6 @@ class CoreMap:
             version=self.version,
             calibrated=self.calibrated,
         )
-
-    def loss_for(self, target: float, level: float = LEVEL, loss_sd: float = 0.0) -> float:
-        """The predicted loss at which P(CORE >= target) = `level`; -inf when no loss reaches it."""
-        lo, hi = -5.0, 20.0
-        if self.probability_at_least(target, lo, loss_sd) < level:
-            return -math.inf
-        for _ in range(80):
-            mid = 0.5 * (lo + hi)
-            if self.probability_at_least(target, mid, loss_sd) >= level:
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
     def label(self) -> str:
         """`calibrated on N points` or `UNCALIBRATED: the public prior`, with the CORE version."""

@@ -483,8 +483,10 @@ def check_goal(
     gpus: list[GpuConfig],
     law: ChinchillaLaw = BESIROGLU,
     core: CoreMap | None = None,
+    even_odds: list[BudgetPlan] | None = None,
 ) -> None:
-    """A clear error when the goal buys nothing on any GPU."""
+    """A clear error when the goal buys nothing on any GPU. `even_odds`: for a CORE target, the plans that
+    reach it at even odds, so the refusal says what the map can promise instead."""
     if plans:
         return
     names = ", ".join(g.name for g in gpus)
@@ -496,9 +498,16 @@ def check_goal(
     if goal.hours is not None:
         raise Refused(f"--hours {goal.hours:g} is shorter than one optimizer step of every preset on {names}")
     if goal.target_core is not None:
+        cheapest = min(even_odds or [], key=lambda p: p.usd_on_demand or math.inf, default=None)
         raise Refused(
             f"no preset reaches P(CORE >= {goal.target_core:g}) >= {goal.confidence:g} on {names} within 1e15 "
             f"tokens by the {core.label() if core else 'CORE map'}"
+            + (
+                f"; at even odds (--confidence 0.5) the cheapest is {cheapest.preset} on {cheapest.hw.gpu.name}, "
+                f"{cheapest.tokens / 1e9:.1f}B tokens, {fmt_money(cheapest.usd_on_demand)} on demand"
+                if cheapest
+                else ""
+            )
             + (
                 "; its interval is wide until calibrated: calibrate it on your own runs (`lm core-map`, "
                 "docs/planning.md#core) or lower --confidence"
