@@ -1,12 +1,12 @@
 """Bytes of raw source per training token of the byte-level BPE `lm prepare` trains, at each vocabulary size,
 on the bundled stdlib corpus: the default `lm plan` estimates an unprepared corpus with when no tokenizer
-exists yet (lm.tools.budget.BYTES_PER_TOKEN).
+exists yet (lm.tools.corpus_size.BYTES_PER_TOKEN).
 
     .venv/bin/python experiments/2026-11-24-startup/bytes_per_token.py
 
 The tokenizer is trained as `lm prepare` trains it (data.tokenizer_sample_bytes of training documents in the
 same hash order). Two numbers per size: `corpus`, the corpus's bytes on disk less the validation share over
-its training tokens (end-of-text included), which is what lm.tools.budget.estimate_corpus divides by; and
+its training tokens (end-of-text included), which is what lm.tools.corpus_size.estimate_corpus divides by; and
 `held out`, UTF-8 bytes per token on the validation documents only (text the tokenizer never saw).
 """
 

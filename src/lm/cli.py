@@ -188,7 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from lm.config import compose, conf_dir, to_objects
     from lm.numbers.cost import load_catalog
     from lm.store.atomic import write_atomic
-    from lm.tools import budget, sibling
+    from lm.tools import budget, corpus_size, sibling
 
     cfg = to_objects(compose(args.overrides))
     if args.scale_out:
@@ -213,9 +213,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     gpus = budget.pick_gpus(load_catalog(conf_dir()), args.gpu)
     law, interval = plan_law(args, cfg)
     corpus = (
-        budget.CorpusSize(args.corpus_tokens, estimated=False, how="given with --corpus-tokens")
+        corpus_size.CorpusSize(args.corpus_tokens, estimated=False, how="given with --corpus-tokens")
         if args.corpus_tokens
-        else budget.corpus_size(cfg.data)
+        else corpus_size.corpus_size(cfg.data)
     )
     print(f"corpus: {corpus}")
     plan_with = functools.partial(

@@ -16,7 +16,7 @@ from lm.numbers.cost import load_catalog
 from lm.numbers.loss_law import BESIROGLU
 from lm.numbers.reference import Curve, curve_key, mismatch
 from lm.run.train import main
-from lm.tools import budget, sibling
+from lm.tools import budget, corpus_size, sibling
 
 CPU = load_catalog(conf_dir())["cpu"]
 
@@ -140,16 +140,16 @@ def test_plan_on_a_corpus_not_prepared_estimates_its_size_and_says_so(tmp_path, 
 
 def test_the_estimate_measures_the_runs_tokenizer_and_a_prepared_corpus_is_exact(tiny_cfg, tmp_path):
     data = dataclasses.replace(to_objects(tiny_cfg()).data, cache_dir=str(tmp_path / "cache"))
-    default = budget.corpus_size(data)  # no tokenizer yet: the default bytes per token at 512 tokens
+    default = corpus_size.corpus_size(data)  # no tokenizer yet: the default bytes per token at 512 tokens
     folder = prepare(data)
-    exact = budget.corpus_size(data)
+    exact = corpus_size.corpus_size(data)
     assert not exact.estimated and exact.tokens == load_manifest(folder)["splits"]["train"]["tokens"]
     assert not str(exact).startswith("~") and "exact: the manifest of" in str(exact)
     (
         folder / MANIFEST
     ).unlink()  # as an interrupted `lm prepare` leaves it: the tokenizer trained, no manifest
-    interrupted = budget.corpus_size(data)
-    configured = budget.corpus_size(
+    interrupted = corpus_size.corpus_size(data)
+    configured = corpus_size.corpus_size(
         dataclasses.replace(data, tokenizer=str(folder / TOKENIZER), cache_dir=str(tmp_path / "other"))
     )
     assert "the default for a byte-level BPE of 512 tokens" in default.how
