@@ -6,7 +6,7 @@
         phases.csv       one row per phase                                write_phases / read_phases
         samples.jsonl    milestone samples, appended                      append_samples / read_samples
         stop.json        the early stopper's decision                     write_record / read_record
-        forecast.json    the latest loss forecast                         write_record / read_record
+        forecast.json    the latest loss (and CORE) forecast              write_record / read_record
         job.json         a sweep job's status (multiruns only)            write_record / read_record
         run.json         the run's id, shared with its remote pointer     write_run_id / read_run_id
         remote.json      does the bucket hold the latest checkpoint?     write_record / read_record
