@@ -2,6 +2,7 @@
 out-of-sample evidence in experiments/2026-11-29-core-map rerun."""
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,13 @@ def test_the_committed_coverage_study_reruns_to_the_same_figures():
         check=True,
     ).stdout
     assert out == (EXPERIMENT / "coverage.txt").read_text()
+
+
+def test_a_missing_or_malformed_map_file_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(Refused, match="cannot read the CORE map.*lm core-map"):
+        core_map.read_map(tmp_path / "absent.json")
+    (tmp_path / "plan.json").write_text('{"law": {}}')
+    with pytest.raises(Refused, match="is not a CORE map"):
+        core_map.read_map(tmp_path / "plan.json")
+    (tmp_path / "ok.json").write_text(json.dumps({"map": public_prior("v1").record()}))
+    assert core_map.read_map(tmp_path / "ok.json") == public_prior("v1")
