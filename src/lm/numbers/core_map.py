@@ -11,11 +11,12 @@ the data and the tokenizer: on the testbed's own-data validation losses the loss
 - **prior** (uncalibrated): the shape and shift fitted by `public_prior` on the public testbed
   (core_testbed.csv, its repository and commit in its header), and the spread of the training sets' shifts as
   the shift's uncertainty, Student-t widened for having three sets: the interval is wide, and honest about it;
-- **calibrated**: the same shape, the shift fitted to the user's own runs (`calibrate`), points below `SIGNAL`
-  left out (CORE near chance carries no information about the shift).
+- **calibrated**: the same shape, the shift fitted to the user's own runs (`calibrate`), points that do not
+  `carries_signal` left out (CORE near chance carries no information about the shift).
 
 Every prediction integrates over the loss's own uncertainty and the shift's (both on the loss axis, normal,
-Gauss-Hermite quadrature) and adds the testbed's within-set residual (`noise_sd`, on the CORE axis).
+Gauss-Hermite quadrature) and adds CORE-axis noise (`noise_sd`: the map's error past the compute it was fitted
+on, measured on the testbed). Out-of-sample coverage: experiments/2026-11-29-core-map.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class CoreMap:
     shift_sd: float
     """Standard deviation of the shift (nats): the training sets' spread (prior) or the fit's error (calibrated)."""
     noise_sd: float
-    """Residual standard deviation on the CORE axis within one training set (the testbed's)."""
+    """Noise on the CORE axis: the larger of the testbed's in-sample residual and its extrapolation error."""
     version: str
     calibrated: bool
     source: str
