@@ -1,0 +1,5 @@
+"""`python -m lm.cli`: the `lm` command."""
+
+from lm.cli import main
+
+main()
