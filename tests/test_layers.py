@@ -20,6 +20,7 @@ The wings of `src/lm`, bottom to top (docs/architecture.md draws the tree, one l
 """
 
 import ast
+import fnmatch
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,20 @@ def test_a_plain_smoke_run_imports_no_benchmark_module(tmp_path, data_cache):
     assert (tmp_path / "smoke" / "report.md").is_file()
     modules = next(line for line in done.stdout.splitlines() if line.startswith("MODULES")).split()[1:]
     assert [m for m in modules if m.startswith(BENCHMARKS)] == []
+
+
+def test_every_data_file_of_the_package_ships_in_its_wheel():
+    """A file under src/lm that is not Python is read at run time (the CORE testbed, the selftest task): a
+    regular install carries only what [tool.setuptools.package-data] names, so each must be named there."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((SRC.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["lm"]
+    package = SRC / "lm"
+    data = [
+        p.relative_to(package).as_posix()
+        for p in package.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
+    missing = [f for f in data if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
+    assert data and not missing, f"add to [tool.setuptools.package-data] lm in pyproject.toml: {missing}"
