@@ -454,8 +454,8 @@ class EarlyStopper(Callback):
             end = core["plan_end"]
             metrics |= {"forecast/core_at_plan_end": end["core"], "forecast/core_at_plan_end_low": end["low"]}
             metrics["forecast/core_at_plan_end_high"] = end["high"]
-            log.info("CORE forecast at the plan's end: %s; %s", core_map.Forecast(**end_fields(end)).text(),
-                     core["label"])  # fmt: skip
+            log.info("CORE forecast at the plan's end: %.3f [%.3f, %.3f] (%.0f%%); %s", end["core"], end["low"],
+                     end["high"], 100 * end["level"], core["label"])  # fmt: skip
         if (c is not None or ref is not None) and trainer.is_global_zero:
             record = {"schedule": c} | ({"reference": ref.record()} if ref is not None else {})
             record |= {"core": core} if core is not None else {}
@@ -521,8 +521,3 @@ class EarlyStopper(Callback):
             else "",
         )
         return {"step": sf.step, "law": sf.law.record(), **choices}
-
-
-def end_fields(record: dict[str, Any]) -> dict[str, Any]:
-    """A CORE ending's record without its `loss`: the fields of a `core_map.Forecast`."""
-    return {k: v for k, v in record.items() if k != "loss"}

@@ -22,6 +22,7 @@ on, measured on the testbed). Out-of-sample coverage: experiments/2026-11-29-cor
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import math
@@ -50,6 +51,7 @@ CEILING = 1.0
 """The most CORE can be (every task answered right): the exponential form has no ceiling of its own."""
 NODES, WEIGHTS = np.polynomial.hermite.hermgauss(40)
 VERSIONS = ("v1", "v2")
+FORM = "CORE(L) = k exp(-gamma (L - shift)) - c"
 AXES = ("own", "c4")
 """The loss a testbed model is placed at: its own training set's validation split (what a user measures) or
 C4's validation set (a common axis)."""
@@ -133,35 +135,12 @@ class CoreMap:
         return f"CORE {self.version}, {state} ({self.source})"
 
     def record(self) -> dict:
-        """The map as JSON (forecast.json's `core.map`, core_map.json)."""
-        return {
-            "form": "CORE(L) = k exp(-gamma (L - shift)) - c",
-            "k": self.k,
-            "gamma": self.gamma,
-            "c": self.c,
-            "shift": self.shift,
-            "shift_sd": self.shift_sd,
-            "noise_sd": self.noise_sd,
-            "version": self.version,
-            "calibrated": self.calibrated,
-            "source": self.source,
-            "points": self.points,
-        }
+        """The map as JSON (forecast.json's `core.map`, core_map.json): its form and every field."""
+        return {"form": FORM} | dataclasses.asdict(self)
 
     @classmethod
     def from_record(cls, record: dict) -> CoreMap:
-        keys = (
-            "k",
-            "gamma",
-            "c",
-            "shift",
-            "shift_sd",
-            "noise_sd",
-            "version",
-            "calibrated",
-            "source",
-            "points",
-        )
+        keys = [f.name for f in dataclasses.fields(cls)]
         missing = [k for k in keys if k not in record]
         if missing:
             raise Refused(
@@ -188,14 +167,7 @@ class Forecast:
     calibrated: bool
 
     def record(self) -> dict:
-        return {
-            "core": self.core,
-            "low": self.low,
-            "high": self.high,
-            "level": self.level,
-            "version": self.version,
-            "calibrated": self.calibrated,
-        }
+        return dataclasses.asdict(self)
 
     def text(self) -> str:
         tag = "" if self.calibrated else ", uncalibrated"
