@@ -12,6 +12,19 @@ from lm.run.train import main
 from lm.store import rundir
 
 CORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "evals" / "core"
+RUN = (
+    "trainer.max_steps=24",
+    "trainer.val_every_steps=4",
+    "optim.warmup_steps=2",
+    "optim.total_steps=40",
+    "phases.phases=[]",
+    "sampling=off",
+    "evals.tasks=[core:copa,core:piqa]",
+    f"evals.data_dir={CORE_DIR}",
+    "evals.limit=8",
+    "evals.steps=[8,16,24]",
+)
+"""A tiny run with three CORE milestones and a validation every 4 steps (the forecast's points)."""
 
 
 def test_a_run_whose_milestones_reach_the_signal_recalibrates_the_shift():
@@ -45,20 +58,7 @@ def test_milestones_pair_with_the_validation_at_their_step_and_never_mix_coverag
 
 @pytest.mark.skipif(not CORE_DIR.is_dir(), reason=f"no CORE task files at {CORE_DIR}")
 def test_a_run_with_core_milestones_forecasts_its_final_core(tiny_cfg, tmp_path):
-    main(
-        tiny_cfg(
-            "trainer.max_steps=24",
-            "trainer.val_every_steps=4",
-            "optim.warmup_steps=2",
-            "optim.total_steps=40",
-            "phases.phases=[]",
-            "sampling=off",
-            "evals.tasks=[core:copa,core:piqa]",
-            f"evals.data_dir={CORE_DIR}",
-            "evals.limit=8",
-            "evals.steps=[8,16,24]",
-        )
-    )
+    main(tiny_cfg(*RUN))
     run = tmp_path / "runs" / "smoke"
     core = json.loads((run / "forecast.json").read_text())["core"]
     assert core["name"] == "CORE-2 v1 nanochat" and core["milestones"] >= 2
@@ -70,3 +70,19 @@ def test_a_run_with_core_milestones_forecasts_its_final_core(tiny_cfg, tmp_path)
     assert "forecast/core_at_plan_end" in scalars and "forecast/core_at_plan_end_high" in scalars
     report = (run / "report.md").read_text()
     assert "CORE forecast (CORE v1, UNCALIBRATED" in report and "reached 0.1 clear of chance" in report
+
+
+@pytest.mark.skipif(not CORE_DIR.is_dir(), reason=f"no CORE task files at {CORE_DIR}")
+def test_a_core_forecast_that_raises_is_recorded_and_the_run_goes_on(tiny_cfg, tmp_path, monkeypatch):
+    """The CORE forecast runs on rank 0 alone: a failure in it (here injected) must not end rank 0's run while
+    the others train on; it is optional work, recorded in failures.jsonl."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the CORE forecast broke")
+
+    monkeypatch.setattr(core_map, "run_forecast", broken)
+    main(tiny_cfg(*RUN))
+    run = tmp_path / "runs" / "smoke"
+    failures = [json.loads(line) for line in (run / rundir.FAILURES).read_text().splitlines()]
+    assert {f["what"] for f in failures} == {"the CORE forecast"} and "injected" in failures[0]["error"]
+    assert "core" not in json.loads((run / "forecast.json").read_text())

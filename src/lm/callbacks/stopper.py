@@ -27,6 +27,7 @@ from lm.base.scores import DEFAULT_VERSION
 from lm.base.tables import fmt_money
 from lm.callbacks.consensus import Consensus
 from lm.callbacks.cost_meter import CostMeter
+from lm.callbacks.milestones import record_failure
 from lm.checkpoint.run_state import RunState, ValPoint
 from lm.config import EarlyStoppingConfig, OptimConfig
 from lm.numbers import core_map
@@ -449,7 +450,12 @@ class EarlyStopper(Callback):
                 100 * ref.fraction,
                 ref.interval_from,
             )
-        core = self.core_forecast() if sf is not None and trainer.is_global_zero else None
+        core = None
+        if sf is not None and trainer.is_global_zero:
+            try:
+                core = self.core_forecast()
+            except Exception as e:  # optional work on rank 0 alone: recorded, never one rank's crash
+                record_failure(trainer, self.run_dir, "the CORE forecast", e)
         if core is not None:
             end = core["plan_end"]
             metrics |= {"forecast/core_at_plan_end": end["core"], "forecast/core_at_plan_end_low": end["low"]}
