@@ -70,9 +70,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         core=core,
     )
     plans = plan_with(goal)
-    if not plans and goal.target_core is not None and goal.confidence > 0.5:  # what the map can promise
-        budget.check_goal(goal, plans, gpus, law, core, even_odds=plan_with(replace(goal, confidence=0.5)))
-    budget.check_goal(goal, plans, gpus, law, core)
+    missed_core = not plans and goal.target_core is not None and goal.confidence > 0.5
+    even_odds = plan_with(replace(goal, confidence=0.5)) if missed_core else None  # what the map can promise
+    budget.check_goal(goal, plans, gpus, law, core, even_odds)
     print(budget.render(plans, args.top, corpus, core))
     command = "lm plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "lm plan"
     files = sibling.plan_files(plans[0], args.name, command, corpus, law, cfg.data.seq_len, args.sibling)

@@ -234,7 +234,7 @@ def extrapolation_sd(points: list[Point], cutoff: float = SPLIT_FLOPS) -> float:
     model larger than its ladder needs it."""
     small = [p for p in points if p.compute < cutoff]
     large = [p for p in points if p.compute >= cutoff and p.core >= SIGNAL]
-    if len({p.group for p in small}) < 1 or not large or len(small) < 8:
+    if len(small) < 8 or not large:
         return 0.0
     (k, gamma, c), shifts, _ = fit_shape(small)
     errors = [
