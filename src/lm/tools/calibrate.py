@@ -261,21 +261,21 @@ def core_map_record(run_dirs: list[Path], version: str) -> dict:
     """The public prior's shape with its shift calibrated on the runs' CORE points (`core_map.json`): the map,
     every point with whether it carried signal, and the CORE figure's name. Points of different CORE names
     (coverage, convention) are refused, as are runs without any point."""
-    points, names = [], {}
+    points, names = [], set()
     for run_dir in run_dirs:
         mine, name = core_points_of(run_dir, version)
         if not mine:
-            raise Refused(f"{run_dir}: no CORE milestone under {version} at a validation step; score it: "
-                          f"lm eval {run_dir} --tasks core, or train with evals=core")  # fmt: skip
+            raise Refused(f"{run_dir}: no CORE milestone under {version} at a validation step; train it with "
+                          "evals=core, a milestone at a validation step (its end is both)")  # fmt: skip
         points += mine
-        names[name] = run_dir
+        names.add(name)
     if len(names) > 1:
-        raise Refused(f"the runs' CORE figures differ ({', '.join(names)}): score them the same way")
+        raise Refused(f"the runs' CORE figures differ ({', '.join(sorted(names))}): score them the same way")
     source = f"{len(run_dirs)} runs: {', '.join(d.name for d in run_dirs)}"
     cmap = calibrate_core(public_prior(version), points, source)
     return {
         "map": cmap.record(),
-        "name": next(iter(names)),
+        "name": names.pop(),
         "points": [asdict(p) | {"signal": carries_signal(p)} for p in points],
     }
 
