@@ -69,7 +69,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def space_problem(self, path: Path) -> CheckpointSaveError | None:
         """Why a save at `path` would not fit (None: it fits), before touching the disk."""
         need = int(self.expected_bytes * SAFETY)
-        free = shutil.disk_usage(nearest_folder(path.parent)).free
+        free = free_space(nearest_folder(path.parent))
         if need <= free:
             return None
         return CheckpointSaveError(
@@ -137,7 +137,7 @@ def save_failure(error: OSError, path: Path) -> str:
     """What went wrong with a checkpoint write, with the free space."""
     if error.errno in UNWRITABLE:
         return unwritable_cause(error, path)
-    return f"{error.strerror or error}; {gib(shutil.disk_usage(nearest_folder(path)).free)} free in {path.parent}"
+    return f"{error.strerror or error}; {gib(free_space(nearest_folder(path)))} free in {path.parent}"
 
 
 def save_fix(error: OSError) -> str:
@@ -191,8 +191,9 @@ def checkpoint_space(dirpath: Path, ckpt_bytes: int, keep_last: int) -> tuple[in
 
 
 def free_space(folder: Path) -> int:
-    """Bytes free on `folder`'s filesystem: the one reading of the host's disk that the rotation checks share
-    (the doctor's tests pin it, so that the seed's plan is judged the same on any test machine)."""
+    """Bytes free on `folder`'s filesystem: this module's one reading of the host's disk (the rotation check
+    before a run, the guard before each save, a failed save's message). The doctor's tests pin it, so that the
+    seed's plan is judged the same on any test machine."""
     return shutil.disk_usage(folder).free
 
 

@@ -473,10 +473,9 @@ def render(
 
 
 def core_header(plans: list[BudgetPlan]) -> str:
-    version = next(p.core.version for p in plans if p.core is not None)
-    level = next(p.core.level for p in plans if p.core is not None)
+    first = next(p.core for p in plans if p.core is not None)
     target = " P(>=target)" if any(p.p_target is not None for p in plans) else ""
-    return f"CORE {version} ({level:.0%}){target}"
+    return f"CORE {first.version} ({first.level:.0%}){target}"
 
 
 def core_cell(p: BudgetPlan) -> str:
